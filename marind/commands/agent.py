@@ -1,0 +1,5 @@
+"""`marind agent` commands (not implemented yet)."""
+
+
+def register(sub) -> None:
+    pass

@@ -1,0 +1,5 @@
+"""`marind ckpt` commands (not implemented yet)."""
+
+
+def register(sub) -> None:
+    pass

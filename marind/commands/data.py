@@ -1,0 +1,5 @@
+"""`marind data` commands (not implemented yet)."""
+
+
+def register(sub) -> None:
+    pass

@@ -1,0 +1,5 @@
+"""`marind doctor` commands (not implemented yet)."""
+
+
+def register(sub) -> None:
+    pass

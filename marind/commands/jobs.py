@@ -1,0 +1,5 @@
+"""`marind jobs` commands (not implemented yet)."""
+
+
+def register(sub) -> None:
+    pass

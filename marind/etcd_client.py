@@ -1,0 +1,211 @@
+"""The one etcd v3 client wrapper in marind.
+
+Built on ``cslab-etcd3`` (``import etcd3``), a maintained fork of
+python-etcd3 whose generated protobuf code imports with protobuf >= 4
+(the upstream 0.12.0 fails with "Descriptors cannot be created
+directly"). It is synchronous, which fits torch's synchronous
+``RendezvousBackend`` interface and the agent's supervision loop.
+
+Every gRPC failure is turned into ``ControlPlaneUnavailable`` naming the
+endpoints, so callers handle one exception type.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+from urllib.parse import urlsplit
+
+import etcd3
+import grpc
+from etcd3 import exceptions as etcd_exc
+
+from marind.errors import ControlPlaneUnavailable
+
+DEFAULT_PREFIX = "/marind"
+_TRANSIENT = (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError,
+              etcd_exc.Etcd3Exception, grpc.RpcError)
+
+
+@dataclass(frozen=True)
+class EtcdTLS:
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+
+def parse_endpoints(spec: str | list[str]) -> list[tuple[str, int, bool]]:
+    """``"http://a:2379,https://b:2379"`` or ``"a:2379"`` -> [(host, port, secure)]."""
+    items = spec if isinstance(spec, list) else [s for s in spec.split(",") if s.strip()]
+    out = []
+    for item in items:
+        item = item.strip()
+        if "://" not in item:
+            item = "http://" + item
+        parts = urlsplit(item)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"bad etcd endpoint {item!r}: expected http://HOST:PORT or HOST:PORT")
+        out.append((parts.hostname, parts.port or 2379, parts.scheme == "https"))
+    if not out:
+        raise ValueError("no etcd endpoints given: pass --etcd http://HOST:PORT or set MARIND_ETCD")
+    return out
+
+
+class EtcdClient:
+    """Key/value, compare-and-swap, leases, watches and locks on etcd v3."""
+
+    def __init__(self, endpoints: str | list[str], *, prefix: str = DEFAULT_PREFIX,
+                 user: str | None = None, password: str | None = None,
+                 tls: EtcdTLS | None = None, timeout: float = 5.0):
+        self.endpoints_spec = endpoints if isinstance(endpoints, str) else ",".join(endpoints)
+        self.prefix = prefix.rstrip("/")
+        self.timeout = timeout
+        parsed = parse_endpoints(endpoints)
+        tls = tls or EtcdTLS()
+        secure = any(s for _, _, s in parsed) or bool(tls.ca_cert)
+        host, port, _ = parsed[0]
+        if len(parsed) == 1:
+            self._client = etcd3.client(
+                host=host, port=port, timeout=timeout, user=user, password=password,
+                ca_cert=tls.ca_cert if secure else None,
+                cert_key=tls.key if secure else None,
+                cert_cert=tls.cert if secure else None)
+        else:
+            creds = None
+            if secure:
+                creds = grpc.ssl_channel_credentials(
+                    _read(tls.ca_cert), _read(tls.key), _read(tls.cert))
+            eps = [etcd3.Endpoint(h, p, secure=secure, creds=creds) for h, p, _ in parsed]
+            self._client = etcd3.MultiEndpointEtcd3Client(
+                endpoints=eps, timeout=timeout, user=user, password=password, failover=True)
+
+    # -- keys ---------------------------------------------------------------------------
+    def key(self, *parts: str) -> str:
+        return "/".join([self.prefix, *[p.strip("/") for p in parts]])
+
+    def _call(self, fn: Callable, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except _TRANSIENT as exc:
+            raise ControlPlaneUnavailable(
+                f"etcd unreachable at {self.endpoints_spec} ({type(exc).__name__}): "
+                "check that etcd is running, or pass --etcd / set MARIND_ETCD") from exc
+
+    def get(self, key: str) -> tuple[bytes | None, int]:
+        """Value and mod_revision (0 when absent)."""
+        value, meta = self._call(self._client.get, key)
+        return value, (meta.mod_revision if meta is not None else 0)
+
+    def get_json(self, key: str, default: Any = None) -> Any:
+        value, _ = self.get(key)
+        return json.loads(value) if value is not None else default
+
+    def get_prefix(self, prefix: str) -> list[tuple[str, bytes, int]]:
+        rows = self._call(lambda: list(self._client.get_prefix(prefix)))
+        return [(meta.key.decode(), value, meta.mod_revision) for value, meta in rows]
+
+    def get_prefix_json(self, prefix: str) -> dict[str, Any]:
+        out = {}
+        for key, value, _ in self.get_prefix(prefix):
+            try:
+                out[key] = json.loads(value)
+            except ValueError:
+                continue
+        return out
+
+    def put(self, key: str, value: bytes | str, lease: "etcd3.Lease | None" = None) -> int:
+        resp = self._call(self._client.put, key, value, lease=lease)
+        return resp.header.revision
+
+    def put_json(self, key: str, obj: Any, lease=None) -> int:
+        return self.put(key, json.dumps(obj, sort_keys=True), lease=lease)
+
+    def create(self, key: str, value: bytes | str, lease=None) -> bool:
+        """Put only if the key does not exist; True when this call created it."""
+        return self._call(self._client.put_if_not_exists, key, value, lease=lease)
+
+    def compare_and_swap(self, key: str, value: bytes | str, mod_revision: int,
+                         lease=None) -> tuple[bool, int]:
+        """Write ``value`` iff the key's mod_revision is still ``mod_revision`` (0: absent).
+
+        Returns (succeeded, new mod_revision or the current one on failure).
+        """
+        txn = self._client.transactions
+        if mod_revision == 0:
+            compare = [txn.version(key) == 0]
+        else:
+            compare = [txn.mod(key) == mod_revision]
+        ok, responses = self._call(
+            self._client.transaction, compare=compare,
+            success=[txn.put(key, value, lease=lease)], failure=[txn.get(key)])
+        if ok:
+            return True, responses[0].response_put.header.revision
+        current = 0
+        for item in responses[0] if responses else []:
+            current = item[1].mod_revision
+        return False, current
+
+    def delete(self, key: str) -> bool:
+        return self._call(self._client.delete, key)
+
+    def delete_prefix(self, prefix: str) -> None:
+        self._call(self._client.delete_prefix, prefix)
+
+    # -- leases -------------------------------------------------------------------------
+    def lease(self, ttl: int):
+        return self._call(self._client.lease, ttl)
+
+    def refresh_lease(self, lease) -> int:
+        """Keep a lease alive; returns the remaining TTL (<= 0 if it expired)."""
+        responses = self._call(lambda: list(self._client.refresh_lease(lease.id)))
+        return responses[0].TTL if responses else 0
+
+    def revoke_lease(self, lease) -> None:
+        self._call(self._client.revoke_lease, lease.id)
+
+    # -- watches ------------------------------------------------------------------------
+    def watch_prefix(self, prefix: str, callback: Callable[[Any], None],
+                     start_revision: int | None = None) -> int:
+        """Call ``callback(event)`` for changes under ``prefix``; returns a watch id."""
+        kwargs = {"start_revision": start_revision} if start_revision else {}
+        return self._call(self._client.add_watch_prefix_callback, prefix, callback, **kwargs)
+
+    def cancel_watch(self, watch_id: int) -> None:
+        try:
+            self._client.cancel_watch(watch_id)
+        except _TRANSIENT:
+            pass
+
+    def watch_prefix_iter(self, prefix: str) -> tuple[Iterator, Callable[[], None]]:
+        """(events iterator, cancel) for a prefix."""
+        return self._call(self._client.watch_prefix, prefix)
+
+    # -- locks / health -----------------------------------------------------------------
+    def lock(self, name: str, ttl: int = 10):
+        return self._client.lock(self.key("locks", name), ttl=ttl)
+
+    def ping(self) -> None:
+        """Raise ControlPlaneUnavailable unless a member answers."""
+        self._call(self._client.status)
+
+    def close(self) -> None:
+        try:
+            self._client.close()
+        except Exception:  # noqa: BLE001 - closing a dead channel is not an error
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _read(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    with open(path, "rb") as fh:
+        return fh.read()
+
+

