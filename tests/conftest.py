@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
@@ -19,6 +20,16 @@ from marind.etcd_client import EtcdClient
 from marind.local_etcd import LocalEtcd
 from tests.support import procs
 from tests.support.s3_server import SeaweedS3
+
+
+def pytest_collection_modifyitems(config, items):
+    """`slow` tests (full chaos scenarios, big layouts) run only with MARIND_FULL=1."""
+    if os.environ.get("MARIND_FULL") == "1":
+        return
+    skip = pytest.mark.skip(reason="long scenario: run with MARIND_FULL=1 (make chaos / make test-all)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
