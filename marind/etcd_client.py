@@ -13,6 +13,7 @@ endpoints, so callers handle one exception type.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
@@ -64,6 +65,14 @@ class EtcdClient:
         parsed = parse_endpoints(endpoints)
         tls = tls or EtcdTLS()
         secure = any(s for _, _, s in parsed) or bool(tls.ca_cert)
+        self._user, self._password, self._secure = user, password, secure
+        try:
+            self._connect(parsed, secure, tls, user, password)
+        except _TRANSIENT as exc:
+            raise self._unavailable(exc) from exc
+
+    def _connect(self, parsed, secure, tls, user, password) -> None:
+        timeout = self.timeout
         host, port, _ = parsed[0]
         if len(parsed) == 1:
             self._client = etcd3.client(
@@ -79,6 +88,10 @@ class EtcdClient:
             eps = [etcd3.Endpoint(h, p, secure=secure, creds=creds) for h, p, _ in parsed]
             self._client = etcd3.MultiEndpointEtcd3Client(
                 endpoints=eps, timeout=timeout, user=user, password=password, failover=True)
+        if user and not secure:
+            # gRPC refuses call credentials on a plaintext channel ("insufficient security
+            # level"); the auth token still travels as plain metadata, which etcd accepts.
+            self._client.call_credentials = None
 
     # -- keys ---------------------------------------------------------------------------
     def key(self, *parts: str) -> str:
@@ -86,16 +99,74 @@ class EtcdClient:
 
     def _call(self, fn: Callable, *args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except grpc.RpcError as exc:
+                if not (self._user and _is_stale_token(exc)):
+                    raise
+                self._reauthenticate()  # etcd restarted or the token expired: log in again
+                return fn(*args, **kwargs)
         except _TRANSIENT as exc:
-            raise ControlPlaneUnavailable(
-                f"etcd unreachable at {self.endpoints_spec} ({type(exc).__name__}): "
-                "check that etcd is running, or pass --etcd / set MARIND_ETCD") from exc
+            raise self._unavailable(exc) from exc
+
+    def _unavailable(self, exc: BaseException) -> ControlPlaneUnavailable:
+        details = exc.details() if isinstance(exc, grpc.RpcError) and hasattr(exc, "details") else ""
+        if details and "authentication failed" in details:
+            return ControlPlaneUnavailable(
+                f"etcd at {self.endpoints_spec} rejected user {self._user!r}: {details}; "
+                "check the etcd user and password")
+        if details and ("permission denied" in details or "user name is empty" in details):
+            return ControlPlaneUnavailable(
+                f"etcd at {self.endpoints_spec} refused the request ({details}): "
+                "give an etcd user with access to the prefix (user/password)")
+        return ControlPlaneUnavailable(
+            f"etcd unreachable at {self.endpoints_spec} ({type(exc).__name__}): "
+            "check that etcd is running, or pass --etcd / set MARIND_ETCD")
+
+    def _reauthenticate(self) -> None:
+        from etcd3.etcdrpc import AuthenticateRequest
+        resp = self._client.authstub.Authenticate(
+            AuthenticateRequest(name=self._user, password=self._password), self.timeout)
+        self._client.metadata = (("token", resp.token),)
+        watcher = self._client._stubs.get("watcher")
+        if watcher is not None:
+            watcher._metadata = self._client.metadata
 
     def get(self, key: str) -> tuple[bytes | None, int]:
         """Value and mod_revision (0 when absent)."""
         value, meta = self._call(self._client.get, key)
         return value, (meta.mod_revision if meta is not None else 0)
+
+    def get_with_revision(self, key: str) -> tuple[bytes | None, int, int]:
+        """Value, mod_revision (0 when absent) and the store's revision at the read."""
+        resp = self._call(self._client.get_response, key)
+        if resp.kvs:
+            return resp.kvs[0].value, resp.kvs[0].mod_revision, resp.header.revision
+        return None, 0, resp.header.revision
+
+    def wait_for_key(self, key: str, timeout: float) -> bytes | None:
+        """The key's value, waiting (by watch) up to ``timeout`` s for it to appear; None on timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value, _, revision = self.get_with_revision(key)
+            if value is not None:
+                return value
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            try:
+                # start after our read, so a put between the read and the watch is not missed;
+                # short slices bound the wait even if the watch stream breaks
+                self._client.watch_once_response(
+                    key, timeout=min(remaining, 1.0), start_revision=revision + 1)
+            except etcd_exc.WatchTimedOut:
+                pass
+            except _TRANSIENT as exc:
+                raise self._unavailable(exc) from exc
+
+    def count_prefix(self, prefix: str) -> int:
+        resp = self._call(self._client.get_prefix_response, prefix, count_only=True)
+        return resp.count
 
     def get_json(self, key: str, default: Any = None) -> Any:
         value, _ = self.get(key)
@@ -145,6 +216,24 @@ class EtcdClient:
         for item in responses[0] if responses else []:
             current = item[1].mod_revision
         return False, current
+
+    def compare_and_swap_value(self, key: str, value: bytes | str, mod_revision: int,
+                               lease=None) -> tuple[bool, bytes | None, int]:
+        """Like ``compare_and_swap`` but atomically returns the current value on failure.
+
+        Returns (succeeded, value now stored or None when absent, its mod_revision).
+        """
+        txn = self._client.transactions
+        compare = [txn.version(key) == 0] if mod_revision == 0 else [txn.mod(key) == mod_revision]
+        ok, responses = self._call(
+            self._client.transaction, compare=compare,
+            success=[txn.put(key, value, lease=lease)], failure=[txn.get(key)])
+        if ok:
+            data = value.encode() if isinstance(value, str) else value
+            return True, data, responses[0].response_put.header.revision
+        for current, meta in responses[0] if responses else []:
+            return False, current, meta.mod_revision
+        return False, None, 0
 
     def delete(self, key: str) -> bool:
         return self._call(self._client.delete, key)
@@ -200,6 +289,11 @@ class EtcdClient:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _is_stale_token(exc: grpc.RpcError) -> bool:
+    details = exc.details() if hasattr(exc, "details") else ""
+    return bool(details) and ("invalid auth token" in details or "revision of auth store is old" in details)
 
 
 def _read(path: str | None) -> bytes | None:
