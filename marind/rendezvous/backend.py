@@ -1,0 +1,77 @@
+"""torch elastic's ``RendezvousBackend`` on etcd v3.
+
+The whole rendezvous state (an opaque byte string that torch's
+``DynamicRendezvousHandler`` serialises) lives in one key,
+``{prefix}/jobs/{run_id}/rdzv/state``. Its fencing token is the key's
+``mod_revision``; ``set_state`` is one etcd transaction that writes only
+if the revision is unchanged and otherwise returns the value that won,
+so a lost race costs no second round trip and cannot read a newer state
+than the one that beat us.
+
+etcd v3 stores bytes, so unlike torch's v2 and c10d backends the state is
+kept raw, not base64.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousStateError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
+
+from marind.errors import ControlPlaneUnavailable
+from marind.etcd_client import EtcdClient
+
+
+def state_key(client: EtcdClient, run_id: str) -> str:
+    return client.key("jobs", run_id, "rdzv", "state")
+
+
+class Etcd3RendezvousBackend(RendezvousBackend):
+    """Rendezvous state in one etcd v3 key, compare-and-set on its mod_revision."""
+
+    def __init__(self, client: EtcdClient, run_id: str) -> None:
+        if not run_id:
+            raise ValueError("The run id must be a non-empty string.")
+        self._client = client
+        self._run_id = run_id
+        self.key = state_key(client, run_id)
+
+    @property
+    def name(self) -> str:
+        return "etcd3"
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        try:
+            value, mod_revision = self._client.get(self.key)
+        except ControlPlaneUnavailable as exc:
+            raise RendezvousConnectionError(self._connection_message(exc)) from exc
+        if value is None:
+            return None
+        return self._checked(value), mod_revision
+
+    def set_state(self, state: bytes, token: Token | None = None
+                  ) -> tuple[bytes, Token, bool] | None:
+        if token is None:
+            expected = 0  # create: only if no state exists yet
+        elif isinstance(token, int) and not isinstance(token, bool) and token > 0:
+            expected = token
+        else:
+            # a token that did not come from this backend cannot match: report the state
+            current = self.get_state()
+            return None if current is None else (*current, False)
+        try:
+            ok, value, mod_revision = self._client.compare_and_swap_value(self.key, state, expected)
+        except ControlPlaneUnavailable as exc:
+            raise RendezvousConnectionError(self._connection_message(exc)) from exc
+        if value is None:  # lost the race against a delete: there is no state to return
+            return None
+        return self._checked(value), mod_revision, ok
+
+    def _checked(self, value: bytes) -> bytes:
+        if not value:
+            raise RendezvousStateError(
+                f"The rendezvous state at {self.key} is empty (corrupt); delete the key "
+                "to start the rendezvous afresh.")
+        return value
+
+    def _connection_message(self, exc: Exception) -> str:
+        return f"The rendezvous '{self._run_id}' cannot reach etcd: {exc}"

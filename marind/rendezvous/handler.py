@@ -1,0 +1,168 @@
+"""``create_handler``: what ``torchrun --rdzv-backend=etcd3`` ends up calling.
+
+Options come from ``--rdzv-conf key=value,...`` (``params.config``):
+
+=====================  ===============================================================
+prefix                 etcd key prefix (default ``/marind``)
+read_timeout           seconds per etcd request (default 10)
+store_timeout          seconds an agent waits on a store key (default 60, as c10d)
+join_timeout           torch's: seconds for a round to complete (default 600)
+last_call_timeout      torch's: extra wait once ``min`` nodes joined (default 30)
+close_timeout          torch's: seconds to close the rendezvous (default 30)
+heartbeat_timeout      torch's: seconds one keep-alive may take (default 5; alias heartbeat)
+keep_alive_interval    torch's: seconds between keep-alives (default 5)
+keep_alive_max_attempt torch's: missed keep-alives before a node is dropped (default 3)
+cacert, cert, key      TLS files (aliases ca_cert, ssl_cert, ssl_cert_key); https:// endpoints
+user, password         etcd auth; else env MARIND_ETCD_USER / MARIND_ETCD_PASSWORD
+=====================  ===============================================================
+
+The endpoint is ``HOST:PORT``, ``https://HOST:PORT`` or a comma-separated list.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousTimeout,
+)
+
+from marind.errors import ControlPlaneUnavailable
+from marind.etcd_client import DEFAULT_PREFIX, EtcdClient, EtcdTLS
+from marind.log import get_logger
+from marind.rendezvous.backend import Etcd3RendezvousBackend
+from marind.rendezvous.store import Etcd3Store
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Etcd3Options:
+    endpoints: str
+    prefix: str = DEFAULT_PREFIX
+    read_timeout: float = 10.0
+    store_timeout: float = 60.0
+    user: str | None = None
+    password: str | None = None
+    tls: EtcdTLS = EtcdTLS()
+
+
+def _positive(params: RendezvousParameters, key: str, default: int) -> int:
+    value = params.get_as_int(key, default)
+    if value is None or value <= 0:
+        raise ValueError(f"--rdzv-conf {key}={value!r}: must be a positive number of seconds")
+    return value
+
+
+def _first(params: RendezvousParameters, *keys: str) -> str | None:
+    for key in keys:
+        value = params.get(key)
+        if value not in (None, ""):
+            return str(value)
+    return None
+
+
+def parse_options(params: RendezvousParameters, env: dict | None = None) -> Etcd3Options:
+    """The etcd connection settings of a rendezvous (pure: no I/O)."""
+    env = os.environ if env is None else env
+    endpoints = (params.endpoint or "").strip()
+    if not endpoints:
+        raise ValueError("--rdzv-endpoint is required for the etcd3 backend: give HOST:PORT of etcd")
+    if (params.get("protocol") or "").lower() == "https":
+        endpoints = ",".join(e if "://" in e else "https://" + e.strip() for e in endpoints.split(","))
+    user = _first(params, "user") or env.get("MARIND_ETCD_USER") or None
+    password = _first(params, "password") or env.get("MARIND_ETCD_PASSWORD") or None
+    if bool(user) != bool(password):
+        raise ValueError("etcd auth needs both a user and a password "
+                         "(--rdzv-conf user=...,password=... or MARIND_ETCD_USER/MARIND_ETCD_PASSWORD)")
+    tls = EtcdTLS(ca_cert=_first(params, "cacert", "ca_cert"),
+                  cert=_first(params, "cert", "ssl_cert"),
+                  key=_first(params, "key", "ssl_cert_key"))
+    if bool(tls.cert) != bool(tls.key):
+        raise ValueError("a TLS client certificate needs both cert= and key= in --rdzv-conf")
+    return Etcd3Options(
+        endpoints=endpoints,
+        prefix=_first(params, "prefix") or DEFAULT_PREFIX,
+        read_timeout=_positive(params, "read_timeout", 10),
+        store_timeout=_positive(params, "store_timeout", 60),
+        user=user, password=password, tls=tls)
+
+
+def _timeouts(params: RendezvousParameters) -> RendezvousTimeout:
+    def seconds(*keys: str) -> timedelta | None:
+        for key in keys:
+            if params.get(key) is not None:
+                return timedelta(seconds=_positive(params, key, 1))
+        return None
+    return RendezvousTimeout(join=seconds("join_timeout"), last_call=seconds("last_call_timeout"),
+                             close=seconds("close_timeout"),
+                             heartbeat=seconds("heartbeat_timeout", "heartbeat"))
+
+
+def connect(options: Etcd3Options, run_id: str = "") -> EtcdClient:
+    """An EtcdClient that has answered once, or RendezvousConnectionError naming the endpoint."""
+    try:
+        client = EtcdClient(options.endpoints, prefix=options.prefix, user=options.user,
+                            password=options.password, tls=options.tls, timeout=options.read_timeout)
+        client.ping()
+        client.get(client.key("jobs", run_id or "_", "rdzv", "state"))  # auth reaches the prefix
+    except ControlPlaneUnavailable as exc:
+        raise RendezvousConnectionError(
+            f"etcd3 rendezvous '{run_id}': cannot use etcd at {options.endpoints}: {exc}") from exc
+    return client
+
+
+class Etcd3RendezvousHandler(DynamicRendezvousHandler):
+    """torch's handler, with the workers' bootstrap address republished every round.
+
+    torch 2.13 caches the bootstrap info (``MASTER_ADDR``/``MASTER_PORT``
+    of the workers' TCPStore, hosted by the rank-0 agent) after a node's
+    first round, and rank 0 writes it only into that round's store prefix.
+    So a node that joins a later round (scale-up, a replaced node) waits
+    for a key nobody writes, and when the rank-0 node is lost the other
+    survivors keep the dead node's address. Here rank 0 republishes into
+    every round and the other ranks always read the current round. Rank 0
+    also drops the store keys of rounds older than the previous one.
+    """
+
+    def _get_world(self) -> tuple[int, int]:
+        rank, world_size = super()._get_world()
+        server = self._shared_tcp_store_server
+        if rank == 0 and server is not None and self._bootstrap_store_info is not None:
+            self._bootstrap_store_info = RendezvousStoreInfo.build(
+                0, self._get_store(), local_addr=self._this_node.addr, server_port=server.port)
+        elif rank != 0:
+            self._bootstrap_store_info = None  # read this round's rank 0: it may be a new node
+        round_ = self._state_holder.state.round
+        if rank == 0 and isinstance(self._store, Etcd3Store) and round_ >= 2:
+            try:
+                self._store.delete_rounds_before(round_ - 1)
+            except ControlPlaneUnavailable as exc:  # housekeeping only: never fail a round on it
+                log.warning("rdzv_store_cleanup_failed", run_id=self._settings.run_id, error=str(exc))
+        return rank, world_size
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """A ``DynamicRendezvousHandler`` on etcd v3 for ``params`` (see the module doc)."""
+    options = parse_options(params)
+    timeout = _timeouts(params)
+    keep_alive_interval = _positive(params, "keep_alive_interval", 5)
+    keep_alive_max_attempt = _positive(params, "keep_alive_max_attempt", 3)
+    client = connect(options, params.run_id)
+    backend = Etcd3RendezvousBackend(client, params.run_id)
+    store = Etcd3Store(client, params.run_id, timeout=timedelta(seconds=options.store_timeout))
+    log.info("rdzv_etcd3", run_id=params.run_id, endpoints=options.endpoints, key=backend.key,
+             min_nodes=params.min_nodes, max_nodes=params.max_nodes)
+    return Etcd3RendezvousHandler.from_backend(
+        params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr,
+        timeout, keep_alive_interval=keep_alive_interval,
+        keep_alive_max_attempt=keep_alive_max_attempt)

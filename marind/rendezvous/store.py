@@ -1,0 +1,118 @@
+"""A c10d ``Store`` on etcd v3, for torch elastic agents.
+
+torchrun's agents use the rendezvous store after each round: rank 0
+publishes ``MASTER_ADDR``/``MASTER_PORT`` for the workers' own TCPStore,
+rank 0 assigns worker ranks (``multi_get``/``multi_set``), and all agents
+meet at the exit barrier (``add``/``wait``). torch's c10d backend keeps
+this store in a TCPStore hosted by the node whose address is the
+rendezvous endpoint, so losing that node loses the store and ends the job.
+Here the endpoint is etcd itself, which every agent already relies on, so
+the store lives there too: no node is special and any node can be lost.
+
+Keys are the c10d keys verbatim under ``{prefix}/jobs/{run_id}/rdzv/store/``;
+values are raw bytes. ``get``/``wait`` block by watch, up to the store's
+timeout, and then raise ``DistStoreError`` as a TCPStore does.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from marind.etcd_client import EtcdClient
+
+_ROUND_PREFIX = "torch.rendezvous."
+
+
+def store_base(client: EtcdClient, run_id: str) -> str:
+    return client.key("jobs", run_id, "rdzv", "store") + "/"
+
+
+def _as_bytes(value) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (list, bytearray)):
+        return bytes(value)
+    raise TypeError(f"store values must be str or bytes, not {type(value).__name__}")
+
+
+class Etcd3Store(dist.Store):
+    """set/get/add/compare_set/wait/check/num_keys/delete_key on etcd v3 keys."""
+
+    def __init__(self, client: EtcdClient, run_id: str, timeout: timedelta | None = None) -> None:
+        super().__init__()  # required by the pybind trampoline
+        self._client = client
+        self._run_id = run_id
+        self._base = store_base(client, run_id)
+        if timeout is not None:
+            self.set_timeout(timeout)
+
+    def _key(self, key) -> str:
+        return self._base + (key.decode() if isinstance(key, bytes) else key)
+
+    def set(self, key, value) -> None:
+        self._client.put(self._key(key), _as_bytes(value))
+
+    def get(self, key) -> bytes:
+        value = self._client.wait_for_key(self._key(key), self.timeout.total_seconds())
+        if value is None:
+            raise dist.DistStoreError(
+                f"key {key!r} not set in etcd ({self._base}) within {self.timeout}")
+        return value
+
+    def add(self, key, amount: int) -> int:
+        full = self._key(key)
+        while True:
+            value, mod_revision = self._client.get(full)
+            current = int(value) if value else 0
+            ok, _ = self._client.compare_and_swap(full, str(current + amount), mod_revision)
+            if ok:
+                return current + amount
+
+    def compare_set(self, key, expected_value, desired_value) -> bytes:
+        """TCPStore's semantics: set if the value equals ``expected`` (absent counts as b"")."""
+        full = self._key(key)
+        expected, desired = _as_bytes(expected_value), _as_bytes(desired_value)
+        while True:
+            value, mod_revision = self._client.get(full)
+            if value is None and expected:
+                return expected
+            if value is not None and value != expected:
+                return value
+            ok, _ = self._client.compare_and_swap(full, desired, mod_revision)
+            if ok:
+                return desired
+
+    def wait(self, keys, timeout: timedelta | None = None) -> None:
+        budget = (timeout or self.timeout).total_seconds()
+        deadline = time.monotonic() + budget
+        for key in keys:
+            remaining = max(0.0, deadline - time.monotonic())
+            if self._client.wait_for_key(self._key(key), remaining) is None:
+                raise dist.DistStoreError(
+                    f"wait for key {key!r} in etcd ({self._base}) timed out after {budget:.0f}s")
+
+    def check(self, keys) -> bool:
+        return all(self._client.get(self._key(key))[0] is not None for key in keys)
+
+    def num_keys(self) -> int:
+        return self._client.count_prefix(self._base)
+
+    def delete_key(self, key) -> bool:
+        return bool(self._client.delete(self._key(key)))
+
+    def delete_rounds_before(self, round_: int) -> int:
+        """Drop the keys of rendezvous rounds older than ``round_``; returns how many rounds."""
+        head = f"{self._base}{_ROUND_PREFIX}{self._run_id}."
+        stale = set()
+        for key, _, _ in self._client.get_prefix(head):
+            number = key[len(head):].split("/", 1)[0]
+            if number.isdigit() and int(number) < round_:
+                stale.add(number)
+        for number in stale:
+            self._client.delete_prefix(f"{head}{number}/")
+        return len(stale)
