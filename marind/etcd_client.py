@@ -88,6 +88,10 @@ class EtcdClient:
             eps = [etcd3.Endpoint(h, p, secure=secure, creds=creds) for h, p, _ in parsed]
             self._client = etcd3.MultiEndpointEtcd3Client(
                 endpoints=eps, timeout=timeout, user=user, password=password, failover=True)
+        # etcd3 shuns an endpoint for 300 s after one failed call, which would outlast any
+        # etcd restart; retry a lone endpoint at once, and fail over among several quickly.
+        for endpoint in self._client.endpoints.values():
+            endpoint.time_retry = 0.0 if len(parsed) == 1 else 2.0
         if user and not secure:
             # gRPC refuses call credentials on a plaintext channel ("insufficient security
             # level"); the auth token still travels as plain metadata, which etcd accepts.
