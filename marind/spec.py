@@ -1,0 +1,466 @@
+"""The run spec: ``run.toml`` parsed into frozen dataclasses (DESIGN §3).
+
+One loader for everybody: ``marind submit`` validates with it before
+anything reaches etcd, and the trainer reads its job's spec through it.
+
+* ``load_spec(path_or_text)`` parses and validates; every problem is a
+  ``SpecError`` with one line naming the key path and the fix (TOML syntax
+  errors carry the line, unknown keys a did-you-mean).
+* ``RunSpec.to_dict()`` / ``RunSpec.from_dict(d)`` round-trip through
+  JSON (durations become seconds, ``nodes`` stays ``"min:max"``).
+* ``resolve_mesh(spec, world_size)`` gives ``(dp_replicate, dp_shard, tp)``
+  for a world size; ``validate_for_world`` checks the batch arithmetic.
+  Without a world size, ``load_spec`` checks every world size the job can
+  run at (each node count in ``job.nodes`` x ``job.nproc_per_node``).
+
+Model presets live here (not in the trainer) because validation needs the
+head count: ``tp`` must divide ``n_heads`` and the MLP width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from marind.errors import SpecError
+
+# ---------------------------------------------------------------- presets
+
+def swiglu_hidden(dim: int) -> int:
+    """MLP width for a model width: 8/3 x dim rounded up to a multiple of 64."""
+    return int(math.ceil(8 * dim / 3 / 64) * 64)
+
+
+#: name -> (dim, n_layers, n_heads). vocab_size comes from the data unless set.
+PRESETS: dict[str, tuple[int, int, int]] = {
+    "tiny": (64, 2, 4),
+    "small": (256, 4, 4),
+    "125m": (768, 12, 12),
+    "350m": (1024, 24, 16),
+    "760m": (1536, 24, 16),
+    "1.3b": (2048, 24, 16),
+    "2.7b": (2560, 32, 32),
+    "6.7b": (4096, 32, 32),
+    "13b": (5120, 40, 40),
+}
+
+# ---------------------------------------------------------------- field kinds
+# Each dataclass field carries metadata {"kind": ..., "key": toml key}.
+
+def _f(default: Any, kind: str, key: str | None = None, **kw) -> Any:
+    meta = {"kind": kind}
+    if key:
+        meta["key"] = key
+    return field(default=default, metadata=meta, **kw)
+
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def parse_duration(value: Any, path: str = "duration") -> float:
+    """``"120s"``, ``"5m"``, ``"1.5h"``, ``"250ms"`` or a number of seconds -> seconds."""
+    if isinstance(value, bool):
+        raise SpecError(f"{path} must be a duration like \"120s\" or \"5m\", got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise SpecError(f"{path} must not be negative, got {value!r}")
+        return float(value)
+    if isinstance(value, str):
+        m = _DURATION_RE.match(value)
+        if m:
+            return float(m.group(1)) * _UNIT_S[m.group(2)]
+    raise SpecError(f"{path} must be a duration like \"120s\", \"5m\" or \"1h\", got {value!r}")
+
+
+def parse_nodes(value: Any, path: str = "job.nodes") -> tuple[int, int]:
+    """``"1:2"`` -> (1, 2); ``"2"`` or ``2`` -> (2, 2)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        lo = hi = value
+    elif isinstance(value, str):
+        parts = value.strip().split(":")
+        try:
+            if len(parts) == 1:
+                lo = hi = int(parts[0])
+            elif len(parts) == 2:
+                lo, hi = int(parts[0]), int(parts[1])
+            else:
+                raise ValueError(value)
+        except ValueError:
+            raise SpecError(f"{path} must be \"N\" or \"MIN:MAX\" node counts, e.g. \"1:2\", got {value!r}") from None
+    else:
+        raise SpecError(f"{path} must be \"N\" or \"MIN:MAX\" node counts, e.g. \"1:2\", got {value!r}")
+    if lo < 1 or hi < lo:
+        raise SpecError(f"{path} = {value!r}: need 1 <= min <= max (e.g. \"1:2\")")
+    return lo, hi
+
+
+def _type_name(value: Any) -> str:
+    return {bool: "boolean", int: "integer", float: "float", str: "string",
+            dict: "table", list: "array"}.get(type(value), type(value).__name__)
+
+
+def _convert(kind: str, value: Any, path: str) -> Any:
+    if kind == "int" or kind == "int?":
+        if kind == "int?" and value is None:
+            return None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise SpecError(f"{path} must be an integer, got {_type_name(value)} {value!r}")
+    if kind == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise SpecError(f"{path} must be a number, got {_type_name(value)} {value!r}")
+    if kind == "str":
+        if isinstance(value, str):
+            return value
+        raise SpecError(f"{path} must be a string, got {_type_name(value)} {value!r}")
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        raise SpecError(f"{path} must be true or false, got {_type_name(value)} {value!r}")
+    if kind == "duration":
+        return parse_duration(value, path)
+    if kind == "duration?":
+        return None if value is None else parse_duration(value, path)
+    if kind == "nodes":
+        return parse_nodes(value, path)
+    if kind == "env":
+        if isinstance(value, dict) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool)
+                                           for v in value.values()):
+            return tuple(sorted((str(k), str(v)) for k, v in value.items()))
+        raise SpecError(f"{path} must be a table of NAME = \"value\" strings")
+    raise AssertionError(kind)
+
+
+def _export(kind: str, value: Any) -> Any:
+    if kind == "nodes":
+        lo, hi = value
+        return f"{lo}:{hi}"
+    if kind == "env":
+        return dict(value)
+    return value
+
+
+def _key(f: dataclasses.Field) -> str:
+    return f.metadata.get("key", f.name)
+
+
+# ---------------------------------------------------------------- sections
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    name: str = _f("job", "str")
+    nodes: tuple[int, int] = _f((1, 1), "nodes")
+    nproc_per_node: int = _f(1, "int")
+    max_restarts: int = _f(3, "int")
+    hang_timeout: float = _f(300.0, "duration")
+    entrypoint: str = _f("trainer", "str")
+    env: tuple[tuple[str, str], ...] = _f((), "env")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    preset: str = _f("tiny", "str")
+    dim: int = _f(0, "int")
+    n_layers: int = _f(0, "int")
+    n_heads: int = _f(0, "int")
+    ffn_dim: int = _f(0, "int")
+    vocab_size: int | None = _f(None, "int?")   # None: from the prepared data
+    tie_embeddings: bool = _f(True, "bool")
+    norm_eps: float = _f(1e-5, "float")
+    rope_theta: float = _f(10000.0, "float")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelSpec:
+    dp_replicate: int = _f(1, "int")
+    dp_shard: int = _f(-1, "int")
+    tp: int = _f(1, "int")
+    mixed_precision: str = _f("fp32", "str")        # "fp32" | "bf16"
+    activation_checkpointing: bool = _f(False, "bool")
+    compile: bool = _f(False, "bool")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSpec:
+    path: str = _f("", "str")
+    seq_len: int = _f(256, "int")
+    global_batch: int = _f(32, "int")
+    micro_batch: int = _f(4, "int")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimSpec:
+    lr: float = _f(3e-4, "float")
+    min_lr: float = _f(3e-5, "float")
+    warmup_steps: int = _f(20, "int")
+    weight_decay: float = _f(0.1, "float")
+    beta1: float = _f(0.9, "float")
+    beta2: float = _f(0.95, "float")
+    eps: float = _f(1e-8, "float")
+    grad_clip: float = _f(1.0, "float")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSpec:
+    steps: int = _f(200, "int")
+    seed: int = _f(1234, "int")
+    log_every: int = _f(1, "int")
+    max_bad_steps: int = _f(3, "int")     # non-finite steps in a row before a rollback
+    tensorboard_dir: str = _f("", "str")  # "" = off (also off when tensorboard is missing)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSpec:
+    url: str = _f("", "str")              # "" = no checkpoints
+    every_steps: int = _f(20, "int")      # 0 = off
+    every_seconds: float | None = _f(None, "duration?")
+    async_: bool = _f(True, "bool", key="async")
+    keep_last: int = _f(3, "int")         # 0 = keep all
+    wait_timeout: float = _f(600.0, "duration")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultSpec:
+    """Reserved for fault injection in tests (the trainer honours ``nan_at_step``)."""
+
+    nan_at_step: int = _f(0, "int")       # 0 = off; also env MARIND_TEST_NAN_AT_STEP
+
+
+_SECTIONS: dict[str, type] = {
+    "job": JobSpec, "model": ModelSpec, "parallel": ParallelSpec, "data": DataSpec,
+    "optim": OptimSpec, "train": TrainSpec, "checkpoint": CheckpointSpec, "fault": FaultSpec,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    job: JobSpec = field(default_factory=JobSpec)
+    model: ModelSpec = field(default_factory=ModelSpec)
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    optim: OptimSpec = field(default_factory=OptimSpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    fault: FaultSpec = field(default_factory=FaultSpec)
+
+    def to_dict(self) -> dict:
+        """JSON-able form with the TOML key names; ``from_dict`` reads it back."""
+        out: dict[str, dict] = {}
+        for name in _SECTIONS:
+            section = getattr(self, name)
+            out[name] = {_key(f): _export(f.metadata["kind"], getattr(section, f.name))
+                         for f in dataclasses.fields(section)}
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping, *, check_worlds: bool = True) -> "RunSpec":
+        return _build(data, source="spec", check_worlds=check_worlds)
+
+    def world_sizes(self) -> list[int]:
+        """Every world size this job may run at (node counts x procs per node)."""
+        lo, hi = self.job.nodes
+        return [n * self.job.nproc_per_node for n in range(lo, hi + 1)]
+
+    def replace(self, **sections) -> "RunSpec":
+        return dataclasses.replace(self, **sections)
+
+
+# ---------------------------------------------------------------- loading
+
+def load_spec(src: str | os.PathLike, *, check_worlds: bool = True) -> RunSpec:
+    """Parse and validate a run spec from a file path or from TOML text.
+
+    A ``str`` without a newline that names an existing file (or ends in
+    ``.toml``) is a path; any other ``str`` is TOML text.
+    """
+    if isinstance(src, os.PathLike) or (isinstance(src, str) and "\n" not in src
+                                        and (src.endswith(".toml") or os.path.isfile(src))):
+        path = Path(src)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise SpecError(f"cannot read run spec {path}: {exc.strerror or exc}; check the path") from exc
+        source = str(path)
+    else:
+        text, source = str(src), "run.toml"
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"{source}: TOML syntax error: {exc}; fix the syntax at that line") from exc
+    return _build(data, source=source, check_worlds=check_worlds)
+
+
+def _did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(sorted(choices))})"
+
+
+def _parse_section(cls: type, raw: Any, name: str) -> tuple[Any, set[str]]:
+    if not isinstance(raw, Mapping):
+        raise SpecError(f"[{name}] must be a table, got {_type_name(raw)}")
+    fields = {_key(f): f for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in raw.items():
+        if key not in fields:
+            raise SpecError(f"unknown key '{name}.{key}'{_did_you_mean(key, fields)}; remove or rename it")
+        f = fields[key]
+        values[f.name] = _convert(f.metadata["kind"], value, f"{name}.{key}")
+    return cls(**values), set(raw)
+
+
+def _build(data: Mapping, *, source: str, check_worlds: bool) -> RunSpec:
+    if not isinstance(data, Mapping):
+        raise SpecError(f"{source}: a run spec must be a table of sections")
+    sections: dict[str, Any] = {}
+    given_model: set[str] = set()
+    for name, raw in data.items():
+        if name not in _SECTIONS:
+            raise SpecError(f"unknown section [{name}]{_did_you_mean(name, _SECTIONS)}; remove or rename it")
+        sections[name], given = _parse_section(_SECTIONS[name], raw, name)
+        if name == "model":
+            given_model = given
+    if "data" not in sections or not sections["data"].path:
+        raise SpecError("data.path is required: the prefix of a prepared .bin/.idx pair "
+                        "(make one with `marind data prepare`)")
+    sections["model"] = _resolve_model(sections.get("model", ModelSpec()), given_model)
+    spec = RunSpec(**sections)
+    validate_spec(spec, check_worlds=check_worlds)
+    return spec
+
+
+def _resolve_model(model: ModelSpec, given: set[str]) -> ModelSpec:
+    """Fill the dims the user did not set from the preset."""
+    if model.preset == "custom":
+        missing = [k for k in ("dim", "n_layers", "n_heads") if k not in given]
+        if missing:
+            raise SpecError(f"model.preset = \"custom\" needs model.{missing[0]}; set it or pick a preset")
+        dim, n_layers, n_heads = model.dim, model.n_layers, model.n_heads
+    elif model.preset in PRESETS:
+        dim, n_layers, n_heads = PRESETS[model.preset]
+    else:
+        raise SpecError(f"model.preset = {model.preset!r} is unknown"
+                        f"{_did_you_mean(model.preset, [*PRESETS, 'custom'])}")
+    dim = model.dim if "dim" in given else dim
+    n_layers = model.n_layers if "n_layers" in given else n_layers
+    n_heads = model.n_heads if "n_heads" in given else n_heads
+    ffn_dim = model.ffn_dim if "ffn_dim" in given else swiglu_hidden(dim)
+    return dataclasses.replace(model, dim=dim, n_layers=n_layers, n_heads=n_heads, ffn_dim=ffn_dim)
+
+
+# ---------------------------------------------------------------- validation
+
+def _positive(value: int | float, path: str, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise SpecError(f"{path} must be {bound}, got {value!r}")
+
+
+def validate_spec(spec: RunSpec, *, check_worlds: bool = True) -> None:
+    """Everything that can be checked without knowing the world size."""
+    j, m, p, d, o, t, c = (spec.job, spec.model, spec.parallel, spec.data, spec.optim,
+                           spec.train, spec.checkpoint)
+    if not j.name or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", j.name):
+        raise SpecError(f"job.name = {j.name!r}: use 1-63 letters, digits, '.', '_' or '-'")
+    _positive(j.nproc_per_node, "job.nproc_per_node")
+    _positive(j.max_restarts, "job.max_restarts", zero_ok=True)
+    _positive(j.hang_timeout, "job.hang_timeout")
+    if not re.fullmatch(r"[A-Za-z_][\w.]*", j.entrypoint):
+        raise SpecError(f"job.entrypoint = {j.entrypoint!r} must be a python module name like \"trainer\"")
+    for key in ("dim", "n_layers", "n_heads", "ffn_dim"):
+        _positive(getattr(m, key), f"model.{key}")
+    if m.vocab_size is not None:
+        _positive(m.vocab_size, "model.vocab_size")
+    _positive(m.norm_eps, "model.norm_eps")
+    if m.dim % m.n_heads:
+        raise SpecError(f"model.n_heads = {m.n_heads} must divide model.dim = {m.dim}")
+    if (m.dim // m.n_heads) % 2:
+        raise SpecError(f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (rotary embeddings)")
+    if p.dp_replicate < 1:
+        raise SpecError(f"parallel.dp_replicate must be >= 1, got {p.dp_replicate}")
+    if p.dp_shard == 0 or p.dp_shard < -1:
+        raise SpecError(f"parallel.dp_shard must be >= 1, or -1 to fill the world, got {p.dp_shard}")
+    if p.tp < 1:
+        raise SpecError(f"parallel.tp must be >= 1, got {p.tp}")
+    if m.n_heads % p.tp:
+        raise SpecError(f"parallel.tp = {p.tp} must divide model.n_heads = {m.n_heads}; pick a divisor of {m.n_heads}")
+    if m.ffn_dim % p.tp:
+        raise SpecError(f"parallel.tp = {p.tp} must divide model.ffn_dim = {m.ffn_dim}")
+    if p.mixed_precision not in ("fp32", "bf16"):
+        raise SpecError(f"parallel.mixed_precision = {p.mixed_precision!r}: use \"fp32\" or \"bf16\"")
+    for key in ("seq_len", "global_batch", "micro_batch"):
+        _positive(getattr(d, key), f"data.{key}")
+    if d.global_batch % d.micro_batch:
+        raise SpecError(f"data.global_batch = {d.global_batch} is not divisible by data.micro_batch = "
+                        f"{d.micro_batch}; make it a multiple")
+    _positive(o.lr, "optim.lr")
+    _positive(o.min_lr, "optim.min_lr", zero_ok=True)
+    if o.min_lr > o.lr:
+        raise SpecError(f"optim.min_lr = {o.min_lr} must not exceed optim.lr = {o.lr}")
+    _positive(o.warmup_steps, "optim.warmup_steps", zero_ok=True)
+    _positive(o.weight_decay, "optim.weight_decay", zero_ok=True)
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(o, key) < 1:
+            raise SpecError(f"optim.{key} must be in [0, 1), got {getattr(o, key)}")
+    _positive(o.eps, "optim.eps")
+    _positive(o.grad_clip, "optim.grad_clip", zero_ok=True)
+    _positive(t.steps, "train.steps")
+    _positive(t.log_every, "train.log_every")
+    _positive(t.max_bad_steps, "train.max_bad_steps")
+    _positive(c.every_steps, "checkpoint.every_steps", zero_ok=True)
+    if c.every_seconds is not None:
+        _positive(c.every_seconds, "checkpoint.every_seconds")
+    _positive(c.keep_last, "checkpoint.keep_last", zero_ok=True)
+    _positive(spec.fault.nan_at_step, "fault.nan_at_step", zero_ok=True)
+    if check_worlds:
+        lo, _ = j.nodes
+        for world in spec.world_sizes():
+            nodes = world // j.nproc_per_node
+            try:
+                validate_for_world(spec, world)
+            except SpecError as exc:
+                raise SpecError(f"{exc} (at {nodes} node(s) x {j.nproc_per_node} procs of "
+                                f"job.nodes = \"{j.nodes[0]}:{j.nodes[1]}\")") from None
+
+
+def resolve_mesh(spec: RunSpec, world_size: int) -> tuple[int, int, int]:
+    """(dp_replicate, dp_shard, tp) for ``world_size``; ``dp_shard = -1`` fills the rest."""
+    p = spec.parallel
+    if world_size < 1:
+        raise SpecError(f"world size must be >= 1, got {world_size}")
+    fixed = p.dp_replicate * p.tp
+    if p.dp_shard == -1:
+        if world_size % fixed:
+            raise SpecError(f"parallel.dp_replicate x parallel.tp = {fixed} does not divide the world size "
+                            f"{world_size}; change them or the number of processes")
+        return p.dp_replicate, world_size // fixed, p.tp
+    if fixed * p.dp_shard != world_size:
+        raise SpecError(f"parallel mesh dp_replicate x dp_shard x tp = {p.dp_replicate}x{p.dp_shard}x{p.tp} = "
+                        f"{fixed * p.dp_shard} does not match the world size {world_size}; "
+                        f"set parallel.dp_shard = -1 to fill it")
+    return p.dp_replicate, p.dp_shard, p.tp
+
+
+def grad_accum_steps(spec: RunSpec, dp_size: int) -> int:
+    """Micro-batches per rank per optimizer step: global_batch / (micro_batch x dp)."""
+    d = spec.data
+    per_step = d.micro_batch * dp_size
+    if d.global_batch % per_step:
+        raise SpecError(f"data.global_batch = {d.global_batch} is not divisible by data.micro_batch x dp = "
+                        f"{d.micro_batch}x{dp_size} = {per_step}; pick a global_batch that is a multiple of it")
+    return d.global_batch // per_step
+
+
+def validate_for_world(spec: RunSpec, world_size: int) -> tuple[int, int, int]:
+    """Check the mesh and batch arithmetic for ``world_size``; returns the mesh sizes."""
+    mesh = resolve_mesh(spec, world_size)
+    grad_accum_steps(spec, mesh[0] * mesh[1])
+    return mesh
