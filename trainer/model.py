@@ -1,0 +1,169 @@
+"""A decoder-only transformer small enough to read top to bottom.
+
+RMSNorm, rotary position embeddings, SwiGLU MLP, causal
+``scaled_dot_product_attention``, tied or untied embeddings. Module names
+(``layers.N.attention.wq`` ...) are the checkpoint FQNs and the targets of
+the tensor-parallel plan in ``trainer.parallel``. Attention reshapes with
+``-1`` heads so that a tensor-parallel rank runs on its local heads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from marind.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    ffn_dim: int
+    seq_len: int
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def from_spec(cls, model: ModelSpec, *, seq_len: int, data_vocab_size: int) -> "ModelConfig":
+        return cls(vocab_size=model.vocab_size or data_vocab_size, dim=model.dim, n_layers=model.n_layers,
+                   n_heads=model.n_heads, ffn_dim=model.ffn_dim, seq_len=seq_len,
+                   tie_embeddings=model.tie_embeddings, norm_eps=model.norm_eps, rope_theta=model.rope_theta)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+def param_count(cfg: ModelConfig, *, embedding: bool = True) -> int:
+    """Parameters of the model (closed form; matches ``sum(p.numel())``)."""
+    per_layer = 4 * cfg.dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim + 2 * cfg.dim
+    body = cfg.n_layers * per_layer + cfg.dim
+    emb = cfg.vocab_size * cfg.dim
+    head = 0 if cfg.tie_embeddings else emb
+    return body + head + (emb if embedding else 0)
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Training FLOPs per token: 6 x matmul params (incl. the LM head) + attention scores."""
+    matmul = cfg.n_layers * (4 * cfg.dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim) + cfg.vocab_size * cfg.dim
+    attention = 12 * cfg.n_layers * cfg.dim * cfg.seq_len / 2  # causal: half the score matrix
+    return 6.0 * matmul + attention
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.type_as(x) * self.weight
+
+
+def rotary_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, T, H, D); rotate pairs (even, odd) by the position angle."""
+    t = x.shape[1]
+    xf = x.float().unflatten(-1, (-1, 2))
+    a, b = xf[..., 0], xf[..., 1]
+    c, s = cos[:t, None, :], sin[:t, None, :]
+    out = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, -1, self.head_dim)
+        k = self.wk(x).view(b, t, -1, self.head_dim)
+        v = self.wv(x).view(b, t, -1, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rotary_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std = 0.02
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if p.ndim == 1:
+                p.fill_(1.0)
+            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                nn.init.normal_(p, 0.0, out_std)
+            else:
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, self.rope_cos, self.rope_sin)
+        h = self.norm(h)
+        if self.output is None:
+            return F.linear(h, self.tok_embeddings.weight)
+        return self.output(h)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
