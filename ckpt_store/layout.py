@@ -1,0 +1,185 @@
+"""Layout math: which global box each rank holds, the chunk grid, who writes which chunk.
+
+Pure functions over shapes, mesh shapes and placements; no I/O and no process
+group. The per-dim index mapping of a placement list is computed by DTensor's
+own splitting code (``placement._split_tensor`` on an index vector), so
+torch's chunking rules (uneven and empty shards) are not re-derived here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+
+@dataclass(frozen=True)
+class Box:
+    """A region of the global tensor: [offset, offset + shape) per dim."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def end(self) -> tuple[int, ...]:
+        return tuple(o + s for o, s in zip(self.offset, self.shape))
+
+    @property
+    def empty(self) -> bool:
+        return any(s == 0 for s in self.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def slices(self, base: tuple[int, ...] | None = None) -> tuple[slice, ...]:
+        """Slices of this box inside a tensor that holds the region starting at ``base``."""
+        base = base or (0,) * len(self.offset)
+        return tuple(slice(o - b, o - b + s) for o, b, s in zip(self.offset, base, self.shape))
+
+    def contains(self, other: "Box") -> bool:
+        return all(a <= b and be <= ae for a, b, ae, be in zip(self.offset, other.offset, self.end, other.end))
+
+    def intersect(self, other: "Box") -> "Box | None":
+        lo = tuple(max(a, b) for a, b in zip(self.offset, other.offset))
+        hi = tuple(min(a, b) for a, b in zip(self.end, other.end))
+        if any(h <= l for l, h in zip(lo, hi)):
+            return None
+        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+
+
+def full_box(shape: tuple[int, ...]) -> Box:
+    return Box((0,) * len(shape), tuple(shape))
+
+
+def _spec(p) -> tuple:
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    if isinstance(p, _StridedShard):
+        return ("strided", p.dim, int(p.split_factor))
+    if isinstance(p, Shard):
+        return ("shard", p.dim, 1)
+    if isinstance(p, Replicate):
+        return ("replicate", -1, 1)
+    raise ValueError(f"placement {p!r} cannot be checkpointed: reduce Partial DTensors "
+                     "(redistribute to Replicate/Shard) first")
+
+
+@lru_cache(maxsize=8192)
+def dim_indices(length: int, dim: int, mesh_shape: tuple[int, ...], coord: tuple[int, ...],
+                specs: tuple[tuple, ...]) -> tuple[int, ...]:
+    """Global indices along ``dim`` held, in local order, by the rank at mesh ``coord``."""
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    idx = torch.arange(length, dtype=torch.int64)
+    for mesh_dim, (kind, d, sf) in enumerate(specs):
+        if kind == "replicate" or d != dim:
+            continue
+        p = _StridedShard(0, split_factor=sf) if kind == "strided" else Shard(0)
+        pieces, _ = p._split_tensor(idx, mesh_shape[mesh_dim], with_padding=False, contiguous=True)
+        idx = pieces[coord[mesh_dim]]
+    return tuple(int(i) for i in idx.tolist())
+
+
+def rank_boxes(shape: tuple[int, ...], ranks: list[int], mesh_shape: tuple[int, ...],
+               placements) -> dict[int, Box]:
+    """Every mesh rank's box; ``ranks`` lists global ranks in C order over ``mesh_shape``."""
+    specs = tuple(_spec(p) for p in placements)
+    out: dict[int, Box] = {}
+    for coord, rank in zip(itertools.product(*[range(m) for m in mesh_shape]), ranks):
+        offset, size = [], []
+        for d, n in enumerate(shape):
+            if not any(k != "replicate" and dd == d for k, dd, _ in specs):
+                offset.append(0)
+                size.append(n)
+                continue
+            idx = dim_indices(n, d, tuple(mesh_shape), tuple(coord), specs)
+            if idx and list(idx) != list(range(idx[0], idx[0] + len(idx))):
+                raise ValueError(f"placements {list(placements)} give rank {rank} a non-contiguous "
+                                 f"region of dim {d}; strided sharding is not supported by ckpt_store yet")
+            offset.append(idx[0] if idx else 0)
+            size.append(len(idx))
+        out[int(rank)] = Box(tuple(offset), tuple(size))
+    return out
+
+
+def replicated_boxes(shape: tuple[int, ...], world: int) -> dict[int, Box]:
+    return {r: full_box(shape) for r in range(world)}
+
+
+def chunk_grid(shape: tuple[int, ...], boxes: dict[int, Box]) -> tuple[int, ...]:
+    """A regular chunk shape whose cell boundaries include every box boundary.
+
+    For torch.chunk shards this is the shard size (ceil division); for other
+    nestings the gcd of all interior boundaries, so each chunk lies inside one
+    box of every rank that holds it.
+    """
+    chunks = []
+    for d, n in enumerate(shape):
+        c = 0
+        for b in boxes.values():
+            if b.empty:
+                continue
+            for edge in (b.offset[d], b.end[d]):
+                if 0 < edge < n:
+                    c = math.gcd(c, edge)
+        chunks.append(c if c else max(n, 1))
+    return tuple(chunks)
+
+
+def grid_shape(shape: tuple[int, ...], chunks: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(-(-n // c) for n, c in zip(shape, chunks))
+
+
+def cell_box(cell: tuple[int, ...], chunks: tuple[int, ...], shape: tuple[int, ...]) -> Box:
+    """The in-bounds region of chunk ``cell``."""
+    off = tuple(i * c for i, c in zip(cell, chunks))
+    return Box(off, tuple(min(c, n - o) for o, c, n in zip(off, chunks, shape)))
+
+
+def all_cells(shape: tuple[int, ...], chunks: tuple[int, ...]):
+    return itertools.product(*[range(g) for g in grid_shape(shape, chunks)])
+
+
+def owned_cells(shape: tuple[int, ...], chunks: tuple[int, ...], boxes: dict[int, Box],
+                rank: int, salt: int) -> list[tuple[int, ...]]:
+    """The chunks ``rank`` writes. Holders of a chunk take turns (offset by ``salt``), so
+    replicated arrays spread their writes over the replicas. Every chunk has one writer."""
+    out = []
+    for linear, cell in enumerate(all_cells(shape, chunks)):
+        region = cell_box(cell, chunks, shape)
+        holders = [r for r in sorted(boxes) if not boxes[r].empty and boxes[r].contains(region)]
+        if not holders:
+            raise ValueError(f"chunk {cell} of an array of shape {shape} is held by no rank")
+        if holders[(salt + linear) % len(holders)] == rank:
+            out.append(cell)
+    return out
+
+
+def cells_for_box(box: Box, chunks: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Chunks of a regular grid that intersect ``box``."""
+    if box.empty:
+        return []
+    return list(itertools.product(*[range(o // c, -(-e // c))
+                                    for o, e, c in zip(box.offset, box.end, chunks)]))
+
+
+def inner_rows(chunks: tuple[int, ...], itemsize: int, target_bytes: int, max_inner: int = 65536) -> int:
+    """Rows (dim 0) per inner chunk of the sharding codec: a divisor of ``chunks[0]``,
+    the largest whose inner chunk is at most ``target_bytes`` (at least 1 row)."""
+    if not chunks:
+        return 1
+    row_bytes = math.prod(chunks[1:]) * itemsize
+    rows = chunks[0]
+    best = rows
+    for d in range(1, rows + 1):
+        if rows % d == 0 and d * row_bytes <= target_bytes:
+            best = d
+    if best == rows and rows * row_bytes > target_bytes:
+        best = 1 if rows <= max_inner else rows
+    if rows // best > max_inner:
+        best = rows
+    return best

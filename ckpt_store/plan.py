@@ -1,0 +1,137 @@
+"""From a nested state dict to a save/load plan: array names, layouts, owned chunks, snapshots.
+
+* ``flatten(state)`` splits the tree into tensors (by slash-joined name) and
+  a tree of JSON values.
+* ``plan_array(name, tensor, ...)`` gives the array's Zarr spec, every
+  rank's box, this rank's box and local tensor, and the chunks it writes.
+* ``snapshot(plans)`` copies the owned regions to host memory (pinned on
+  CUDA, reused across saves): the only part of a save the caller waits for.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ckpt_store import layout
+from ckpt_store.layout import Box
+from ckpt_store.zarr_format import ArraySpec, chunk_key, dtype_name
+
+INNER_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ArrayPlan:
+    spec: ArraySpec
+    box: Box                       # this rank's region of the global tensor
+    local: torch.Tensor            # this rank's tensor holding exactly `box`
+    owned: tuple                   # chunk cells this rank writes
+    layout: dict                   # how the saving world held it (for the manifest / inspect)
+
+
+def flatten(state: dict, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict]:
+    tensors: dict[str, torch.Tensor] = {}
+    values: dict = {}
+    if not isinstance(state, dict):
+        raise ValueError(f"checkpoint state must be a dict, got {type(state).__name__}")
+    for key, value in state.items():
+        key = str(key)
+        if "/" in key or key in ("", ".", "..") or key == "zarr.json":
+            raise ValueError(f"state key {prefix + key!r} cannot name a Zarr node; rename it "
+                             "(no '/', not empty, not 'zarr.json')")
+        name = prefix + key
+        if isinstance(value, torch.Tensor):
+            tensors[name] = value
+        elif isinstance(value, dict):
+            sub_t, sub_v = flatten(value, name + "/")
+            tensors.update(sub_t)
+            if sub_v or not sub_t:
+                values[key] = sub_v
+        else:
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"state value {name!r} is neither a tensor nor JSON-able "
+                                 f"({type(value).__name__}); convert it to JSON types") from exc
+            values[key] = value
+    return tensors, values
+
+
+def local_box(t: torch.Tensor) -> tuple[Box, torch.Tensor]:
+    """This rank's box of the global tensor and the local tensor that holds it."""
+    if isinstance(t, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        _check_placements(t)
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return Box(tuple(offset), tuple(shape)), t.to_local()
+    return layout.full_box(tuple(t.shape)), t
+
+
+def plan_array(name: str, t: torch.Tensor, rank: int, world: int, salt: int,
+               inner_bytes: int = INNER_CHUNK_BYTES) -> ArrayPlan:
+    shape = tuple(t.shape)
+    dtype = dtype_name(t.dtype)
+    if isinstance(t, DTensor):
+        _check_placements(t)
+        mesh = t.device_mesh
+        boxes = layout.rank_boxes(shape, mesh.mesh.flatten().tolist(), tuple(mesh.mesh.shape),
+                                  t.placements)
+        how = {"mesh_shape": list(mesh.mesh.shape), "mesh_dim_names": list(mesh.mesh_dim_names or []),
+               "placements": [str(p) for p in t.placements]}
+        local = t.to_local()
+    else:
+        boxes = layout.replicated_boxes(shape, world)
+        how = {"replicated": True}
+        local = t
+    box = boxes.get(rank, Box((0,) * len(shape), (0,) * len(shape)))
+    if not box.empty and tuple(local.shape) != box.shape:
+        raise ValueError(f"{name}: local shard shape {tuple(local.shape)} does not match the layout's "
+                         f"{box.shape}")
+    chunks = layout.chunk_grid(shape, boxes)
+    rows = None
+    if shape and all(s > 0 for s in shape):
+        itemsize = t.element_size()
+        r = layout.inner_rows(chunks, itemsize, inner_bytes)
+        rows = r if r < chunks[0] else None
+    spec = ArraySpec(name, shape, dtype, chunks, rows)
+    owned = tuple(layout.owned_cells(shape, chunks, boxes, rank, salt))
+    return ArrayPlan(spec, box, local, owned, how)
+
+
+def _check_placements(t: DTensor) -> None:
+    for p in t.placements:
+        if p.is_partial():
+            raise ValueError("cannot checkpoint a DTensor with Partial placement; "
+                             "reduce it (redistribute to Replicate/Shard) first")
+
+
+class Snapshotter:
+    """Copies owned chunks to host memory; on CUDA into pinned buffers reused across saves."""
+
+    def __init__(self):
+        self._pinned: dict[tuple, torch.Tensor] = {}
+
+    def take(self, plans: list[ArrayPlan]) -> list[tuple[str, ArraySpec, torch.Tensor]]:
+        out = []
+        cuda = False
+        for plan in plans:
+            for cell in plan.owned:
+                cbox = layout.cell_box(cell, plan.spec.chunks, plan.spec.shape)
+                src = plan.local[cbox.slices(plan.box.offset)]
+                key = chunk_key(plan.spec.name, cell)
+                if src.device.type == "cuda":
+                    cuda = True
+                    buf = self._pinned.get((key, cbox.shape, src.dtype))
+                    if buf is None:
+                        buf = torch.empty(cbox.shape, dtype=src.dtype, pin_memory=True)
+                        self._pinned[(key, cbox.shape, src.dtype)] = buf
+                    buf.copy_(src, non_blocking=True)
+                else:
+                    buf = src.detach().clone(memory_format=torch.contiguous_format)
+                out.append((key, plan.spec, buf))
+        if cuda:
+            torch.cuda.synchronize()
+        return out

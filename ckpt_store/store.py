@@ -1,0 +1,266 @@
+"""CheckpointStore: the public API (DESIGN §4).
+
+Save protocol, per step (no torch collectives, so it is safe in a background thread):
+
+1. every rank snapshots the chunks it owns to host memory (the caller waits only for this);
+2. in the background each rank encodes and writes its chunk objects and its JSON
+   values, then a done marker ``.marind/rank-R.json`` listing its objects
+   (size, crc32c) — or ``.marind/error-R.json`` if it failed;
+3. rank 0 polls for every rank's marker, writes the Zarr metadata and finally
+   ``manifest.json`` (the commit), then applies retention;
+4. the other ranks' saves complete when the manifest (or rank 0's abort marker) appears.
+
+A step without ``manifest.json`` does not exist for readers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ckpt_store import retention
+from ckpt_store.errors import (CheckpointCorrupt, CheckpointError, CheckpointNotFound,
+                               CheckpointSaveFailed)
+from ckpt_store.loader import load_step, read_manifest
+from ckpt_store.plan import Snapshotter, flatten, plan_array
+from ckpt_store.storage import Storage
+from ckpt_store.writer import commit, wait_for_commit, write_rank_part
+from marind.log import get_logger
+
+log = get_logger(__name__)
+FORMAT = 1
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:010d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    if name.startswith("step-") and name[5:].isdigit() and len(name) == 15:
+        return int(name[5:])
+    return None
+
+
+@dataclass
+class VerifyReport:
+    step: int
+    ok: bool
+    problems: list[str] = field(default_factory=list)
+    objects: int = 0
+    bytes: int = 0
+
+
+class PendingSave:
+    """Handle of a save; ``wait()`` returns once committed, raises if it failed."""
+
+    def __init__(self, step: int):
+        self.step = step
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self.observed = False
+        self.timings: dict[str, float] = {}
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"checkpoint step {self.step} not committed within {timeout}s")
+        self.observed = True
+        if self._error is not None:
+            raise CheckpointSaveFailed(f"checkpoint step {self.step} did not commit: "
+                                       f"{self._error}") from self._error
+
+
+class CheckpointStore:
+    def __init__(self, url: str, storage_options: dict | None = None, *, keep_last: int | None = None,
+                 keep_every: int | None = None, commit_timeout_s: float = 600.0,
+                 io_threads: int = 4, inner_chunk_bytes: int = 1 << 20):
+        self.url = url
+        self.storage = Storage(url, storage_options, io_threads=io_threads)
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.commit_timeout_s = commit_timeout_s
+        self.inner_chunk_bytes = inner_chunk_bytes
+        self._snap = Snapshotter()
+        self._pending: PendingSave | None = None
+        self.last_load_stats: dict = {}
+
+    # -- save ------------------------------------------------------------------------------
+    def save(self, step: int, state: dict, async_: bool = True) -> PendingSave:
+        prev = self._pending
+        if prev is not None:
+            prev._done.wait()
+            if prev._error is not None and not prev.observed:
+                prev.observed = True
+                raise CheckpointSaveFailed(f"previous checkpoint step {prev.step} did not commit: "
+                                           f"{prev._error}") from prev._error
+        rank, world = _rank_world()
+        t0 = time.perf_counter()
+        tensors, values = flatten(state)
+        self._prepare_step_dir(step, rank, world)
+        plans = [plan_array(name, tensors[name], rank, world, salt=i, inner_bytes=self.inner_chunk_bytes)
+                 for i, name in enumerate(sorted(tensors))]
+        chunks = self._snap.take(plans)
+        pending = PendingSave(step)
+        pending.timings["blocked_s"] = time.perf_counter() - t0
+        job = _SaveJob(self, step, rank, world, plans, chunks, values, pending)
+        self._pending = pending
+        if async_:
+            threading.Thread(target=job.run, name=f"ckpt-save-{step}", daemon=True).start()
+        else:
+            job.run()
+            pending.wait()
+        return pending
+
+    def _prepare_step_dir(self, step: int, rank: int, world: int) -> None:
+        """Refuse a committed step; rank 0 clears leftovers of an earlier failed attempt.
+
+        Runs in the caller's thread; the barrier (default group, foreground) keeps
+        the other ranks from writing before the leftovers are gone.
+        """
+        d = step_dir(step)
+        if self.storage.exists(f"{d}/manifest.json"):
+            raise CheckpointError(f"checkpoint step {step} is already committed under {self.url}; "
+                                  "save under a new step number")
+        if rank == 0 and self.storage.list_dir(d):
+            log.info("ckpt_clear_leftover", step=step)
+            self.storage.delete_prefix(d)
+        if world > 1:
+            dist.barrier()
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any (raises if it failed)."""
+        if self._pending is not None:
+            self._pending.wait()
+
+    # -- read side -------------------------------------------------------------------------
+    def _all_step_dirs(self) -> list[int]:
+        return sorted(s for s in map(parse_step_dir, self.storage.list_dir("")) if s is not None)
+
+    def steps(self) -> list[int]:
+        return [s for s in self._all_step_dirs() if self.storage.exists(f"{step_dir(s)}/manifest.json")]
+
+    def latest(self) -> int | None:
+        for s in reversed(self.steps()):
+            try:
+                read_manifest(self.storage, step_dir(s))
+                return s
+            except CheckpointError:
+                continue
+        return None
+
+    def manifest(self, step: int) -> dict:
+        return read_manifest(self.storage, step_dir(step))
+
+    def load(self, state: dict, step: int | None = None) -> dict:
+        rank, _ = _rank_world()
+        if step is not None:
+            self.last_load_stats = load_step(self.storage, step_dir(step), state, rank)
+            return state
+        candidates = list(reversed(self.steps()))
+        if not candidates:
+            raise CheckpointNotFound(f"no committed checkpoint under {self.url}")
+        for s in candidates:
+            error = None
+            try:
+                self.last_load_stats = load_step(self.storage, step_dir(s), state, rank)
+            except CheckpointCorrupt as exc:
+                error = exc
+            if _all_ok(error is None):
+                return state
+            warnings.warn(f"skipping checkpoint step {s}: {error or 'corrupt on another rank'}",
+                          stacklevel=2)
+            log.warning("ckpt_skip_corrupt", step=s, error=str(error))
+        raise CheckpointNotFound(f"no committed checkpoint under {self.url} loads clean "
+                                 f"(tried steps {candidates})")
+
+    def verify(self, step: int) -> VerifyReport:
+        from ckpt_store.loader import verify_step
+        problems, count, nbytes = verify_step(self.storage, step_dir(step))
+        return VerifyReport(step, not problems, problems, count, nbytes)
+
+    # -- retention -------------------------------------------------------------------------
+    def apply_retention(self, in_flight: set[int] | None = None) -> list[int]:
+        committed = self.steps()
+        doomed = retention.steps_to_delete(committed, self.keep_last, self.keep_every)
+        doomed += retention.leftovers_to_delete(self._all_step_dirs(), committed, in_flight or set())
+        for s in doomed:
+            d = step_dir(s)
+            if self.storage.exists(f"{d}/manifest.json"):
+                self.storage.delete_prefix(f"{d}/manifest.json")  # uncommit first
+            self.storage.delete_prefix(d)
+            log.info("ckpt_deleted", step=s)
+        return sorted(doomed)
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending._done.wait()
+        self.storage.close()
+
+
+class _SaveJob:
+    def __init__(self, store, step, rank, world, plans, chunks, values, pending):
+        self.store, self.step, self.rank, self.world = store, step, rank, world
+        self.plans, self.chunks, self.values, self.pending = plans, chunks, values, pending
+
+    def run(self) -> None:
+        st = self.store.storage
+        d = step_dir(self.step)
+        t0 = time.perf_counter()
+        try:
+            write_rank_part(st, d, self.rank, self.chunks, self.values)
+            self.chunks = None  # free host buffers early
+            self.pending.timings["write_s"] = time.perf_counter() - t0
+            if self.rank == 0:
+                layout = {"world_size": self.world, "saved_at": _now()}
+                commit(st, d, self.step, self.world, [p.spec for p in self.plans],
+                       {p.spec.name: p.layout for p in self.plans}, layout,
+                       timeout_s=self.store.commit_timeout_s, fmt=FORMAT)
+                try:
+                    self.store.apply_retention(in_flight=set())
+                except Exception as exc:  # noqa: BLE001 - retention never fails a committed save
+                    log.warning("ckpt_retention_failed", error=str(exc))
+            else:
+                wait_for_commit(st, d, timeout_s=self.store.commit_timeout_s)
+            self.pending.timings["commit_s"] = time.perf_counter() - t0
+            log.info("ckpt_committed", step=self.step, rank=self.rank,
+                     seconds=round(time.perf_counter() - t0, 3))
+            self.pending._finish(None)
+        except BaseException as exc:  # noqa: BLE001 - recorded, surfaced at wait()/next save()
+            log.warning("ckpt_save_failed", step=self.step, rank=self.rank, error=str(exc))
+            self.pending._finish(exc)
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_ok(ok: bool) -> bool:
+    """Agree across ranks (foreground, default group) whether every rank loaded clean."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return ok
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+__all__ = ["CheckpointStore", "PendingSave", "VerifyReport", "step_dir", "parse_step_dir"]

@@ -1,0 +1,124 @@
+"""The write side of the commit protocol: rank parts, done markers, metadata, manifest.
+
+Only storage operations, never torch collectives: this runs in a background
+thread next to training. Rank 0 learns that the others are done from their
+marker objects (``{step}/.marind/rank-R.json``), written after all their
+chunk objects; it writes ``manifest.json`` last.
+"""
+
+from __future__ import annotations
+
+import time
+
+import crc32c
+
+from ckpt_store.errors import CheckpointSaveFailed
+from ckpt_store.zarr_format import ArraySpec, array_metadata, encode_chunk, group_metadata
+from marind.log import get_logger
+
+log = get_logger(__name__)
+MARKERS = ".marind"
+POLL_S = 0.05
+
+
+def _marker(d: str, kind: str, rank: int) -> str:
+    return f"{d}/{MARKERS}/{kind}-{rank:05d}.json"
+
+
+def values_key(d: str, rank: int) -> str:
+    return f"{d}/values/rank-{rank:05d}.json"
+
+
+def write_rank_part(st, d: str, rank: int, chunks: list, values: dict) -> dict:
+    """Encode + write this rank's chunks and JSON values, then its done marker."""
+    import json
+
+    objects: dict[str, dict] = {}
+
+    def one(item):
+        key, spec, buf = item
+        pieces, size, crc = encode_chunk(buf, spec)
+        st.write(f"{d}/{key}", pieces)
+        return key, size, crc
+
+    try:
+        for key, size, crc in st._pool.map(one, chunks):
+            objects[key] = {"size": size, "crc32c": crc}
+        data = json.dumps(values, sort_keys=True).encode()
+        vkey = values_key(d, rank)
+        st.write(vkey, [data])
+        objects[vkey[len(d) + 1:]] = {"size": len(data), "crc32c": crc32c.crc32c(data)}
+        st.write_json_atomic(_marker(d, "rank", rank), {"rank": rank, "objects": objects})
+    except BaseException as exc:
+        try:
+            st.write_json_atomic(_marker(d, "error", rank), {"rank": rank, "error": str(exc)})
+        except Exception:  # noqa: BLE001 - storage may be down; rank 0 then times out
+            pass
+        raise
+    return objects
+
+
+def commit(st, d: str, step: int, world: int, specs: list[ArraySpec], layouts: dict,
+           saved_layout: dict, timeout_s: float, fmt: int) -> dict:
+    """Rank 0: wait for every rank's marker, write Zarr metadata, then manifest.json."""
+    try:
+        objects = _collect(st, d, world, timeout_s)
+        meta: dict[str, dict] = {}
+        groups = {""}
+        for spec in specs:
+            meta[f"{spec.name}/zarr.json"] = array_metadata(spec, {"marind": layouts[spec.name]})
+            parts = spec.name.split("/")
+            groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
+        root_attrs = {"marind": {"format": fmt, "step": step, "saved_layout": saved_layout,
+                                 "created_at": saved_layout.get("saved_at")}}
+        for g in groups:
+            meta[f"{g}/zarr.json" if g else "zarr.json"] = group_metadata(root_attrs if not g else None)
+        import json
+        items = []
+        for key, obj in meta.items():
+            data = json.dumps(obj, indent=1).encode()
+            items.append((f"{d}/{key}", [data]))
+            objects[key] = {"size": len(data), "crc32c": crc32c.crc32c(data)}
+        st.write_many(items)
+        manifest = {"format": fmt, "step": step, "world": saved_layout, "created_at": saved_layout["saved_at"],
+                    "arrays": {s.name: {**s.to_json(), "layout": layouts[s.name]} for s in specs},
+                    "objects": objects}
+        st.write_json_atomic(f"{d}/manifest.json", manifest)
+        return manifest
+    except BaseException as exc:
+        try:
+            st.write_json_atomic(f"{d}/{MARKERS}/abort.json", {"error": str(exc)})
+        except Exception:  # noqa: BLE001
+            pass
+        raise
+
+
+def _collect(st, d: str, world: int, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    objects: dict = {}
+    waiting = set(range(world))
+    while waiting:
+        for r in sorted(waiting):
+            if st.exists(_marker(d, "error", r)):
+                err = st.read_json(_marker(d, "error", r)).get("error")
+                raise CheckpointSaveFailed(f"rank {r} failed to write its part: {err}")
+            if st.exists(_marker(d, "rank", r)):
+                objects.update(st.read_json(_marker(d, "rank", r))["objects"])
+                waiting.discard(r)
+        if waiting:
+            if time.monotonic() > deadline:
+                raise CheckpointSaveFailed(f"ranks {sorted(waiting)} did not finish their part "
+                                           f"within {timeout_s}s (crashed or storage unreachable)")
+            time.sleep(POLL_S)
+    return objects
+
+
+def wait_for_commit(st, d: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not st.exists(f"{d}/manifest.json"):
+        if st.exists(f"{d}/{MARKERS}/abort.json"):
+            err = st.read_json(f"{d}/{MARKERS}/abort.json").get("error")
+            raise CheckpointSaveFailed(f"rank 0 aborted the commit: {err}")
+        if time.monotonic() > deadline:
+            raise CheckpointSaveFailed(f"no commit within {timeout_s}s (rank 0 crashed or storage down)")
+        time.sleep(POLL_S)
