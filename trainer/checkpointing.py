@@ -1,0 +1,165 @@
+"""The trainer's checkpoint state, saved and restored through ckpt_store.
+
+State tree (DESIGN §4)::
+
+    model/{fqn}                 DTensor parameters (any layout)
+    optim/{fqn}/{exp_avg,exp_avg_sq,step}
+    extra/step, extra/data_position, extra/scheduler, extra/param_groups, extra/layout
+    extra/rng/rank-{N}          this rank's torch RNG state (base64 of the byte tensor)
+
+``get_state_dict`` / ``set_state_dict`` (torch.distributed.checkpoint.state_dict)
+map between modules and FQN-keyed trees, so a checkpoint restores into
+any mesh. RNG on resume: a rank with a saved ``rank-N`` entry restores it;
+a rank without one (the world grew) re-seeds from ``seed + step`` and its
+rank (the model has no dropout, so this affects nothing numeric today).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import time
+
+import torch
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_state_dict)
+
+from marind.log import get_logger
+from marind.spec import RunSpec
+
+log = get_logger(__name__)
+
+
+def checkpoint_url(url: str) -> str:
+    """A bare local path becomes an absolute ``file://`` URL."""
+    if not url or "://" in url:
+        return url
+    return "file://" + os.path.abspath(url)
+
+
+def rng_state() -> dict:
+    out = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if torch.cuda.is_available():
+        out["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return out
+
+
+def restore_rng(saved: dict | None, *, seed: int, step: int, rank: int) -> bool:
+    if not saved:
+        torch.manual_seed(seed + 1_000_003 * step + rank)
+        return False
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(saved["torch"])), dtype=torch.uint8))
+    if "cuda" in saved and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(saved["cuda"])),
+                                                  dtype=torch.uint8))
+    return True
+
+
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create empty Adam state (a zero-lr step on zero grads) so a checkpoint can be loaded into it."""
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+        for p in g["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+class Checkpointer:
+    """Save every N steps / T seconds (async), restore the latest committed step."""
+
+    def __init__(self, spec: RunSpec, model, optimizer, *, rank: int, world_size: int, layout: dict):
+        self.spec, self.model, self.optimizer = spec, model, optimizer
+        self.rank, self.world_size, self.layout = rank, world_size, layout
+        c = spec.checkpoint
+        self.store = None
+        if c.url:
+            from ckpt_store import CheckpointStore
+            self.store = CheckpointStore(checkpoint_url(c.url), keep_last=c.keep_last or None)
+        self.pending = None
+        self.last_step: int | None = None
+        self.last_saved_at = time.monotonic()
+
+    @property
+    def enabled(self) -> bool:
+        return self.store is not None
+
+    def _options(self) -> StateDictOptions:
+        return StateDictOptions(full_state_dict=False, cpu_offload=False)
+
+    def build_state(self, step: int, data_position: int) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
+        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": list(g["params"])}
+                  for g in optim_sd.get("param_groups", [])]
+        return {
+            "model": model_sd,
+            "optim": optim_sd.get("state", {}),
+            "extra": {
+                "step": step,
+                "data_position": data_position,
+                "scheduler": {"kind": "warmup_cosine", "step": step},
+                "param_groups": groups,
+                "layout": self.layout,
+                "world_size": self.world_size,
+                "rng": {f"rank-{self.rank}": rng_state()},
+            },
+        }
+
+    def due(self, step: int) -> bool:
+        c = self.spec.checkpoint
+        return self.enabled and c.every_steps > 0 and step % c.every_steps == 0
+
+    def time_due(self) -> bool:
+        c = self.spec.checkpoint
+        return (self.enabled and c.every_seconds is not None
+                and time.monotonic() - self.last_saved_at >= c.every_seconds)
+
+    def save(self, step: int, data_position: int, *, wait: bool = False) -> None:
+        if not self.enabled or self.last_step == step:
+            if wait:
+                self.wait()
+            return
+        state = self.build_state(step, data_position)
+        async_ = self.spec.checkpoint.async_ and not wait
+        self.pending = self.store.save(step, state, async_=async_)
+        self.last_step = step
+        self.last_saved_at = time.monotonic()
+        if self.rank == 0:
+            log.info("checkpoint_started", step=step, async_=async_,
+                     blocked_s=round(self.pending.timings.get("blocked_s", 0.0), 4))
+        if wait:
+            self.wait()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self.pending is not None:
+            self.pending.wait(timeout if timeout is not None else self.spec.checkpoint.wait_timeout)
+
+    def latest(self) -> int | None:
+        return self.store.latest() if self.enabled else None
+
+    def restore(self) -> tuple[int, int] | None:
+        """Load the latest committed step into model/optimizer; returns (step, data_position)."""
+        if not self.enabled or self.store.latest() is None:
+            return None
+        init_optimizer_state(self.optimizer)
+        state = self.build_state(0, 0)
+        state["extra"] = {"step": 0, "data_position": 0, "rng": {}}
+        self.store.load(state)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict={"state": state["optim"], "param_groups": self._groups()},
+                       options=self._options())
+        extra = state["extra"]
+        step, position = int(extra["step"]), int(extra["data_position"])
+        restore_rng((extra.get("rng") or {}).get(f"rank-{self.rank}"), seed=self.spec.train.seed,
+                    step=step, rank=self.rank)
+        self.last_step = step
+        self.last_saved_at = time.monotonic()
+        return step, position
+
+    def _groups(self) -> list[dict]:
+        _, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
+        return optim_sd["param_groups"]

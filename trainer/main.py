@@ -1,0 +1,80 @@
+"""Entry point: ``python -m trainer run.toml`` (under torchrun, or alone as one process).
+
+Parse the spec, install SIGUSR1 stack dumps (the agent's hang probe) and
+the SIGTERM/SIGINT stop flag, join the process group, train, shut down
+cleanly. Exit 0 when done, 143 after a requested stop (clean), 2 for a
+bad spec, 1 for anything else.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+
+from marind.errors import SpecError
+from marind.log import get_logger
+from marind.netutil import free_port
+from marind.spec import RunSpec, load_spec
+
+USAGE = "usage: python -m trainer RUN.toml|SPEC.json  (under torchrun, or alone)"
+
+
+def read_spec(path: str) -> RunSpec:
+    if path.endswith(".json"):
+        with open(path) as fh:
+            return RunSpec.from_dict(json.load(fh), check_worlds=False)
+    return load_spec(path, check_worlds=False)
+
+
+def _standalone_env() -> None:
+    """One process without torchrun: a world of 1 on loopback."""
+    if "RANK" in os.environ:
+        return
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        sys.stderr.write(USAGE + "\n")
+        return 2
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    log = get_logger("trainer")
+    try:
+        spec = read_spec(argv[0])
+    except (SpecError, OSError, ValueError) as exc:
+        sys.stderr.write(f"Error: {str(exc).splitlines()[0]}\n")
+        return 2
+
+    from trainer.train import STOP_EXIT_CODE, StopFlag, train
+    from marind.distributed import init_distributed, shutdown_distributed
+    from marind.spec import validate_for_world
+
+    stop = StopFlag()
+    stop.install()
+    _standalone_env()
+    try:
+        validate_for_world(spec, int(os.environ["WORLD_SIZE"]))
+    except SpecError as exc:
+        sys.stderr.write(f"Error: {exc}\n")
+        return 2
+    device = init_distributed()
+    code = 1
+    try:
+        result, _, _ = train(spec, device, stop=stop)
+        code = STOP_EXIT_CODE if result.stopped else 0
+    except Exception as exc:
+        log.error("train_failed", error=f"{type(exc).__name__}: {exc}", exc_info=True)
+        raise
+    finally:
+        if code in (0, STOP_EXIT_CODE):
+            shutdown_distributed()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Mesh and parallelism: DeviceMesh (dp_replicate, dp_shard, tp), TP plan, FSDP2, AC, compile.
+
+Order, as FSDP2 + TP expect: tensor-parallel plan on each block, then
+activation checkpointing and ``torch.compile`` per block, then
+``fully_shard`` per block and at the root over the data-parallel mesh
+(``dp_shard``, or ``(dp_replicate, dp_shard)`` = HSDP). FSDP is applied at
+every size, even 1, so that every parameter is a DTensor and checkpoints
+look the same whatever the layout. Embeddings, norms and the LM head stay
+replicated over ``tp`` (sharded over dp only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                               parallelize_module)
+
+from marind.spec import RunSpec, validate_for_world
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits: mesh sizes and its data-parallel coordinates."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    dp_rank: int
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def as_dict(self) -> dict:
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+
+
+def build_mesh(spec: RunSpec, world_size: int, device_type: str) -> tuple[DeviceMesh, Layout]:
+    sizes = validate_for_world(spec, world_size)
+    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
+    dr, ds, _ = sizes
+    dp_rank = mesh.get_local_rank("dp_replicate") * ds + mesh.get_local_rank("dp_shard")
+    return mesh, Layout(*sizes, dp_rank=dp_rank)
+
+
+def tp_plan() -> dict:
+    return {
+        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+    }
+
+
+def parallelize(model: torch.nn.Module, mesh: DeviceMesh, spec: RunSpec) -> torch.nn.Module:
+    p = spec.parallel
+    if mesh["tp"].size() > 1:
+        for block in model.layers:
+            parallelize_module(block, mesh["tp"], tp_plan())
+    if p.activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+    if p.compile:
+        for block in model.layers:
+            block.compile()
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if p.mixed_precision == "bf16" else MixedPrecisionPolicy()
+    n = len(model.layers)
+    for i, block in enumerate(model.layers):
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < n - 1)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+    return model
+
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """Global L2 norm of the gradients (DTensors on any mesh), clipped to ``max_norm`` if > 0.
+
+    Returns the norm before clipping; non-finite norms are returned without touching the grads.
+    """
+    total = None
+    for p in params:
+        if p.grad is None:
+            continue
+        sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
+        if isinstance(sq, DTensor):
+            sq = sq.full_tensor()
+        total = sq if total is None else total + sq
+    if total is None:
+        return torch.zeros(())
+    norm = total.sqrt()
+    if max_norm > 0 and torch.isfinite(norm):
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.device))
+    return norm
