@@ -130,6 +130,15 @@ def local_nodes(job_nodes: dict[str, dict], nodes: dict[str, dict],
     return out
 
 
+def find_workers(client: EtcdClient, job: str, *, rank: int | None = None, node: str | None = None,
+                 exclude: frozenset[int] | set[int] = frozenset()) -> list[Worker]:
+    """The job's genuine live workers on this host, optionally one rank / one node's."""
+    workers = local_workers(job_node_records(client, job), node_records(client), this_host_names())
+    workers = [w for w in workers if w.pid not in exclude
+               and (rank is None or w.rank == rank) and (node is None or w.node == node)]
+    return [w for w in workers if worker_is_genuine(w)]
+
+
 # -- checks against the OS ------------------------------------------------------------------------
 def live_process(pid: int | None) -> psutil.Process | None:
     """The process if it exists and is not a zombie."""

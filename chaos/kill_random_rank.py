@@ -23,19 +23,10 @@ if __package__ in (None, ""):
 
 from chaos._common import (NothingToDo, add_wait_args, base_parser, connect, emit,  # noqa: E402
                            parse_signal, run, seeded_rng, wait_for_step, wait_until)
-from chaos._targets import (job_node_records, local_workers, node_records,  # noqa: E402
-                            this_host_names, worker_is_genuine)
+from chaos._targets import find_workers  # noqa: E402
 from marind.log import get_logger  # noqa: E402
 
 log = get_logger("chaos.kill_random_rank")
-
-
-def find_workers(client, job: str, *, rank: int | None, node: str | None,
-                 exclude: set[int]) -> list:
-    workers = local_workers(job_node_records(client, job), node_records(client), this_host_names())
-    workers = [w for w in workers if w.pid not in exclude
-               and (rank is None or w.rank == rank) and (node is None or w.node == node)]
-    return [w for w in workers if worker_is_genuine(w)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ intact, which fault tests rely on.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -19,6 +20,60 @@ from marind.log import get_logger
 from marind.netutil import free_ports, port_open
 
 log = get_logger(__name__)
+
+
+# -- server state files ------------------------------------------------------------------------
+# A server started here publishes ``{pid, command, cwd, log, endpoint, health_url, health_expect}``
+# as JSON so that another process (chaos/etcd_outage.py, chaos/storage_outage.py) can stop it
+# and start the same command again; that process then rewrites ``pid``. The owning object
+# adopts the new pid (``adopted_server_pid``) so that ``running`` and ``stop()`` stay true.
+def write_server_state(path: str | os.PathLike, **state) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, path)
+
+
+def adopted_server_pid(path: str | os.PathLike, command: list[str],
+                       own_pid: int | None = None) -> int | None:
+    """The live pid the state file names, if it is not ``own_pid`` and runs ``command``."""
+    import psutil
+    try:
+        pid = json.loads(Path(path).read_text()).get("pid")
+        proc = psutil.Process(pid)
+        if pid == own_pid or proc.status() == psutil.STATUS_ZOMBIE or proc.cmdline() != command:
+            return None
+        return pid
+    except (OSError, ValueError, TypeError, AttributeError, psutil.Error):
+        return None
+
+
+def stop_server_pid(pid: int, timeout: float = 10.0) -> None:
+    """SIGTERM a server that is not our child (its process group if it leads one), then SIGKILL."""
+    import psutil
+    try:
+        group = os.getpgid(pid) == pid
+    except ProcessLookupError:
+        return
+
+    def send(sig):
+        try:
+            os.killpg(pid, sig) if group else os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def gone() -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    send(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not gone():
+        send(signal.SIGKILL)
 
 
 class EtcdNotInstalled(RuntimeError):
@@ -45,6 +100,7 @@ class LocalEtcd:
         self.binary = binary or shutil.which("etcd") or "/usr/bin/etcd"
         self.log_path = Path(log_path) if log_path else self.data_dir.parent / f"{self.name}.log"
         self.proc: subprocess.Popen | None = None
+        self.state_path = self.data_dir.with_name(self.data_dir.name + ".server.json")
 
     @property
     def endpoint(self) -> str:
@@ -81,6 +137,9 @@ class LocalEtcd:
         self.proc = subprocess.Popen(self.command(), stdout=logf, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         logf.close()
+        write_server_state(self.state_path, kind="etcd", pid=self.proc.pid, command=self.command(),
+                           cwd=os.getcwd(), log=str(self.log_path), endpoint=self.endpoint,
+                           health_url=f"{self.endpoint}/health", health_expect='"true"')
         self._wait_healthy(timeout)
         log.info("etcd_started", endpoint=self.endpoint, pid=self.proc.pid, data_dir=str(self.data_dir))
         return self
@@ -103,16 +162,26 @@ class LocalEtcd:
         self.stop()
         raise TimeoutError(f"etcd not healthy within {timeout}s at {url}; see {self.log_path}")
 
+    def _adopted(self) -> int | None:
+        """The pid of this server restarted by another process (see ``write_server_state``)."""
+        own = self.proc.pid if self.proc else None
+        return adopted_server_pid(self.state_path, self.command(), own)
+
     @property
     def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return (self.proc is not None and self.proc.poll() is None) or self._adopted() is not None
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+        if self.proc is not None and self.proc.poll() is None:
+            return self.proc.pid
+        return self._adopted() or (self.proc.pid if self.proc else None)
 
     def stop(self, timeout: float = 10.0) -> None:
+        adopted = self._adopted()
         proc, self.proc = self.proc, None
+        if adopted is not None:
+            stop_server_pid(adopted, timeout)
         if proc is None or proc.poll() is not None:
             return
         try:
@@ -127,6 +196,9 @@ class LocalEtcd:
 
     def kill(self) -> None:
         """SIGKILL, as a crash would."""
+        adopted = self._adopted()
+        if adopted is not None:
+            stop_server_pid(adopted, timeout=0)
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

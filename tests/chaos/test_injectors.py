@@ -10,11 +10,14 @@ name, on this host, in this job, print one JSON line per action and exit
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
 
-from tests.chaos.conftest import run_injector
+from tests.chaos.conftest import REPO, run_injector
+from tests.support import procs
 
 
 def _status(pid: int) -> str:
@@ -39,3 +42,118 @@ def test_kill_random_rank_kills_one_worker_of_the_job_only(etcd, etcd_prefix, fa
     assert a.wait_exit(line["pid"]) == -signal.SIGKILL
     survivors = [p for p in a.workers if p != line["pid"]] + other.workers
     assert all(a.alive(p) for p in survivors), "only the chosen worker may be signalled"
+
+
+def test_kill_random_rank_seeded_choice_is_reproducible(etcd, etcd_prefix, fake_node):
+    a = fake_node("job-a", "n1", 2, base_rank=0)
+    b = fake_node("job-a", "n2", 2, base_rank=2)
+    # --signal CONT leaves the workers alive, so the same candidates are there for every run
+    picks = [run_injector("kill_random_rank", "--job", "job-a", "--seed", str(seed),
+                          "--signal", "CONT", etcd=etcd, prefix=etcd_prefix).lines[0]["rank"]
+             for seed in (11, 11, 12, 13, 14, 15)]
+    assert picks[0] == picks[1], "the same seed must choose the same rank"
+    assert len(set(picks)) > 1, "different seeds should not all choose one rank"
+    assert all(x.alive(p) for x in (a, b) for p in x.workers)
+
+
+def test_kill_random_rank_by_rank_and_two_at_once(etcd, etcd_prefix, fake_node):
+    a = fake_node("job-a", "n1", 2, base_rank=0)
+    b = fake_node("job-a", "n2", 2, base_rank=2)
+    res = run_injector("kill_random_rank", "--job", "job-a", "--rank", "3",
+                       etcd=etcd, prefix=etcd_prefix)
+    assert res.returncode == 0 and [ln["rank"] for ln in res.lines] == [3]
+    assert b.wait_exit(b.workers[1]) == -signal.SIGKILL
+    res = run_injector("kill_random_rank", "--job", "job-a", "--count", "2", "--seed", "5",
+                       etcd=etcd, prefix=etcd_prefix)
+    assert res.returncode == 0 and len(res.lines) == 2
+    killed = {ln["pid"] for ln in res.lines}
+    assert len(killed) == 2 and b.workers[1] not in killed
+    for pid in killed:
+        assert (a if pid in a.workers else b).wait_exit(pid) == -signal.SIGKILL
+
+
+def test_kill_random_rank_finds_nothing_elsewhere(etcd, etcd_prefix, fake_node):
+    remote = fake_node("job-r", "n9", 1, host="some-other-host")
+    res = run_injector("kill_random_rank", "--job", "job-r", etcd=etcd, prefix=etcd_prefix)
+    assert res.returncode == 1 and res.lines == [], "a record of another host is not ours"
+    res = run_injector("kill_random_rank", "--job", "no-such-job", etcd=etcd, prefix=etcd_prefix)
+    assert res.returncode == 1 and res.lines == []
+    assert remote.alive(remote.workers[0])
+
+
+def test_kill_random_rank_refuses_a_pid_that_is_not_the_records_worker(
+        etcd, etcd_client, etcd_prefix, fake_node):
+    a = fake_node("job-a", "n1", 1)
+    bystander = fake_node("job-x", "n2", 1, publish=False)
+    key = etcd_client.key("jobs", "job-a", "nodes", "n1")
+    rec = etcd_client.get_json(key)
+    rec["workers"] = [{"rank": 0, "local_rank": 0, "pid": bystander.workers[0]}]  # a reused pid
+    etcd_client.put_json(key, rec)
+    res = run_injector("kill_random_rank", "--job", "job-a", etcd=etcd, prefix=etcd_prefix)
+    assert res.returncode == 1
+    assert bystander.alive(bystander.workers[0]) and a.alive(a.workers[0])
+
+
+def test_kill_random_rank_waits_for_a_target_and_exit_codes(etcd, etcd_prefix, fake_node):
+    res = run_injector("kill_random_rank", "--job", "job-a", "--signal", "NOPE",
+                       etcd=etcd, prefix=etcd_prefix)
+    assert res.returncode == 2 and "unknown signal" in res.stderr
+    res = run_injector("kill_random_rank", "--job", "job-a", "--etcd", "http://127.0.0.1:1",
+                       timeout=60)
+    assert res.returncode == 3 and "etcd unreachable" in res.stderr
+
+
+# -- kill_node -------------------------------------------------------------------------------------
+def test_kill_node_kills_the_agent_and_its_whole_tree(etcd, etcd_prefix, fake_node):
+    n1 = fake_node("job-a", "n1", 2, base_rank=0)
+    n2 = fake_node("job-a", "n2", 2, base_rank=2)
+    other = fake_node("job-b", "n3", 1)
+    res = run_injector("kill_node", "--job", "job-a", "--node", "n2", etcd=etcd, prefix=etcd_prefix)
+    assert res.returncode == 0, res.stderr
+    [line] = res.lines
+    assert line["action"] == "kill_node" and line["node"] == "n2" and line["pid"] == n2.agent_pid
+    assert set(line["killed"]) == {n2.agent_pid, n2.torchrun_pid, *n2.workers}
+    assert n2.proc.wait(10) == -signal.SIGKILL
+    for pid in [n2.torchrun_pid, *n2.workers]:
+        assert not n2.alive(pid)
+    for pid in [n1.agent_pid, n1.torchrun_pid, *n1.workers, other.agent_pid, *other.workers]:
+        assert n1.alive(pid), "other nodes and other jobs must survive"
+
+
+def test_kill_node_seeded_and_nothing_to_kill(etcd, etcd_prefix, fake_node):
+    res = run_injector("kill_node", "--job", "job-a", etcd=etcd, prefix=etcd_prefix)
+    assert res.returncode == 1 and res.lines == []
+    nodes = {n: fake_node("job-a", n, 1) for n in ("n1", "n2", "n3")}
+    res = run_injector("kill_node", "--job", "job-a", "--seed", "21", etcd=etcd, prefix=etcd_prefix)
+    assert res.returncode == 0
+    chosen = res.lines[0]["node"]
+    assert nodes[chosen].proc.wait(10) == -signal.SIGKILL
+    assert all(f.proc.poll() is None for n, f in nodes.items() if n != chosen)
+
+
+# -- hang_rank -------------------------------------------------------------------------------------
+def test_hang_rank_stops_then_continues(etcd, etcd_prefix, fake_node):
+    a = fake_node("job-a", "n1", 2)
+    cmd_args = ("--job", "job-a", "--rank", "1", "--seconds", "2")
+    proc = procs.spawn([sys.executable, str(REPO / "chaos" / "hang_rank.py"), *cmd_args,
+                        "--etcd", etcd.endpoint, "--prefix", etcd_prefix],
+                       stdout=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()
+    assert '"hang"' in first, first
+    pid = a.workers[1]
+    assert _status(pid) == psutil.STATUS_STOPPED
+    assert _status(a.workers[0]) != psutil.STATUS_STOPPED
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and '"resume"' in out
+    deadline = time.monotonic() + 5
+    while _status(pid) == psutil.STATUS_STOPPED and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _status(pid) in (psutil.STATUS_SLEEPING, psutil.STATUS_RUNNING)
+
+
+def test_hang_rank_for_good(etcd, etcd_prefix, fake_node):
+    a = fake_node("job-a", "n1", 2)
+    res = run_injector("hang_rank", "--job", "job-a", "--seed", "1", etcd=etcd, prefix=etcd_prefix)
+    assert res.returncode == 0 and [ln["action"] for ln in res.lines] == ["hang"]
+    assert _status(res.lines[0]["pid"]) == psutil.STATUS_STOPPED
+    assert res.lines[0]["pid"] in a.workers

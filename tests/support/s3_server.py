@@ -17,6 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from marind.local_etcd import adopted_server_pid, stop_server_pid, write_server_state
 from marind.netutil import free_ports, port_open
 
 ACCESS_KEY = "marindtest"
@@ -44,6 +45,8 @@ class SeaweedS3:
         self.ports = dict(zip(names, free_ports(len(names))))
         self.proc: subprocess.Popen | None = None
         self.log_path = self.root / "weed.log"
+        # read by chaos/storage_outage.py, which may stop and restart this server (see local_etcd)
+        self.state_path = self.root / "server.json"
 
     @property
     def endpoint(self) -> str:
@@ -92,6 +95,9 @@ class SeaweedS3:
         self.proc = subprocess.Popen(self.command(), stdout=logf, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, cwd=self.root, start_new_session=True)
         logf.close()
+        write_server_state(self.state_path, kind="s3", pid=self.proc.pid, command=self.command(),
+                           cwd=str(self.root), log=str(self.log_path), endpoint=self.endpoint,
+                           health_url=f"{self.endpoint}/{self.bucket}", health_expect=None)
         self._wait_ready(timeout)
         return self
 
@@ -116,16 +122,26 @@ class SeaweedS3:
         except Exception:  # noqa: BLE001 - not up yet
             return False
 
+    def _adopted(self) -> int | None:
+        """The pid of this server restarted by another process (chaos/storage_outage.py)."""
+        own = self.proc.pid if self.proc else None
+        return adopted_server_pid(self.state_path, self.command(), own)
+
     @property
     def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return (self.proc is not None and self.proc.poll() is None) or self._adopted() is not None
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+        if self.proc is not None and self.proc.poll() is None:
+            return self.proc.pid
+        return self._adopted() or (self.proc.pid if self.proc else None)
 
     def stop(self, timeout: float = 15.0) -> None:
+        adopted = self._adopted()
         proc, self.proc = self.proc, None
+        if adopted is not None:
+            stop_server_pid(adopted, timeout)
         if proc is None or proc.poll() is not None:
             return
         try:

@@ -1,0 +1,115 @@
+"""Reading a checkpoint root the way DESIGN §4 lays it out, without ckpt_store.
+
+``{url}/step-{step:010d}/`` holds a checkpoint; it is committed once its
+``manifest.json`` (``{format, step, arrays, objects: {key: {size, crc32c}}, world}``)
+exists. The injectors read this layout directly so that they keep working
+(and can corrupt things) whatever state ckpt_store's own code is in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import fsspec
+
+STEP_DIR = re.compile(r"^step-(\d{10})$")
+MANIFEST = "manifest.json"
+
+
+def parse_step_dir(name: str) -> int | None:
+    match = STEP_DIR.match(name.rstrip("/").rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:010d}"
+
+
+def storage_options(url: str, given: str | None, s3_endpoint: str | None = None) -> dict:
+    """``--storage-options`` JSON (else ``$MARIND_STORAGE_OPTIONS``), plus an S3 endpoint."""
+    text = given or os.environ.get("MARIND_STORAGE_OPTIONS")
+    try:
+        opts = json.loads(text) if text else {}
+    except ValueError as exc:
+        raise ValueError(f"--storage-options is not JSON: {exc}") from None
+    if url.startswith("s3://") and s3_endpoint:
+        opts.setdefault("client_kwargs", {}).setdefault("endpoint_url", s3_endpoint)
+    return opts
+
+
+def open_root(url: str, options: dict):
+    """(filesystem, root path) for a checkpoint url; the filesystem never serves a stale listing."""
+    fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
+    return fs, root.rstrip("/")
+
+
+def step_dirs(fs, root: str) -> dict[int, str]:
+    """{step: path} of every step directory, committed or not."""
+    fs.invalidate_cache()
+    try:
+        names = fs.ls(root, detail=False)
+    except FileNotFoundError:
+        return {}
+    out = {}
+    for name in names:
+        step = parse_step_dir(name)
+        if step is not None:
+            out[step] = name.rstrip("/")
+    return out
+
+
+def is_committed(fs, step_path: str) -> bool:
+    return fs.exists(f"{step_path}/{MANIFEST}")
+
+
+def committed_steps(fs, root: str) -> list[int]:
+    dirs = step_dirs(fs, root)
+    return sorted(s for s, path in dirs.items() if is_committed(fs, path))
+
+
+def read_manifest(fs, root: str, step: int) -> dict:
+    with fs.open(f"{root}/{step_dir_name(step)}/{MANIFEST}", "rb") as fh:
+        return json.loads(fh.read())
+
+
+def uncommitted_above(dirs: dict[int, str], committed: set[int]) -> set[int]:
+    """Steps with a directory but no manifest, newer than the newest committed one (pure)."""
+    newest = max(committed) if committed else -1
+    return {s for s in dirs if s > newest and s not in committed}
+
+
+class SaveWatcher:
+    """Notices a checkpoint save that starts after it was created.
+
+    ``poll()`` returns the step of a step directory without a manifest,
+    newer than every committed step, that was not there at the first
+    poll (leftovers of an old failed save are not a save in progress).
+    """
+
+    def __init__(self, fs, root: str):
+        self.fs, self.root = fs, root
+        self.committed: set[int] = set()
+        self.baseline: set[int] | None = None
+
+    def poll(self) -> int | None:
+        dirs = step_dirs(self.fs, self.root)
+        for step, path in dirs.items():
+            if step not in self.committed and is_committed(self.fs, path):
+                self.committed.add(step)
+        pending = uncommitted_above(dirs, self.committed)
+        if self.baseline is None:
+            self.baseline = pending
+            return None
+        fresh = pending - self.baseline
+        return max(fresh) if fresh else None
+
+
+def checkpoint_url_of_job(client, job: str) -> str | None:
+    """The job spec's checkpoint url (``spec.checkpoint.url``), if any."""
+    spec = client.get_json(client.key("jobs", job, "spec")) or {}
+    ckpt = spec.get("checkpoint") if isinstance(spec, dict) else None
+    if not isinstance(ckpt, dict) and isinstance(spec.get("spec"), dict):
+        ckpt = spec["spec"].get("checkpoint")
+    return ckpt.get("url") if isinstance(ckpt, dict) else None

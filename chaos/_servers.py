@@ -1,0 +1,169 @@
+"""Stopping a server (etcd, S3) and starting the very same one again, for the outage injectors.
+
+A server is described by a state file that ``marind.local_etcd.LocalEtcd``
+and ``tests.support.s3_server.SeaweedS3`` write when they start:
+``{kind, pid, command, cwd, log, endpoint, health_url, health_expect}``.
+Without one, the server is found as the process listening on the
+endpoint's port and described from the OS (command line, cwd). Either
+way the pid is checked to still run the recorded command before it is
+stopped; the restart runs that command in the same cwd with the same
+environment and ports (hence the same data dir), appends to the same
+log, and, with a state file, records the new pid there so that the
+server's owner keeps control of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, replace
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import psutil
+
+from marind.local_etcd import stop_server_pid, write_server_state
+from marind.netutil import port_open
+
+
+class ServerNotFound(LookupError):
+    pass
+
+
+@dataclass(frozen=True)
+class ServerState:
+    pid: int
+    command: tuple[str, ...]
+    cwd: str
+    endpoint: str
+    kind: str = "server"
+    log: str | None = None
+    health_url: str | None = None
+    health_expect: str | None = None
+    path: str | None = None          # the state file, when there is one
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        parts = urlsplit(self.endpoint if "://" in self.endpoint else "http://" + self.endpoint)
+        return parts.hostname or "127.0.0.1", parts.port or 80
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "pid": self.pid, "command": list(self.command), "cwd": self.cwd,
+                "log": self.log, "endpoint": self.endpoint, "health_url": self.health_url,
+                "health_expect": self.health_expect}
+
+
+def load_state(path: str | os.PathLike) -> ServerState:
+    try:
+        raw = json.loads(Path(path).read_text())
+        return ServerState(pid=int(raw["pid"]), command=tuple(raw["command"]), cwd=raw["cwd"],
+                           endpoint=raw["endpoint"], kind=raw.get("kind", "server"),
+                           log=raw.get("log"), health_url=raw.get("health_url"),
+                           health_expect=raw.get("health_expect"), path=str(path))
+    except FileNotFoundError:
+        raise ServerNotFound(f"no server state file at {path}") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"bad server state file {path}: {exc}") from exc
+
+
+def _listens(proc: psutil.Process, port: int) -> bool:
+    getter = getattr(proc, "net_connections", None) or proc.connections
+    try:
+        return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                   for c in getter(kind="inet"))
+    except psutil.Error:
+        return False
+
+
+def discover(endpoint: str, *, kind: str, health_url: str | None = None,
+             health_expect: str | None = None) -> ServerState:
+    """Describe the process listening on ``endpoint``'s port from the OS (no state file)."""
+    probe = ServerState(pid=0, command=(), cwd="/", endpoint=endpoint)
+    _, port = probe.host_port
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid() or not _listens(proc, port):
+            continue
+        try:
+            return ServerState(pid=proc.pid, command=tuple(proc.cmdline()), cwd=proc.cwd(),
+                               endpoint=endpoint, kind=kind, health_url=health_url,
+                               health_expect=health_expect)
+        except psutil.Error:
+            continue
+    raise ServerNotFound(f"no process of this host listens on {endpoint}")
+
+
+def live_pid(state: ServerState) -> psutil.Process:
+    """The server's process, checked to run the recorded command."""
+    try:
+        proc = psutil.Process(state.pid)
+        if proc.status() != psutil.STATUS_ZOMBIE and tuple(proc.cmdline()) == state.command:
+            return proc
+    except psutil.Error:
+        pass
+    raise ServerNotFound(f"{state.kind} server pid {state.pid} is not running {state.command[:1]}")
+
+
+def _environ(proc: psutil.Process) -> dict:
+    try:
+        return proc.environ()
+    except psutil.Error:
+        return dict(os.environ)
+
+
+def stop(state: ServerState, timeout: float = 15.0) -> dict:
+    """Stop the server; returns the environment it ran with (for ``start``)."""
+    env = _environ(live_pid(state))
+    stop_server_pid(state.pid, timeout)
+    host, port = state.host_port
+    deadline = time.monotonic() + timeout
+    while port_open(host, port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return env
+
+
+def start(state: ServerState, env: dict, timeout: float = 60.0) -> ServerState:
+    """Run the recorded command again, wait until it answers, record its pid; the new state."""
+    log_path = state.log or os.devnull
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen(list(state.command), cwd=state.cwd, env=env, stdout=logf,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    new = replace(state, pid=proc.pid)
+    if state.path:
+        write_server_state(state.path, **new.to_json())
+    wait_ready(new, proc, timeout)
+    return new
+
+
+def _healthy(state: ServerState) -> bool:
+    host, port = state.host_port
+    if not port_open(host, port):
+        return False
+    if not state.health_url:
+        return True
+    try:
+        with urllib.request.urlopen(state.health_url, timeout=2) as resp:
+            body = resp.read().decode(errors="replace")
+            return state.health_expect is None or state.health_expect in body
+    except urllib.error.HTTPError as exc:
+        # an S3 server that refuses an unsigned request is up; a 5xx one is still starting
+        return state.health_expect is None and exc.code < 500
+    except OSError:
+        return False
+
+
+def wait_ready(state: ServerState, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{state.kind} server exited with {proc.returncode} on restart; "
+                               f"see {state.log}")
+        if _healthy(state):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"{state.kind} server at {state.endpoint} not ready {timeout:g}s after "
+                       f"restart; see {state.log}")

@@ -1,0 +1,93 @@
+"""Corrupt one object of the newest committed checkpoint: bit rot, a torn write.
+
+    python chaos/corrupt_checkpoint.py [--job JOB] [--url CKPT_URL] [--step S]
+        [--mode flip|truncate] [--object KEY] [--bytes 8] [--seed N] [--storage-options JSON]
+
+The checkpoint is ``--step`` or the newest committed one (its
+``manifest.json`` exists) under ``--url`` (default: the job spec's
+``checkpoint.url``). The object is ``--object`` or a seeded choice among
+the manifest's non-empty objects. ``flip`` inverts ``--bytes`` bytes at
+seeded offsets (size unchanged, so only a checksum notices); ``truncate``
+cuts the object to half its size. The manifest itself is left alone, so
+the step still looks committed. One ``corrupt`` line; exit 0 if an object
+was corrupted, 1 if there was no committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from chaos._ckpt import (checkpoint_url_of_job, committed_steps, open_root,  # noqa: E402
+                         read_manifest, step_dir_name, storage_options)
+from chaos._common import NothingToDo, base_parser, connect, emit, run, seeded_rng  # noqa: E402
+
+
+def choose_object(objects: dict, rng, key: str | None) -> str:
+    """The object to corrupt: ``key`` if given (must be in the manifest), else a seeded choice."""
+    if key is not None:
+        if key not in objects:
+            raise ValueError(f"--object {key!r} is not in the manifest (it lists {len(objects)} objects)")
+        return key
+    candidates = sorted(k for k, v in objects.items() if int((v or {}).get("size", 0)) > 0)
+    if not candidates:
+        raise NothingToDo("the manifest lists no non-empty object")
+    return rng.choice(candidates)
+
+
+def corrupt_bytes(data: bytes, mode: str, rng, nbytes: int) -> tuple[bytes, dict]:
+    """The corrupted content and what was done to it (pure apart from ``rng``)."""
+    if mode == "truncate":
+        cut = len(data) // 2
+        return data[:cut], {"from_size": len(data), "to_size": cut}
+    offsets = sorted(rng.sample(range(len(data)), min(nbytes, len(data))))
+    out = bytearray(data)
+    for off in offsets:
+        out[off] ^= 0xFF
+    return bytes(out), {"offsets": offsets}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = base_parser(__doc__.split("\n", 1)[0], job_required=False)
+    parser.add_argument("--url", help="checkpoint root url (default: the job spec's checkpoint.url)")
+    parser.add_argument("--step", type=int, help="corrupt this committed step (default: the newest)")
+    parser.add_argument("--mode", choices=("flip", "truncate"), default="flip")
+    parser.add_argument("--object", help="manifest key of the object to corrupt")
+    parser.add_argument("--bytes", type=int, default=8, help="bytes to flip (mode flip)")
+    parser.add_argument("--storage-options", help="fsspec storage options as JSON "
+                                                  "(default $MARIND_STORAGE_OPTIONS)")
+    parser.add_argument("--s3-endpoint", help="S3 endpoint url, added to the storage options")
+    args = parser.parse_args(argv)
+    if args.bytes < 1:
+        raise ValueError("--bytes must be >= 1")
+    rng = seeded_rng(args)
+    url = args.url
+    if not url:
+        if not args.job:
+            raise ValueError("name the checkpoint: pass --url or --job")
+        url = checkpoint_url_of_job(connect(args), args.job)
+        if not url:
+            raise NothingToDo(f"job {args.job} has no checkpoint url in its spec")
+    fs, root = open_root(url, storage_options(url, args.storage_options, args.s3_endpoint))
+    steps = committed_steps(fs, root)
+    if args.step is not None and args.step not in steps:
+        raise NothingToDo(f"step {args.step} is not a committed checkpoint under {url}")
+    if not steps:
+        raise NothingToDo(f"no committed checkpoint under {url}")
+    step = args.step if args.step is not None else steps[-1]
+    manifest = read_manifest(fs, root, step)
+    key = choose_object(manifest.get("objects") or {}, rng, args.object)
+    path = f"{root}/{step_dir_name(step)}/{key}"
+    data = fs.cat_file(path)
+    bad, detail = corrupt_bytes(data, args.mode, rng, args.bytes)
+    fs.pipe_file(path, bad)
+    emit("corrupt", target=f"{url.rstrip('/')}/{step_dir_name(step)}/{key}", step=step, key=key,
+         mode=args.mode, job=args.job, seed=args.seed, **detail)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(main))
