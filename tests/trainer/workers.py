@@ -1,0 +1,27 @@
+"""Functions run on real gloo ranks by ``run_torch_workers`` in the trainer tests."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+from marind.distributed import device_for_local_rank
+from marind.spec import RunSpec
+from trainer.train import train
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def train_and_digest(spec: dict) -> dict:
+    """Train; return the result plus a digest of every full parameter and optimizer tensor."""
+    result, model, optimizer = train(RunSpec.from_dict(spec, check_worlds=False), device_for_local_rank())
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    digests = {f"model/{k}": _digest(v) for k, v in model_sd.items()}
+    for fqn, st in optim_sd["state"].items():
+        for name, v in st.items():
+            digests[f"optim/{fqn}/{name}"] = _digest(v if isinstance(v, torch.Tensor) else torch.tensor(v))
+    return {**result.as_dict(), "digests": digests}
