@@ -180,6 +180,11 @@ class EtcdClient:
         rows = self._call(lambda: list(self._client.get_prefix(prefix)))
         return [(meta.key.decode(), value, meta.mod_revision) for value, meta in rows]
 
+    def get_prefix_keys(self, prefix: str) -> list[str]:
+        """Keys under ``prefix`` without their values (cheap listings)."""
+        rows = self._call(lambda: list(self._client.get_prefix(prefix, keys_only=True)))
+        return [meta.key.decode() for _, meta in rows]
+
     def get_prefix_json(self, prefix: str) -> dict[str, Any]:
         out = {}
         for key, value, _ in self.get_prefix(prefix):
