@@ -84,33 +84,56 @@ def dim_indices(length: int, dim: int, mesh_shape: tuple[int, ...], coord: tuple
     return tuple(int(i) for i in idx.tolist())
 
 
-def rank_boxes(shape: tuple[int, ...], ranks: list[int], mesh_shape: tuple[int, ...],
-               placements) -> dict[int, Box]:
-    """Every mesh rank's box; ``ranks`` lists global ranks in C order over ``mesh_shape``."""
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous part of a rank's local tensor: local[local:+box.shape] == global[box]."""
+
+    local: tuple[int, ...]
+    box: Box
+
+    def local_slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + s) for o, s in zip(self.local, self.box.shape))
+
+
+def _runs(indices: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(local_start, global_start, length) runs of consecutive global indices."""
+    out: list[list[int]] = []
+    for local, g in enumerate(indices):
+        if out and out[-1][1] + out[-1][2] == g:
+            out[-1][2] += 1
+        else:
+            out.append([local, g, 1])
+    return [tuple(r) for r in out]
+
+
+def rank_pieces(shape: tuple[int, ...], ranks: list[int], mesh_shape: tuple[int, ...],
+                placements) -> dict[int, list[Piece]]:
+    """Every mesh rank's pieces; ``ranks`` lists global ranks in C order over ``mesh_shape``.
+
+    Shard/Replicate give one piece per rank; _StridedShard (FSDP2 over TP on
+    the same dim) gives one piece per contiguous run of global rows.
+    """
     specs = tuple(_spec(p) for p in placements)
-    out: dict[int, Box] = {}
+    out: dict[int, list[Piece]] = {}
     for coord, rank in zip(itertools.product(*[range(m) for m in mesh_shape]), ranks):
-        offset, size = [], []
+        per_dim = []
         for d, n in enumerate(shape):
-            if not any(k != "replicate" and dd == d for k, dd, _ in specs):
-                offset.append(0)
-                size.append(n)
-                continue
-            idx = dim_indices(n, d, tuple(mesh_shape), tuple(coord), specs)
-            if idx and list(idx) != list(range(idx[0], idx[0] + len(idx))):
-                raise ValueError(f"placements {list(placements)} give rank {rank} a non-contiguous "
-                                 f"region of dim {d}; strided sharding is not supported by ckpt_store yet")
-            offset.append(idx[0] if idx else 0)
-            size.append(len(idx))
-        out[int(rank)] = Box(tuple(offset), tuple(size))
+            if any(k != "replicate" and dd == d for k, dd, _ in specs):
+                r = _runs(dim_indices(n, d, tuple(mesh_shape), tuple(coord), specs))
+            else:
+                r = [(0, 0, n)]
+            per_dim.append(r or [(0, 0, 0)])
+        out[int(rank)] = [Piece(tuple(c[0] for c in combo),
+                                Box(tuple(c[1] for c in combo), tuple(c[2] for c in combo)))
+                          for combo in itertools.product(*per_dim)]
     return out
 
 
-def replicated_boxes(shape: tuple[int, ...], world: int) -> dict[int, Box]:
-    return {r: full_box(shape) for r in range(world)}
+def replicated_pieces(shape: tuple[int, ...], world: int) -> dict[int, list[Piece]]:
+    return {r: [Piece((0,) * len(shape), full_box(shape))] for r in range(world)}
 
 
-def chunk_grid(shape: tuple[int, ...], boxes: dict[int, Box]) -> tuple[int, ...]:
+def chunk_grid(shape: tuple[int, ...], pieces: dict[int, list[Piece]]) -> tuple[int, ...]:
     """A regular chunk shape whose cell boundaries include every box boundary.
 
     For torch.chunk shards this is the shard size (ceil division); for other
@@ -120,7 +143,7 @@ def chunk_grid(shape: tuple[int, ...], boxes: dict[int, Box]) -> tuple[int, ...]
     chunks = []
     for d, n in enumerate(shape):
         c = 0
-        for b in boxes.values():
+        for b in (p.box for ps in pieces.values() for p in ps):
             if b.empty:
                 continue
             for edge in (b.offset[d], b.end[d]):
@@ -144,18 +167,25 @@ def all_cells(shape: tuple[int, ...], chunks: tuple[int, ...]):
     return itertools.product(*[range(g) for g in grid_shape(shape, chunks)])
 
 
-def owned_cells(shape: tuple[int, ...], chunks: tuple[int, ...], boxes: dict[int, Box],
-                rank: int, salt: int) -> list[tuple[int, ...]]:
+def owned_cells(shape: tuple[int, ...], chunks: tuple[int, ...], pieces: dict[int, list[Piece]],
+                rank: int, salt: int) -> list[tuple[tuple[int, ...], Piece]]:
     """The chunks ``rank`` writes. Holders of a chunk take turns (offset by ``salt``), so
-    replicated arrays spread their writes over the replicas. Every chunk has one writer."""
+    replicated arrays spread their writes over the replicas. Every chunk has one writer;
+    returns (cell, the writer's piece holding it)."""
     out = []
     for linear, cell in enumerate(all_cells(shape, chunks)):
         region = cell_box(cell, chunks, shape)
-        holders = [r for r in sorted(boxes) if not boxes[r].empty and boxes[r].contains(region)]
+        holders = []
+        for r in sorted(pieces):
+            for p in pieces[r]:
+                if not p.box.empty and p.box.contains(region):
+                    holders.append((r, p))
+                    break
         if not holders:
             raise ValueError(f"chunk {cell} of an array of shape {shape} is held by no rank")
-        if holders[(salt + linear) % len(holders)] == rank:
-            out.append(cell)
+        writer, piece = holders[(salt + linear) % len(holders)]
+        if writer == rank:
+            out.append((cell, piece))
     return out
 
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from ckpt_store import layout
 from ckpt_store.errors import CheckpointCorrupt, CheckpointMismatch, CheckpointNotFound
 from ckpt_store.layout import Box
-from ckpt_store.plan import flatten
+from ckpt_store.plan import flatten, local_pieces
 from ckpt_store.zarr_format import (EMPTY, TORCH_DTYPES, ArraySpec, chunk_key, decode_block,
                                     decode_index, dtype_name, index_nbytes)
 
@@ -37,15 +37,6 @@ def read_manifest(st, d: str) -> dict:
     except (ValueError, AttributeError) as exc:
         raise CheckpointCorrupt(key, f"unreadable manifest ({exc})") from exc
     return manifest
-
-
-def _target(t: torch.Tensor, rank: int) -> tuple[Box, torch.Tensor]:
-    if isinstance(t, DTensor):
-        mesh = t.device_mesh
-        boxes = layout.rank_boxes(tuple(t.shape), mesh.mesh.flatten().tolist(),
-                                  tuple(mesh.mesh.shape), t.placements)
-        return boxes[rank], t._local_tensor
-    return layout.full_box(tuple(t.shape)), t
 
 
 def _check(name: str, t: torch.Tensor, arrays: dict) -> str | None:
@@ -84,18 +75,22 @@ def load_step(st, d: str, state: dict, rank: int) -> dict:
     hosts = []  # (local tensor, host tensor) to copy back when host is a staging buffer
     for name, t in sorted(tensors.items()):
         spec = ArraySpec.from_json(name, manifest["arrays"][name])
-        box, local = _target(t, rank)
-        if box.empty:
+        pieces, local = local_pieces(t, rank)
+        pieces = [p for p in pieces if not p.box.empty]
+        if not pieces:
             continue
         if local.device.type == "cpu" and local.is_contiguous():
             host = local
         else:
             host = torch.empty(tuple(local.shape), dtype=local.dtype)
             hosts.append((local, host))
-        stats["bytes_needed"] += box.numel * spec.itemsize
-        for cell in layout.cells_for_box(box, spec.chunks):
-            cbox = layout.cell_box(cell, spec.chunks, spec.shape)
-            jobs.append((spec, box, host, cell, cbox, box.intersect(cbox)))
+        for piece in pieces:
+            box = piece.box
+            view = host[piece.local_slices()]
+            stats["bytes_needed"] += box.numel * spec.itemsize
+            for cell in layout.cells_for_box(box, spec.chunks):
+                cbox = layout.cell_box(cell, spec.chunks, spec.shape)
+                jobs.append((spec, box, view, cell, cbox, box.intersect(cbox)))
     # phase 1: shard indexes of partially needed sharded chunks
     partial = [j for j in jobs if j[0].inner_rows and j[5] != j[4]]
     index_reqs = []

@@ -26,9 +26,9 @@ INNER_CHUNK_BYTES = 1 << 20
 @dataclass(frozen=True)
 class ArrayPlan:
     spec: ArraySpec
-    box: Box                       # this rank's region of the global tensor
-    local: torch.Tensor            # this rank's tensor holding exactly `box`
-    owned: tuple                   # chunk cells this rank writes
+    pieces: tuple                  # this rank's Pieces of the global tensor
+    local: torch.Tensor            # this rank's local tensor
+    owned: tuple                   # (cell, piece) of each chunk this rank writes
     layout: dict                   # how the saving world held it (for the manifest / inspect)
 
 
@@ -60,14 +60,14 @@ def flatten(state: dict, prefix: str = "") -> tuple[dict[str, torch.Tensor], dic
     return tensors, values
 
 
-def local_box(t: torch.Tensor) -> tuple[Box, torch.Tensor]:
-    """This rank's box of the global tensor and the local tensor that holds it."""
+def local_pieces(t: torch.Tensor, rank: int) -> tuple[list, torch.Tensor]:
+    """This rank's pieces of the global tensor and the local tensor that holds them."""
     if isinstance(t, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-        _check_placements(t)
-        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        return Box(tuple(offset), tuple(shape)), t.to_local()
-    return layout.full_box(tuple(t.shape)), t
+        mesh = t.device_mesh
+        pieces = layout.rank_pieces(tuple(t.shape), mesh.mesh.flatten().tolist(),
+                                    tuple(mesh.mesh.shape), t.placements)
+        return pieces.get(rank, []), t._local_tensor
+    return [layout.Piece((0,) * t.dim(), layout.full_box(tuple(t.shape)))], t
 
 
 def plan_array(name: str, t: torch.Tensor, rank: int, world: int, salt: int,
@@ -77,28 +77,24 @@ def plan_array(name: str, t: torch.Tensor, rank: int, world: int, salt: int,
     if isinstance(t, DTensor):
         _check_placements(t)
         mesh = t.device_mesh
-        boxes = layout.rank_boxes(shape, mesh.mesh.flatten().tolist(), tuple(mesh.mesh.shape),
-                                  t.placements)
+        pieces = layout.rank_pieces(shape, mesh.mesh.flatten().tolist(), tuple(mesh.mesh.shape),
+                                    t.placements)
         how = {"mesh_shape": list(mesh.mesh.shape), "mesh_dim_names": list(mesh.mesh_dim_names or []),
                "placements": [str(p) for p in t.placements]}
-        local = t.to_local()
+        local = t._local_tensor
     else:
-        boxes = layout.replicated_boxes(shape, world)
+        pieces = layout.replicated_pieces(shape, world)
         how = {"replicated": True}
         local = t
-    box = boxes.get(rank, Box((0,) * len(shape), (0,) * len(shape)))
-    if not box.empty and tuple(local.shape) != box.shape:
-        raise ValueError(f"{name}: local shard shape {tuple(local.shape)} does not match the layout's "
-                         f"{box.shape}")
-    chunks = layout.chunk_grid(shape, boxes)
+    mine = pieces.get(rank, [])
+    chunks = layout.chunk_grid(shape, pieces)
     rows = None
     if shape and all(s > 0 for s in shape):
-        itemsize = t.element_size()
-        r = layout.inner_rows(chunks, itemsize, inner_bytes)
+        r = layout.inner_rows(chunks, t.element_size(), inner_bytes)
         rows = r if r < chunks[0] else None
     spec = ArraySpec(name, shape, dtype, chunks, rows)
-    owned = tuple(layout.owned_cells(shape, chunks, boxes, rank, salt))
-    return ArrayPlan(spec, box, local, owned, how)
+    owned = tuple(layout.owned_cells(shape, chunks, pieces, rank, salt))
+    return ArrayPlan(spec, tuple(mine), local, owned, how)
 
 
 def _check_placements(t: DTensor) -> None:
@@ -118,9 +114,10 @@ class Snapshotter:
         out = []
         cuda = False
         for plan in plans:
-            for cell in plan.owned:
+            for cell, piece in plan.owned:
                 cbox = layout.cell_box(cell, plan.spec.chunks, plan.spec.shape)
-                src = plan.local[cbox.slices(plan.box.offset)]
+                src = plan.local[tuple(slice(l + o - b, l + o - b + s) for l, o, b, s in
+                                       zip(piece.local, cbox.offset, piece.box.offset, cbox.shape))]
                 key = chunk_key(plan.spec.name, cell)
                 if src.device.type == "cuda":
                     cuda = True

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
 
 
 class Storage:
-    def __init__(self, url: str, storage_options: dict | None = None, io_threads: int = 4):
+    def __init__(self, url: str, storage_options: dict | None = None, io_threads: int = 4,
+                 rate_limit: float | None = None):
         if "://" not in url:
             url = "file://" + os.path.abspath(url)
         self.url = url.rstrip("/")
@@ -25,12 +28,27 @@ class Storage:
         self.local = self.fs.protocol in ("file", "local") or "file" in tuple(self.fs.protocol)
         self.io_threads = io_threads
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="ckpt-io")
+        self._rate = rate_limit            # bytes/s over all writer threads; None = unlimited
+        self._rate_lock = threading.Lock()
+        self._next_free = 0.0
+
+    def _throttle(self, nbytes: int) -> None:
+        """Keep writes under ``rate_limit`` bytes/s (spares a small machine's disk and NIC)."""
+        if not self._rate:
+            return
+        with self._rate_lock:
+            now = time.monotonic()
+            start = max(now, self._next_free)
+            self._next_free = start + nbytes / self._rate
+            delay = self._next_free - now
+        time.sleep(delay)
 
     def path(self, key: str) -> str:
         return f"{self.root}/{key}" if key else self.root
 
     # -- writes --------------------------------------------------------------------------
     def write(self, key: str, pieces: list) -> None:
+        self._throttle(sum(memoryview(p).nbytes for p in pieces))
         path = self.path(key)
         if self.local:
             os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -85,9 +85,11 @@ class PendingSave:
 class CheckpointStore:
     def __init__(self, url: str, storage_options: dict | None = None, *, keep_last: int | None = None,
                  keep_every: int | None = None, commit_timeout_s: float = 600.0,
-                 io_threads: int = 4, inner_chunk_bytes: int = 1 << 20):
+                 io_threads: int = 4, inner_chunk_bytes: int = 1 << 20,
+                 io_rate_limit: float | None = None):
+        """``io_rate_limit``: cap background writes at this many bytes/s (None: no cap)."""
         self.url = url
-        self.storage = Storage(url, storage_options, io_threads=io_threads)
+        self.storage = Storage(url, storage_options, io_threads=io_threads, rate_limit=io_rate_limit)
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.commit_timeout_s = commit_timeout_s
