@@ -3,7 +3,7 @@
 Test hooks: ``MARIND_TEST_STOP_AT_STEP=N`` acts as a SIGTERM arriving during
 step N (the run stops after it, without a new checkpoint).
 ``MARIND_TEST_NAN_AT_STEP=N[,M...]`` (or ``[fault] nan_at_step``)
-puts a NaN into rank 0's first gradient while computing step N; the step
+puts a NaN into rank 0's first gradient while computing step N (once); the step
 is skipped (parameters and optimizer state untouched, the data moves on)
 and logged as ``step_skipped``. After ``train.max_bad_steps`` non-finite
 steps in a row the run rolls back to the latest checkpoint, keeping its
@@ -146,9 +146,11 @@ def train(spec: RunSpec, device: torch.device, *, stop: StopFlag | None = None):
             loss = lm_loss(model(x), y) / accum
             loss.backward()
             loss_acc += loss.detach()
-        if step + 1 in nan_steps and rank == 0:
-            params[0].grad.to_local().fill_(float("nan")) if hasattr(params[0].grad, "to_local") \
-                else params[0].grad.fill_(float("nan"))
+        if step + 1 in nan_steps:
+            nan_steps.discard(step + 1)  # once per step number, also after a rollback
+            if rank == 0:
+                grad = params[0].grad
+                (grad.to_local() if hasattr(grad, "to_local") else grad).fill_(float("nan"))
         norm = clip_grad_norm(params, o.grad_clip)
         finite = bool(torch.isfinite(norm))
         if finite:
