@@ -384,10 +384,13 @@ def validate_spec(spec: RunSpec, *, check_worlds: bool = True) -> None:
         raise SpecError(f"model.n_heads = {m.n_heads} must divide model.dim = {m.dim}")
     if (m.dim // m.n_heads) % 2:
         raise SpecError(f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (rotary embeddings)")
-    if p.dp_replicate < 1:
-        raise SpecError(f"parallel.dp_replicate must be >= 1, got {p.dp_replicate}")
+    if p.dp_replicate == 0 or p.dp_replicate < -1:
+        raise SpecError(f"parallel.dp_replicate must be >= 1, or -1 to fill the world, got {p.dp_replicate}")
     if p.dp_shard == 0 or p.dp_shard < -1:
         raise SpecError(f"parallel.dp_shard must be >= 1, or -1 to fill the world, got {p.dp_shard}")
+    if p.dp_replicate == -1 and p.dp_shard == -1:
+        raise SpecError("parallel.dp_replicate and parallel.dp_shard are both -1; fix one of them "
+                        "(e.g. dp_shard = GPUs per node for HSDP)")
     if p.tp < 1:
         raise SpecError(f"parallel.tp must be >= 1, got {p.tp}")
     if m.n_heads % p.tp:
@@ -432,10 +435,16 @@ def validate_spec(spec: RunSpec, *, check_worlds: bool = True) -> None:
 
 
 def resolve_mesh(spec: RunSpec, world_size: int) -> tuple[int, int, int]:
-    """(dp_replicate, dp_shard, tp) for ``world_size``; ``dp_shard = -1`` fills the rest."""
+    """(dp_replicate, dp_shard, tp) for ``world_size``; the one size set to -1 fills the rest."""
     p = spec.parallel
     if world_size < 1:
         raise SpecError(f"world size must be >= 1, got {world_size}")
+    if p.dp_replicate == -1:
+        fixed = p.dp_shard * p.tp
+        if world_size % fixed:
+            raise SpecError(f"parallel.dp_shard x parallel.tp = {fixed} does not divide the world size "
+                            f"{world_size}; change them or the number of processes")
+        return world_size // fixed, p.dp_shard, p.tp
     fixed = p.dp_replicate * p.tp
     if p.dp_shard == -1:
         if world_size % fixed:

@@ -143,3 +143,18 @@ def test_data_path_required():
 
 def test_unknown_preset():
     assert "did you mean '125m'" in _err(BASE.replace('preset = "tiny"', 'preset = "125M"'))
+
+
+def test_dp_replicate_fills_for_hsdp():
+    spec = load_spec(BASE.replace("dp_replicate = 1", "dp_replicate = -1").replace("dp_shard = -1", "dp_shard = 2"),
+                     check_worlds=False)
+    assert resolve_mesh(spec, 8) == (4, 2, 1)
+    assert "both -1" in _err(BASE.replace("dp_replicate = 1", "dp_replicate = -1"))
+
+
+@pytest.mark.parametrize("name", ["tiny.toml", "gpt-125m.toml", "gpt-1.3b.toml"])
+def test_examples_validate(name):
+    from pathlib import Path
+    spec = load_spec(Path(__file__).resolve().parents[2] / "examples" / name)
+    for world in spec.world_sizes():
+        validate_for_world(spec, world)
