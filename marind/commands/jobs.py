@@ -1,5 +1,189 @@
-"""`marind jobs` commands (not implemented yet)."""
+"""`marind submit | status | cancel | logs | nodes | rm` (DESIGN §5).
+
+A thin layer over ``marind.jobs_client``: parse, call, print. Tables and
+``--json`` come from the same rows.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import socket
+import sys
+import time
+
+
+def _common(p) -> None:
+    p.add_argument("--etcd", help="etcd endpoints (default: $MARIND_ETCD, the config file, the embedded agent's)")
+    p.add_argument("--config", help="config file (default $MARIND_CONFIG or /etc/marind/marind.toml)")
 
 
 def register(sub) -> None:
-    pass
+    p = sub.add_parser("submit", help="validate a run.toml and submit it as a job")
+    p.add_argument("spec", help="path to run.toml")
+    p.add_argument("--wait", action="store_true", help="follow the job; exit 4 if it fails")
+    p.add_argument("--json", action="store_true", help='print {"id": ...}')
+    p.add_argument("--id", help="job id (default: NAME-YYYYmmdd-HHMMSS-xxxx)")
+    _common(p)
+    p.set_defaults(handler=submit)
+
+    p = sub.add_parser("status", help="nodes and jobs")
+    p.add_argument("job", nargs="?")
+    p.add_argument("--json", action="store_true")
+    _common(p)
+    p.set_defaults(handler=status)
+
+    p = sub.add_parser("nodes", help="registered nodes")
+    p.add_argument("--json", action="store_true")
+    _common(p)
+    p.set_defaults(handler=nodes)
+
+    p = sub.add_parser("cancel", help="stop a job on every node")
+    p.add_argument("job")
+    _common(p)
+    p.set_defaults(handler=cancel)
+
+    p = sub.add_parser("logs", help="a job's logs on this node")
+    p.add_argument("job")
+    p.add_argument("-f", "--follow", action="store_true")
+    p.add_argument("--state-dir", help="the local agent's state dir")
+    p.set_defaults(handler=logs)
+
+    p = sub.add_parser("rm", help="delete a finished job's keys from etcd")
+    p.add_argument("job")
+    p.add_argument("--force", action="store_true", help="also when it is not finished")
+    _common(p)
+    p.set_defaults(handler=rm)
+
+
+def _client(args):
+    from marind.jobs_client import JobsClient, connect
+    return JobsClient(connect(args.etcd, args.config))
+
+
+def submit(args) -> int:
+    from marind.errors import JobFailed
+    from marind.spec import load_spec
+
+    spec = load_spec(args.spec)          # validates before anything touches etcd (exit 2)
+    jc = _client(args)
+    job = jc.submit(spec.to_dict(), spec.job.name, args.id)
+    if not args.wait:
+        if args.json:
+            print(json.dumps({"id": job}))
+        else:
+            print(f"Submitted job {job}.\n  follow: marind status {job}\n  logs:   marind logs {job} -f\n"
+                  f"  cancel: marind cancel {job}")
+            print(job)
+        return 0
+    if not args.json:
+        print(f"Submitted job {job}; following (Ctrl-C stops following, not the job).")
+
+    def show(row):
+        if not args.json:
+            step = row["step"] if row["step"] is not None else "-"
+            print(f"{time.strftime('%H:%M:%S')} {row['state']:<10} step {step}/{row['target_steps']} "
+                  f"restarts {row['restarts']}", flush=True)
+
+    row = jc.wait(job, on_change=show)
+    if args.json:
+        print(json.dumps({"id": job, "state": row["state"]}))
+    else:
+        print(f"Job {job} {row['state']}: {row['reason']}")
+        print(job)
+    if row["state"] != "SUCCEEDED":
+        raise JobFailed(f"job {job} {row['state']}: {row['reason']}")
+    return 0
+
+
+def _fmt(value, digits=None) -> str:
+    if value is None:
+        return "-"
+    if digits is not None and isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _print_nodes(nodes: list[dict]) -> None:
+    if not nodes:
+        print("No nodes.")
+        return
+    print(_table(["NODE", "HOST", "SLOTS", "VERSION", "UP"],
+                 [[n["node"], n.get("host", "-"), _fmt(n.get("slots")), _fmt(n.get("version")),
+                   f"{time.time() - float(n.get('started_at', time.time())):.0f}s"] for n in nodes]))
+
+
+def status(args) -> int:
+    doc = _client(args).status_document(args.job)
+    if args.json:
+        print(json.dumps(doc, sort_keys=True))
+        return 0
+    _print_nodes(doc["nodes"])
+    print()
+    if not doc["jobs"]:
+        print("No jobs.")
+        return 0
+    print(_table(["JOB", "STATE", "NODES", "WORLD", "STEP", "LOSS", "TOK/S", "CKPT", "RESTARTS"],
+                 [[j["id"], j["state"], _fmt(len(j["nodes"])), _fmt(j["world_size"]), _fmt(j["step"]),
+                   _fmt(j["loss"], 4), _fmt(j["tokens_per_s"], 0), _fmt(j["last_checkpoint_step"]),
+                   _fmt(j["restarts"])] for j in doc["jobs"]]))
+    return 0
+
+
+def nodes(args) -> int:
+    rows = _client(args).nodes()
+    if args.json:
+        print(json.dumps({"schema_version": 1, "nodes": rows}, sort_keys=True))
+    else:
+        _print_nodes(rows)
+    return 0
+
+
+def cancel(args) -> int:
+    by = f"{getpass.getuser()}@{socket.gethostname()}"
+    state = _client(args).cancel(args.job, by)
+    print(f"Job {args.job} {state}." if state != "CANCELLED" else f"Cancelled job {args.job}; "
+          "its workers stop within seconds on every node.")
+    return 0
+
+
+def rm(args) -> int:
+    _client(args).remove(args.job, force=args.force)
+    print(f"Removed job {args.job}.")
+    return 0
+
+
+def logs(args) -> int:
+    from marind.errors import NotFound
+    from marind.jobs_client import local_log_files
+
+    files = local_log_files(args.job, args.state_dir)
+    if not files:
+        raise NotFound(f"no logs of job {args.job} on this node: run `marind logs` on a node that ran it "
+                       "(see `marind status`), or pass --state-dir")
+    for path in files:
+        sys.stdout.write(path.read_text(errors="replace"))
+    sys.stdout.flush()
+    if not args.follow:
+        return 0
+    offsets = {p: p.stat().st_size for p in files}
+    try:
+        while True:
+            for path in files:
+                size = path.stat().st_size
+                if size > offsets[path]:
+                    with open(path, "r", errors="replace") as fh:
+                        fh.seek(offsets[path])
+                        sys.stdout.write(fh.read())
+                    offsets[path] = size
+            sys.stdout.flush()
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,437 @@
+"""The agent's main loop: register, reconcile jobs, supervise torchruns, report.
+
+Which jobs a node takes part in (kept simple on purpose): every
+non-terminal job, oldest first, as long as the sum of the jobs'
+``nproc_per_node`` fits in the node's ``slots``. Elasticity within
+``job.nodes = "min:max"`` is torchrun's: a node beyond ``max`` waits in
+the rendezvous for a later round.
+
+Each tick (every ``TICK_S``) the loop reads the jobs from etcd (skipped
+while etcd is away: supervision goes on and state changes wait in an
+outbox until etcd returns), starts/stops torchruns, watches their
+workers (a new set of worker pids is a new rendezvous round; after the
+first it is a restart), runs hang detection, and every
+``report_interval`` writes the node's per-job record and, where global
+rank 0 lives, the job's progress.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from marind.agent import progress as prog
+from marind.agent.config import AgentConfig, endpoint_file
+from marind.agent.events import append_event
+from marind.agent.hang import HangDetector
+from marind.agent.jobs import JobView, list_job_ids, read_job, update_state
+from marind.agent.jobstate import JobEvent, JobState
+from marind.agent.registry import NodeRegistry, live_nodes
+from marind.agent.supervisor import (TorchrunSupervisor, default_python, prepare_run_dir,
+                                     reap_leftovers, torchrun_command, worker_env)
+from marind.errors import ControlPlaneUnavailable
+from marind.etcd_client import EtcdClient
+from marind.log import get_logger
+from marind.metrics import Metrics, MetricsServer
+from marind.sdnotify import Notifier
+
+TICK_S = 0.5
+SUCCESS_GRACE_S = 30.0      # a job SUCCEEDED elsewhere: let this node's torchrun finish too
+RESTART_RUNNING_FALLBACK_S = 10.0
+HANG_DUMP_WAIT_S = 2.0
+
+
+@dataclass
+class JobRun:
+    job: str
+    spec: dict
+    sup: TorchrunSupervisor
+    hang: HangDetector
+    gen_pids: frozenset = frozenset()
+    generations: int = 0
+    restarts: int = 0
+    awaiting_running_since: float | None = None
+    last_report: float = 0.0
+    ckpt_since: float | None = None
+    last_ckpt_step: int | None = None
+    terminal_since: float | None = None
+    known_nodes: set = field(default_factory=set)
+    step: int = 0
+
+    @property
+    def nproc(self) -> int:
+        return int(self.spec.get("job", {}).get("nproc_per_node", 1))
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, *, notifier: Notifier | None = None,
+                 metrics: Metrics | None = None):
+        self.config = config
+        self.node = config.node
+        self.notifier = notifier or Notifier()
+        self.metrics = metrics or Metrics()
+        self.log = get_logger(__name__, node=self.node)
+        self.stop_event = threading.Event()
+        self.runs: dict[str, JobRun] = {}
+        self.finished: set[str] = set()      # jobs this agent is done with (terminal, or ran to an end here)
+        self._outbox: list[tuple[str, Callable[[], None]]] = []
+        self._warned_too_big: set[str] = set()
+        self.client: EtcdClient | None = None
+        self.registry: NodeRegistry | None = None
+        self.etcd_server = None
+        self.metrics_server: MetricsServer | None = None
+        self.endpoint = config.etcd
+        self.etcd_ok = False
+        self.slots = config.effective_slots()
+
+    @property
+    def jobs_dir(self) -> Path:
+        return Path(self.config.state_dir) / "jobs"
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def install_signal_handlers(self) -> None:
+        def handler(signum, _frame):
+            self.log.info("stop_requested", signal=signal.Signals(signum).name)
+            self.stop_event.set()
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def run(self) -> int:
+        Path(self.config.state_dir).mkdir(parents=True, exist_ok=True)
+        self.jobs_dir.mkdir(parents=True, exist_ok=True)
+        reaped = reap_leftovers(self.jobs_dir)
+        if reaped:
+            self.log.warning("reaped_leftovers", pids=reaped,
+                             reason="processes of a previous agent; the job restarts them here")
+        if self.config.metrics_port:
+            port = 0 if self.config.metrics_port < 0 else self.config.metrics_port
+            self.metrics_server = MetricsServer(self.metrics, self.config.metrics_host, port,
+                                                healthy=self._health).start()
+            (Path(self.config.state_dir) / "metrics.port").write_text(str(self.metrics_server.port))
+            self.log.info("metrics_listening", url=f"http://{self.config.metrics_host}:{self.metrics_server.port}/metrics")
+        try:
+            if self.config.embedded:
+                self._start_embedded_etcd()
+            if not self._connect():
+                return 0
+            self.notifier.ready(f"node {self.node} registered; etcd {self.endpoint}")
+            self.log.info("agent_ready", etcd=self.endpoint, slots=self.slots, state_dir=str(self.config.state_dir))
+            while not self.stop_event.is_set():
+                self.tick()
+                self.stop_event.wait(TICK_S)
+        finally:
+            self.shutdown()
+        return 0
+
+    def _start_embedded_etcd(self) -> None:
+        from marind.local_etcd import LocalEtcd
+        from marind.netutil import free_ports
+
+        base = Path(self.config.state_dir) / "etcd"
+        base.mkdir(parents=True, exist_ok=True)
+        ports_file = base / "ports.json"
+        try:
+            ports = json.loads(ports_file.read_text())
+        except (OSError, ValueError):
+            ports = dict(zip(("client", "peer"), free_ports(2)))
+            ports_file.write_text(json.dumps(ports))
+        self.etcd_server = LocalEtcd(base / "data", client_port=ports["client"], peer_port=ports["peer"],
+                                     log_path=base / "etcd.log")
+        from marind.netutil import port_open
+        if port_open("127.0.0.1", ports["client"]):
+            self.log.info("embedded_etcd_adopted", endpoint=self.etcd_server.endpoint)
+            self.etcd_server = None   # left by a previous agent; use it as it is
+            self.endpoint = f"http://127.0.0.1:{ports['client']}"
+        else:
+            self.etcd_server.start()
+            self.endpoint = self.etcd_server.endpoint
+        endpoint_file(self.config.state_dir).write_text(self.endpoint + "\n")
+
+    def _connect(self) -> bool:
+        c = self.config
+        self.client = EtcdClient(self.endpoint, prefix=c.prefix, user=c.etcd_user,
+                                 password=c.etcd_password, tls=c.tls)
+        self.registry = NodeRegistry(self.client, self.node, slots=self.slots, labels=dict(c.labels),
+                                     ttl=c.lease_ttl, on_keepalive_failure=self._keepalive_failed)
+        last_log = 0.0
+        while not self.stop_event.is_set():
+            try:
+                self.registry.register()
+                self.registry.start()
+                self.etcd_ok = True
+                return True
+            except ControlPlaneUnavailable as exc:
+                if time.monotonic() - last_log > 10:
+                    self.log.warning("waiting_for_etcd", error=str(exc))
+                    self.notifier.status(f"waiting for etcd at {self.endpoint}")
+                    last_log = time.monotonic()
+                self.stop_event.wait(1.0)
+        return False
+
+    def _keepalive_failed(self) -> None:
+        self.metrics.inc("marind_etcd_keepalive_failures_total")
+
+    def _health(self) -> tuple[bool, str]:
+        ok = self.etcd_ok and (self.registry is None or self.registry.connected)
+        return ok, f"{'ok' if ok else 'etcd unreachable'}; {len(self.runs)} job(s) on node {self.node}"
+
+    def shutdown(self) -> None:
+        self.notifier.stopping(f"stopping {len(self.runs)} job(s)")
+        threads = [threading.Thread(target=run.sup.stop, args=(self.config.stop_timeout,))
+                   for run in self.runs.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(self.config.stop_timeout + 15)
+        for job in list(self.runs):
+            self._emit(job, "node_left", {"reason": "agent stopping"})
+        self.runs.clear()
+        self._flush_outbox()
+        if self.registry is not None:
+            self.registry.stop(revoke=True)
+        if self.client is not None:
+            self.client.close()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+        if self.etcd_server is not None:
+            self.etcd_server.stop()
+        self.log.info("agent_stopped")
+
+    # -- one tick -----------------------------------------------------------------------------
+    def tick(self) -> None:
+        now = time.time()
+        if self.etcd_server is not None and not self.etcd_server.running:
+            self.log.warning("embedded_etcd_died", action="restart")
+            try:
+                self.etcd_server.start()
+            except Exception as exc:  # noqa: BLE001 - retried next tick
+                self.log.error("embedded_etcd_restart_failed", error=str(exc))
+        views = None
+        try:
+            views = self._read_jobs()
+            self.etcd_ok = True
+            self.metrics.set("marind_nodes", len(live_nodes(self.client)))
+        except ControlPlaneUnavailable as exc:
+            if self.etcd_ok:
+                self.log.warning("etcd_unreachable", error=str(exc), action="supervising on")
+            self.etcd_ok = False
+        self.metrics.set("marind_etcd_up", 1 if self.etcd_ok else 0)
+        if views is not None:
+            for view in views:
+                self._reconcile(view, now)
+        for run in list(self.runs.values()):
+            self._supervise(run, now)
+        if self.etcd_ok:
+            self._flush_outbox()
+        self.metrics.set("marind_jobs", len(self.runs))
+        self.notifier.watchdog()
+
+    def _read_jobs(self) -> list[JobView]:
+        views = []
+        for job in list_job_ids(self.client):
+            if job in self.finished and job not in self.runs:
+                continue
+            views.append(read_job(self.client, job))
+        return sorted(views, key=lambda v: (v.submitted_at, v.id))
+
+    def _reconcile(self, view: JobView, now: float) -> None:
+        run = self.runs.get(view.id)
+        state = view.state.state
+        if state.is_terminal():
+            if run is None:
+                self.finished.add(view.id)
+                return
+            if state == JobState.SUCCEEDED and run.sup.poll() is None:
+                run.terminal_since = run.terminal_since or now
+                if now - run.terminal_since < SUCCESS_GRACE_S:
+                    return
+            self._end_run(run, f"job is {state.value}")
+            return
+        if view.cancel:
+            by = view.cancel.get("by", "?")
+            self._queue(view.id, lambda: update_state(self.client, view.id, JobEvent.CANCEL,
+                                                      reason=f"cancelled by {by}"))
+            if run is not None:
+                self._end_run(run, "cancelled")
+            return
+        if run is None and view.id not in self.finished:
+            self._maybe_start(view)
+
+    def _maybe_start(self, view: JobView) -> None:
+        used = sum(r.nproc for r in self.runs.values())
+        if view.nproc_per_node > self.slots:
+            if view.id not in self._warned_too_big:
+                self.log.warning("job_too_big", job=view.id, nproc_per_node=view.nproc_per_node, slots=self.slots)
+                self._warned_too_big.add(view.id)
+            return
+        if used + view.nproc_per_node > self.slots:
+            return
+        run_dir = self.jobs_dir / view.id
+        run_toml = prepare_run_dir(run_dir, view.spec)
+        c = self.config
+        cmd = torchrun_command(python=c.python or default_python(), job=view.id, spec=view.spec,
+                               endpoint=self.endpoint, prefix=c.prefix, run_toml=run_toml,
+                               rdzv_conf=c.rdzv_conf)
+        env = worker_env(os.environ, job=view.id, node=self.node, run_dir=run_dir, spec=view.spec,
+                         etcd_user=c.etcd_user, etcd_password=c.etcd_password)
+        sup = TorchrunSupervisor(view.id, run_dir, cmd, env)
+        sup.start()
+        hang_timeout = float(view.spec.get("job", {}).get("hang_timeout", 300.0))
+        run = JobRun(view.id, view.spec, sup, HangDetector(hang_timeout))
+        self.runs[view.id] = run
+        self._emit(view.id, "node_joined", {"torchrun_pid": sup.pid, "slots": self.slots})
+        self._report(run, time.time(), force=True)
+
+    def _end_run(self, run: JobRun, why: str) -> None:
+        self.log.info("job_stopping", job=run.job, reason=why)
+        run.sup.stop(self.config.stop_timeout)
+        self.runs.pop(run.job, None)
+        self.finished.add(run.job)
+        key = self.client.key("jobs", run.job, "nodes", self.node)
+        self._queue(run.job, lambda: self.client.delete(key))
+
+    # -- supervision of one job ---------------------------------------------------------------
+    def _supervise(self, run: JobRun, now: float) -> None:
+        rc = run.sup.poll()
+        if rc is not None and not run.sup.stopping:
+            self._torchrun_exited(run, rc)
+            return
+        workers = run.sup.workers()
+        pids = frozenset(w.pid for w in workers)
+        if pids and not pids <= run.gen_pids:
+            if not run.gen_pids or pids.isdisjoint(run.gen_pids):
+                self._new_generation(run, now)
+                run.gen_pids = pids
+            else:
+                run.gen_pids = run.gen_pids | pids       # workers of this round still spawning
+        records = prog.current(prog.read_records(run.sup.run_dir), set(pids))
+        if run.awaiting_running_since is not None and (
+                any(r.phase in ("training", "checkpointing", "done") for r in records)
+                or now - run.awaiting_running_since > RESTART_RUNNING_FALLBACK_S):
+            run.awaiting_running_since = None
+            self._queue(run.job, lambda: update_state(self.client, run.job, JobEvent.WORKERS_STARTED,
+                                                      reason=f"workers running (round {run.generations})"))
+        self._watch_checkpoints(run, records, now)
+        run.step = prog.node_step(records) or run.step
+        if workers and not prog.all_done(records):
+            run.hang.observe(now, prog.stall_marker(records))
+            hung, why = run.hang.check(now)
+            if hung:
+                self._handle_hang(run, records, why)
+        if now - run.last_report >= self.config.report_interval:
+            self._report(run, now, records=records)
+
+    def _new_generation(self, run: JobRun, now: float) -> None:
+        run.generations += 1
+        run.hang.reset()
+        self.metrics.inc("marind_rendezvous_rounds_total")
+        if run.generations == 1:
+            self._queue(run.job, lambda: update_state(self.client, run.job, JobEvent.WORKERS_STARTED,
+                                                      reason=f"workers started on {self.node}"))
+            return
+        run.restarts += 1
+        restarts = run.restarts
+        self.metrics.inc("marind_restarts_total")
+        self.log.info("workers_restarted", job=run.job, round=run.generations, restarts=restarts)
+        self._queue(run.job, lambda: update_state(self.client, run.job, JobEvent.RESTART,
+                                                  reason=f"torchrun restarted workers on {self.node}",
+                                                  restarts=restarts))
+        self._emit(run.job, "restart", {"round": run.generations, "restarts": restarts})
+        run.awaiting_running_since = now
+
+    def _torchrun_exited(self, run: JobRun, rc: int) -> None:
+        self.runs.pop(run.job, None)
+        self.finished.add(run.job)
+        run.sup.stop(5)   # reap anything left, clear pids.json
+        if rc == 0:
+            event, kind, reason = JobEvent.SUCCEEDED, "succeeded", f"torchrun exited 0 on {self.node}"
+        else:
+            event, kind = JobEvent.FAILED, "failed"
+            reason = (f"torchrun exited {rc} on {self.node} (restarts exhausted or the entrypoint "
+                      f"failed); see `marind logs {run.job}`")
+        self.log.info("torchrun_exited", job=run.job, rc=rc)
+        self._queue(run.job, lambda: update_state(self.client, run.job, event, reason=reason,
+                                                  restarts=run.restarts))
+        self._emit(run.job, kind, {"rc": rc, "step": run.step})
+        key = self.client.key("jobs", run.job, "nodes", self.node)
+        self._queue(run.job, lambda: self.client.delete(key))
+
+    def _handle_hang(self, run: JobRun, records: list, why: str) -> None:
+        self.log.warning("hang_detected", job=run.job, reason=why)
+        self.metrics.inc("marind_hangs_total")
+        dumped = run.sup.signal_workers(signal.SIGUSR1)      # faulthandler: stacks into the log
+        time.sleep(HANG_DUMP_WAIT_S)
+        killed = run.sup.signal_workers(signal.SIGKILL)
+        self._emit(run.job, "hang_detected", {"reason": why, "ranks": [r.rank for r in records],
+                                              "stack_dumped": dumped, "killed": killed})
+        run.hang.reset()
+
+    def _watch_checkpoints(self, run: JobRun, records: list, now: float) -> None:
+        if not records:
+            return
+        first = min(records, key=lambda r: r.local_rank)
+        if first.phase == "checkpointing":
+            run.ckpt_since = run.ckpt_since or now
+        elif run.ckpt_since is not None:
+            self.metrics.observe("marind_checkpoint_duration_seconds", now - run.ckpt_since)
+            run.ckpt_since = None
+        rank0 = next((r for r in records if r.rank == 0), None)
+        if rank0 is not None and rank0.last_checkpoint_step is not None:
+            if run.last_ckpt_step is not None and rank0.last_checkpoint_step > run.last_ckpt_step:
+                self._emit(run.job, "checkpoint_committed", {"step": rank0.last_checkpoint_step})
+            run.last_ckpt_step = rank0.last_checkpoint_step
+
+    # -- reporting to etcd --------------------------------------------------------------------
+    def _report(self, run: JobRun, now: float, records: list | None = None, force: bool = False) -> None:
+        if not self.etcd_ok and not force:
+            return
+        run.last_report = now
+        workers = [{"rank": w.rank, "local_rank": w.local_rank, "pid": w.pid} for w in run.sup.workers()]
+        state = "running" if workers else ("starting" if run.generations == 0 else "restarting")
+        record = {"state": state, "torchrun_pid": run.sup.pid, "workers": workers, "restarts": run.restarts,
+                  "step": run.step, "updated_at": now, "host": self.registry.record["host"],
+                  "agent_pid": os.getpid(), "node": self.node, "round": run.generations}
+        try:
+            self.client.put_json(self.client.key("jobs", run.job, "nodes", self.node), record,
+                                 lease=self.registry.lease)
+            summary = prog.job_summary(records or [])
+            if summary is not None:
+                self.client.put_json(self.client.key("jobs", run.job, "progress"), summary)
+                self._watch_membership(run)
+        except ControlPlaneUnavailable:
+            self.etcd_ok = False
+
+    def _watch_membership(self, run: JobRun) -> None:
+        """The agent of global rank 0 notes nodes that left the job (node_lost)."""
+        nodes = {k.rsplit("/", 1)[-1] for k in
+                 self.client.get_prefix_keys(self.client.key("jobs", run.job, "nodes") + "/")}
+        for gone in sorted(run.known_nodes - nodes):
+            self._emit(run.job, "node_lost", {"node": gone})
+        run.known_nodes = nodes
+
+    def _emit(self, job: str, kind: str, detail: dict) -> None:
+        at = time.time()
+        self._queue(job, lambda: append_event(self.client, job, kind, self.node, detail, now=at))
+
+    def _queue(self, job: str, action: Callable[[], object]) -> None:
+        self._outbox.append((job, action))
+        if self.etcd_ok:
+            self._flush_outbox()
+
+    def _flush_outbox(self) -> None:
+        while self._outbox:
+            job, action = self._outbox[0]
+            try:
+                action()
+            except ControlPlaneUnavailable:
+                self.etcd_ok = False
+                return
+            except Exception as exc:  # noqa: BLE001 - recorded; one bad write must not block the rest
+                self.log.error("etcd_write_failed", job=job, error=f"{type(exc).__name__}: {exc}")
+            self._outbox.pop(0)

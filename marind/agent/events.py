@@ -1,0 +1,52 @@
+"""The bounded event ring ``{p}/jobs/{job}/events/{seq:012d}`` (DESIGN §2).
+
+``seq`` comes from a counter key (``{p}/jobs/{job}/event_seq``) bumped by
+compare-and-swap, so concurrent agents never reuse a number. After each
+append, events older than ``keep`` numbers are deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from marind.etcd_client import EtcdClient
+
+DEFAULT_KEEP = 200
+
+
+def event_key(client: EtcdClient, job: str, seq: int) -> str:
+    return client.key("jobs", job, "events", f"{seq:012d}")
+
+
+def append_event(client: EtcdClient, job: str, kind: str, node: str, detail: dict | str | None = None,
+                 *, keep: int = DEFAULT_KEEP, now: float | None = None) -> int:
+    """Write one event; returns its sequence number."""
+    counter = client.key("jobs", job, "event_seq")
+    for _ in range(50):
+        raw, rev = client.get(counter)
+        seq = int(raw) + 1 if raw else 1
+        ok, _ = client.compare_and_swap(counter, str(seq), rev)
+        if ok:
+            break
+    else:
+        raise RuntimeError(f"could not allocate an event number for job {job} (contention)")
+    client.put_json(event_key(client, job, seq), {
+        "at": time.time() if now is None else now, "kind": kind, "node": node, "detail": detail or {}})
+    old = seq - keep
+    if old >= 1:
+        client.delete(event_key(client, job, old))
+    return seq
+
+
+def list_events(client: EtcdClient, job: str) -> list[dict]:
+    rows = client.get_prefix(client.key("jobs", job, "events") + "/")
+    out = []
+    for key, value, _ in sorted(rows):
+        try:
+            item = json.loads(value)
+        except ValueError:
+            continue
+        item["seq"] = int(key.rsplit("/", 1)[-1])
+        out.append(item)
+    return out

@@ -1,0 +1,40 @@
+"""Pure stall detection with an injected clock.
+
+The supervisor feeds ``observe(now, marker)`` with a progress marker of
+the node's current worker generation (e.g. ``(min step, phase)`` over its
+ranks); ``check(now)`` answers whether the marker has not changed for
+longer than ``timeout`` seconds, and why. The detector arms only once a
+marker has been seen (an entrypoint that never writes progress is never
+called hung) and ``reset`` re-arms it for a new generation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable
+
+
+@dataclass
+class HangDetector:
+    timeout: float
+    _marker: Hashable | None = None
+    _since: float | None = None
+
+    def reset(self) -> None:
+        self._marker = None
+        self._since = None
+
+    def observe(self, now: float, marker: Hashable | None) -> None:
+        if marker is None:
+            return
+        if marker != self._marker:
+            self._marker = marker
+            self._since = now
+
+    def check(self, now: float) -> tuple[bool, str]:
+        if self._since is None:
+            return False, "no progress seen yet"
+        stalled = now - self._since
+        if stalled > self.timeout:
+            return True, f"no progress for {stalled:.0f}s (hang_timeout {self.timeout:.0f}s) at {self._marker}"
+        return False, f"progress {stalled:.0f}s ago"

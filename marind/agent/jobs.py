@@ -1,0 +1,106 @@
+"""A job's keys in etcd, read and written the one way (DESIGN §2).
+
+``update_state`` applies ``jobstate.apply`` with compare-and-swap on the
+state key's mod_revision, retrying on contention, so every agent and the
+CLI move a job's state through the one transition function.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from dataclasses import dataclass
+
+from marind.agent.jobstate import JobEvent, JobState, StateRecord, apply
+from marind.errors import NotFound
+from marind.etcd_client import EtcdClient
+
+_JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
+
+
+def new_job_id(name: str, now: float | None = None) -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
+    return f"{name}-{stamp}-{secrets.token_hex(2)}"
+
+
+def check_job_id(job: str) -> str:
+    if not _JOB_ID_RE.match(job or ""):
+        raise ValueError(f"bad job id {job!r}: expected letters, digits, '.', '_' or '-'")
+    return job
+
+
+@dataclass(frozen=True)
+class JobView:
+    """One job as read from etcd."""
+
+    id: str
+    spec: dict
+    state: StateRecord
+    state_rev: int
+    cancel: dict | None
+    submitted_at: float
+
+    @property
+    def nproc_per_node(self) -> int:
+        return int(self.spec.get("job", {}).get("nproc_per_node", 1))
+
+
+def state_key(client: EtcdClient, job: str) -> str:
+    return client.key("jobs", job, "state")
+
+
+def list_job_ids(client: EtcdClient) -> list[str]:
+    """Ids of every job with a spec (cheap: keys under {p}/jobs/ ending in /spec)."""
+    base = client.key("jobs") + "/"
+    ids = []
+    for key in client.get_prefix_keys(base):
+        rest = key[len(base):]
+        if rest.endswith("/spec") and rest.count("/") == 1:
+            ids.append(rest[:-5])
+    return sorted(ids)
+
+
+def read_job(client: EtcdClient, job: str) -> JobView:
+    spec_raw, _ = client.get(client.key("jobs", job, "spec"))
+    if spec_raw is None:
+        raise NotFound(f"no job {job!r}: see `marind status` for the jobs there are")
+    spec = json.loads(spec_raw)
+    raw, rev = client.get(state_key(client, job))
+    state = StateRecord.from_dict(json.loads(raw)) if raw else StateRecord(JobState.PENDING)
+    cancel = client.get_json(client.key("jobs", job, "cancel"))
+    return JobView(id=job, spec=spec.get("spec", spec), state=state, state_rev=rev, cancel=cancel,
+                   submitted_at=float(spec.get("submitted_at", state.updated_at)))
+
+
+def create_job(client: EtcdClient, job: str, spec: dict, now: float | None = None) -> bool:
+    """Write spec (only if absent) and the initial PENDING state; False when the id exists."""
+    now = time.time() if now is None else now
+    doc = json.dumps({"spec": spec, "submitted_at": now}, sort_keys=True)
+    if not client.create(client.key("jobs", job, "spec"), doc):
+        return False
+    client.put_json(state_key(client, job),
+                    StateRecord(JobState.PENDING, reason="submitted", updated_at=now).to_dict())
+    return True
+
+
+def update_state(client: EtcdClient, job: str, event: JobEvent, *, reason: str = "",
+                 restarts: int | None = None, attempts: int = 20) -> StateRecord | None:
+    """Apply ``event`` by CAS; returns the new record, or None when the move was refused/no-op."""
+    key = state_key(client, job)
+    for _ in range(attempts):
+        raw, rev = client.get(key)
+        current = StateRecord.from_dict(json.loads(raw)) if raw else StateRecord(JobState.PENDING)
+        new = apply(current, event, reason=reason, restarts=restarts)
+        if new is None:
+            return None
+        ok, _ = client.compare_and_swap(key, json.dumps(new.to_dict(), sort_keys=True), rev)
+        if ok:
+            return new
+    raise RuntimeError(f"could not update the state of job {job} (contention)")
+
+
+def job_nodes(client: EtcdClient, job: str) -> dict[str, dict]:
+    rows = client.get_prefix_json(client.key("jobs", job, "nodes") + "/")
+    return {k.rsplit("/", 1)[-1]: v for k, v in rows.items() if isinstance(v, dict)}

@@ -1,0 +1,300 @@
+"""One torchrun per job on this node: run dir, command, process tree, stop.
+
+The run dir is ``{state_dir}/jobs/{job}/``: ``run.toml`` (the validated
+spec), ``logs/torchrun.log`` (torchrun's and the workers' output),
+``progress/`` (the workers' records) and ``pids.json`` (torchrun's and
+the workers' pids with their start times).
+
+torchrun runs in its own session with ``PR_SET_PDEATHSIG = SIGTERM``:
+if the agent dies, torchrun is told to stop and stops its workers. When
+an agent starts it reaps leftovers of a previous incarnation from
+``pids.json`` (``reap_leftovers``): marind chooses clean restart over
+adoption; the job's survivors re-rendezvous and this node joins the next
+round.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from marind.log import get_logger
+
+PR_SET_PDEATHSIG = 1
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except OSError:
+        pass
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def spec_to_toml(spec: dict) -> str:
+    """The spec dict (``RunSpec.to_dict()``) as run.toml; None values are left out."""
+    lines: list[str] = []
+
+    def table(name: str, data: dict) -> None:
+        lines.append(f"[{name}]")
+        subtables = []
+        for key, value in data.items():
+            if value is None:
+                continue
+            if isinstance(value, dict):
+                subtables.append((f"{name}.{key}", value))
+            else:
+                lines.append(f"{json.dumps(key) if not key.replace('_', '').isalnum() else key} = "
+                             f"{_toml_value(value)}")
+        lines.append("")
+        for sub_name, sub in subtables:
+            table(sub_name, sub)
+
+    for section, data in spec.items():
+        table(section, data)
+    return "\n".join(lines)
+
+
+def torchrun_command(*, python: str, job: str, spec: dict, endpoint: str, prefix: str,
+                     run_toml: Path, rdzv_conf: str = "", backend: str = "etcd3") -> list[str]:
+    j = spec.get("job", {})
+    nodes = str(j.get("nodes", "1:1"))
+    conf = [f"prefix={prefix}"] + [c for c in rdzv_conf.split(",") if c.strip()]
+    endpoint = ",".join(e.split("://", 1)[-1] for e in endpoint.split(","))
+    return [python, "-m", "torch.distributed.run",
+            f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}",
+            f"--rdzv-conf={','.join(conf)}", f"--nnodes={nodes}",
+            f"--nproc-per-node={int(j.get('nproc_per_node', 1))}",
+            f"--max-restarts={int(j.get('max_restarts', 3))}", "--monitor-interval=0.5",
+            "-m", str(j.get("entrypoint", "trainer")), str(run_toml)]
+
+
+def worker_env(base: dict, *, job: str, node: str, run_dir: Path, spec: dict,
+               etcd_user: str | None = None, etcd_password: str | None = None) -> dict:
+    env = dict(base)
+    env.pop("NOTIFY_SOCKET", None)          # the workers are not the service
+    env.pop("WATCHDOG_USEC", None)
+    env.pop("WATCHDOG_PID", None)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update({"MARIND_RUN_DIR": str(run_dir), "MARIND_JOB_ID": job, "MARIND_NODE": node,
+                "PYTHONUNBUFFERED": "1", "TORCHELASTIC_ERROR_FILE": str(run_dir / "logs" / "error.json")})
+    if etcd_user:
+        env["MARIND_ETCD_USER"] = etcd_user
+    if etcd_password:
+        env["MARIND_ETCD_PASSWORD"] = etcd_password
+    for key, value in (spec.get("job", {}).get("env") or {}).items():
+        env[str(key)] = str(value)
+    return env
+
+
+def prepare_run_dir(run_dir: Path, spec: dict) -> Path:
+    """Fresh progress dir, logs dir, run.toml; returns the run.toml path."""
+    shutil.rmtree(run_dir / "progress", ignore_errors=True)
+    (run_dir / "progress").mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    path = run_dir / "run.toml"
+    path.write_text(spec_to_toml(spec))
+    return path
+
+
+@dataclass(frozen=True)
+class WorkerProc:
+    pid: int
+    rank: int | None
+    local_rank: int | None
+
+
+def _rank_env(proc: psutil.Process) -> tuple[int | None, int | None]:
+    try:
+        env = proc.environ()
+    except (psutil.Error, OSError):
+        return None, None
+
+    def num(name):
+        try:
+            return int(env[name])
+        except (KeyError, ValueError):
+            return None
+    return num("RANK"), num("LOCAL_RANK")
+
+
+@dataclass
+class TorchrunSupervisor:
+    job: str
+    run_dir: Path
+    command: list[str]
+    env: dict
+    proc: subprocess.Popen | None = None
+    stopping: bool = False
+    started_at: float = 0.0
+    _workers: dict[int, WorkerProc] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.log = get_logger(__name__, job=self.job)
+
+    def start(self) -> None:
+        log_path = self.run_dir / "logs" / "torchrun.log"
+        with open(log_path, "ab") as logf:
+            logf.write(f"--- marind: starting torchrun at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
+                       .encode())
+            logf.flush()
+            self.proc = subprocess.Popen(self.command, env=self.env, cwd=self.run_dir, stdout=logf,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, preexec_fn=_set_pdeathsig)
+        self.started_at = time.time()
+        self._save_pids()
+        self.log.info("torchrun_started", pid=self.proc.pid, command=" ".join(self.command))
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def poll(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
+    def workers(self) -> list[WorkerProc]:
+        """torchrun's live worker children, with their ranks from their environment."""
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        try:
+            children = psutil.Process(self.proc.pid).children()
+        except psutil.Error:
+            return []
+        out = []
+        for child in children:
+            known = self._workers.get(child.pid)
+            if known is None or known.rank is None:
+                rank, local_rank = _rank_env(child)
+                if rank is None:       # not a worker (no RANK in its environment)
+                    continue
+                known = WorkerProc(child.pid, rank, local_rank)
+            out.append(known)
+        if {w.pid for w in out} != set(self._workers):
+            self._workers = {w.pid: w for w in out}
+            self._save_pids()
+        return sorted(out, key=lambda w: (w.rank if w.rank is not None else -1))
+
+    def signal_workers(self, sig: int) -> list[int]:
+        sent = []
+        for w in list(self._workers.values()):
+            try:
+                os.kill(w.pid, sig)
+                sent.append(w.pid)
+            except ProcessLookupError:
+                pass
+        return sent
+
+    def stop(self, timeout: float) -> int | None:
+        """SIGTERM torchrun's group and the workers, wait up to ``timeout``, then SIGKILL."""
+        self.stopping = True
+        if self.proc is None:
+            return None
+        worker_pids = set(self._workers) | {w.pid for w in self.workers()}
+        if self.proc.poll() is None:
+            _killpg(self.proc.pid, signal.SIGTERM)
+        for pid in worker_pids:
+            _kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None and not any(_alive(p) for p in worker_pids):
+                break
+            time.sleep(0.1)
+        if self.proc.poll() is None:
+            self.log.warning("torchrun_kill", reason=f"still running {timeout:.0f}s after SIGTERM")
+        _killpg(self.proc.pid, signal.SIGKILL)
+        for pid in worker_pids:
+            _kill(pid, signal.SIGKILL)
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        self._clear_pids()
+        return self.proc.returncode
+
+    # -- pids.json: what a restarted agent reaps ----------------------------------------------
+    def _save_pids(self) -> None:
+        if self.proc is None:
+            return
+        pids = [self.proc.pid, *self._workers]
+        doc = {"torchrun_pid": self.proc.pid, "processes": []}
+        for pid in pids:
+            try:
+                doc["processes"].append({"pid": pid, "create_time": psutil.Process(pid).create_time()})
+            except psutil.Error:
+                continue
+        tmp = self.run_dir / ".pids.json.tmp"
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, self.run_dir / "pids.json")
+
+    def _clear_pids(self) -> None:
+        try:
+            (self.run_dir / "pids.json").unlink()
+        except FileNotFoundError:
+            pass
+
+
+def reap_leftovers(jobs_dir: Path) -> list[int]:
+    """SIGKILL processes a previous agent left (recorded in pids.json and still the same process)."""
+    killed = []
+    for pid_file in sorted(Path(jobs_dir).glob("*/pids.json")):
+        try:
+            doc = json.loads(pid_file.read_text())
+        except (OSError, ValueError):
+            continue
+        for item in doc.get("processes", []):
+            try:
+                proc = psutil.Process(int(item["pid"]))
+                if abs(proc.create_time() - float(item["create_time"])) > 0.5:
+                    continue            # pid reused by something else
+                proc.kill()
+                killed.append(proc.pid)
+            except (psutil.Error, KeyError, ValueError):
+                continue
+        pid_file.unlink(missing_ok=True)
+    return killed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def default_python() -> str:
+    return sys.executable

@@ -1,0 +1,128 @@
+"""The client library behind `marind submit/status/cancel/logs/nodes/rm`.
+
+A thin layer over ``EtcdClient`` and ``marind.agent.jobs``; the CLI only
+parses arguments and prints. ``status_document`` is the ``--json``
+schema of DESIGN §5.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from marind.agent import jobs as J
+from marind.agent.config import client_settings, resolve_endpoint
+from marind.agent.events import list_events
+from marind.agent.jobstate import JobEvent, JobState
+from marind.agent.registry import live_nodes
+from marind.errors import NotFound
+from marind.etcd_client import EtcdClient
+
+SCHEMA_VERSION = 1
+
+
+def connect(etcd: str | None = None, config_file: str | None = None) -> EtcdClient:
+    """A client on the control plane found in the documented order; pings it (exit 3 if down)."""
+    endpoints, _ = resolve_endpoint(etcd, config_file)
+    client = EtcdClient(endpoints, **client_settings(config_file))
+    client.ping()
+    return client
+
+
+class JobsClient:
+    def __init__(self, client: EtcdClient):
+        self.client = client
+
+    def submit(self, spec_dict: dict, name: str, job_id: str | None = None) -> str:
+        job = J.check_job_id(job_id) if job_id else J.new_job_id(name)
+        if not J.create_job(self.client, job, spec_dict):
+            raise ValueError(f"job {job} already exists: pick another --id or `marind rm {job}`")
+        return job
+
+    def job(self, job: str) -> dict:
+        return self._job_row(J.read_job(self.client, job))
+
+    def jobs(self) -> list[dict]:
+        rows = []
+        for job in J.list_job_ids(self.client):
+            try:
+                rows.append(self._job_row(J.read_job(self.client, job)))
+            except NotFound:
+                continue
+        return sorted(rows, key=lambda r: r["submitted_at"])
+
+    def _job_row(self, view: J.JobView) -> dict:
+        nodes = J.job_nodes(self.client, view.id)
+        progress = self.client.get_json(self.client.key("jobs", view.id, "progress")) or {}
+        nproc = view.nproc_per_node
+        world = progress.get("world_size") if progress else None
+        if not world and nodes:
+            world = sum(len(n.get("workers", [])) for n in nodes.values()) or len(nodes) * nproc
+        return {"id": view.id, "name": view.spec.get("job", {}).get("name", view.id),
+                "state": view.state.state.value, "reason": view.state.reason,
+                "nodes": sorted(nodes), "world_size": world or 0,
+                "step": progress.get("step"), "loss": progress.get("loss"),
+                "tokens_per_s": progress.get("tokens_per_s"),
+                "last_checkpoint_step": progress.get("last_checkpoint_step"),
+                "restarts": view.state.restarts,
+                "updated_at": max(view.state.updated_at, float(progress.get("updated_at") or 0)),
+                "submitted_at": view.submitted_at,
+                "target_steps": view.spec.get("train", {}).get("steps")}
+
+    def nodes(self) -> list[dict]:
+        return [dict(v, node=k) for k, v in sorted(live_nodes(self.client).items())]
+
+    def status_document(self, job: str | None = None) -> dict:
+        jobs = [self.job(job)] if job else self.jobs()
+        keys = ("id", "name", "state", "nodes", "world_size", "step", "loss", "tokens_per_s",
+                "last_checkpoint_step", "restarts", "updated_at")
+        return {"schema_version": SCHEMA_VERSION, "nodes": self.nodes(),
+                "jobs": [{k: j[k] for k in keys} for j in jobs]}
+
+    def cancel(self, job: str, by: str) -> str:
+        view = J.read_job(self.client, job)
+        if view.state.state.is_terminal():
+            return view.state.state.value
+        self.client.put_json(self.client.key("jobs", job, "cancel"), {"at": time.time(), "by": by})
+        new = J.update_state(self.client, job, JobEvent.CANCEL, reason=f"cancelled by {by}")
+        return (new.state if new else J.read_job(self.client, job).state.state).value
+
+    def remove(self, job: str, force: bool = False) -> None:
+        view = J.read_job(self.client, job)
+        if not view.state.state.is_terminal() and not force:
+            raise ValueError(f"job {job} is {view.state.state.value}: `marind cancel {job}` first, or pass --force")
+        self.client.delete_prefix(self.client.key("jobs", job) + "/")
+
+    def events(self, job: str) -> list[dict]:
+        return list_events(self.client, job)
+
+    def wait(self, job: str, on_change=None, timeout: float | None = None, poll: float = 1.0) -> dict:
+        """Follow a job until it is terminal; returns its last row."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last = None
+        while True:
+            row = self.job(job)
+            key = (row["state"], row["step"], row["restarts"])
+            if key != last and on_change:
+                on_change(row)
+            last = key
+            if JobState(row["state"]).is_terminal():
+                return row
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {job} still {row['state']} after {timeout:.0f}s")
+            time.sleep(poll)
+
+
+def local_log_files(job: str, state_dir: str | Path | None = None) -> list[Path]:
+    """The job's log files on this machine (its run dir under the agent's state dir)."""
+    from marind.agent.config import default_state_dir, user_state_dir, SYSTEM_STATE_DIR
+    import os
+    dirs = [Path(state_dir)] if state_dir else []
+    if os.environ.get("MARIND_STATE_DIR"):
+        dirs.append(Path(os.environ["MARIND_STATE_DIR"]))
+    dirs += [default_state_dir(), user_state_dir(), Path(SYSTEM_STATE_DIR)]
+    for d in dirs:
+        logs = d / "jobs" / job / "logs"
+        if logs.is_dir():
+            return sorted(p for p in logs.iterdir() if p.suffix == ".log")
+    return []
