@@ -79,15 +79,42 @@ def _listens(proc: psutil.Process, port: int) -> bool:
         return False
 
 
+def _state_file_beside(command: list[str], pid: int) -> str | None:
+    """The state file a LocalEtcd / SeaweedS3 wrote next to the data dir on ``command``, if it names ``pid``."""
+    dirs = []
+    for i, arg in enumerate(command):
+        if arg in ("--data-dir", "-dir") and i + 1 < len(command):
+            dirs.append(command[i + 1])
+        elif arg.startswith(("--data-dir=", "-dir=")):
+            dirs.append(arg.split("=", 1)[1])
+    for d in map(Path, dirs):
+        for candidate in (d.with_name(d.name + ".server.json"), d.parent / "server.json"):
+            try:
+                if json.loads(candidate.read_text()).get("pid") == pid:
+                    return str(candidate)
+            except (OSError, ValueError, AttributeError):
+                continue
+    return None
+
+
 def discover(endpoint: str, *, kind: str, health_url: str | None = None,
              health_expect: str | None = None) -> ServerState:
-    """Describe the process listening on ``endpoint``'s port from the OS (no state file)."""
+    """Describe the process listening on ``endpoint``'s port from the OS.
+
+    If its owner left a state file beside its data dir, that file is used
+    (and updated on restart) so that the owner keeps control of the server.
+    """
     probe = ServerState(pid=0, command=(), cwd="/", endpoint=endpoint)
     _, port = probe.host_port
     for proc in psutil.process_iter():
         if proc.pid == os.getpid() or not _listens(proc, port):
             continue
         try:
+            path = _state_file_beside(proc.cmdline(), proc.pid)
+            if path:
+                state = load_state(path)
+                return replace(state, health_url=state.health_url or health_url,
+                               health_expect=state.health_expect or health_expect)
             return ServerState(pid=proc.pid, command=tuple(proc.cmdline()), cwd=proc.cwd(),
                                endpoint=endpoint, kind=kind, health_url=health_url,
                                health_expect=health_expect)

@@ -123,9 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     draws = draw_schedule(args.seed, args.every, args.duration, max_actions=args.max_actions,
                           fixed=args.fixed, min_gap=args.min_gap)
     commands = [injector_command(args.injector, args, d, extra) for d in draws]
+    start, start_wall = time.monotonic(), time.time()
     log.info("schedule", seed=args.seed, injector=args.injector, every=args.every,
-             fixed=args.fixed, duration=args.duration, draws=[asdict(d) for d in draws])
-    start = time.monotonic()
+             fixed=args.fixed, duration=args.duration, start=round(start_wall, 3),
+             draws=[asdict(d) for d in draws])
     acted = 0
     for draw, cmd in zip(draws, commands):
         delay = start + draw.at - time.monotonic()

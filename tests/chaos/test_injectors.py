@@ -9,13 +9,22 @@ name, on this host, in this job, print one JSON line per action and exit
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
+import pytest
+import s3fs
+import torch
 
+from ckpt_store import CheckpointStore
+from marind.errors import ControlPlaneUnavailable
+from marind.etcd_client import EtcdClient
+from marind.netutil import free_port
 from tests.chaos.conftest import REPO, run_injector
 from tests.support import procs
 
@@ -157,3 +166,128 @@ def test_hang_rank_for_good(etcd, etcd_prefix, fake_node):
     assert res.returncode == 0 and [ln["action"] for ln in res.lines] == ["hang"]
     assert _status(res.lines[0]["pid"]) == psutil.STATUS_STOPPED
     assert res.lines[0]["pid"] in a.workers
+
+
+# -- etcd_outage -----------------------------------------------------------------------------------
+def test_etcd_outage_stops_and_restarts_on_the_same_data(etcd_private):
+    client = EtcdClient(etcd_private.endpoint, prefix="/p")
+    client.put_json(client.key("jobs", "job-a", "state"), {"state": "RUNNING"})
+    old_pid = etcd_private.pid
+    proc = procs.spawn([sys.executable, str(REPO / "chaos" / "etcd_outage.py"), "--job", "job-a",
+                        "--etcd", etcd_private.endpoint, "--prefix", "/p",
+                        "--state", str(etcd_private.state_path), "--seconds", "1.5"],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stop_line = json.loads(proc.stdout.readline())
+    assert stop_line["action"] == "stop_server" and stop_line["pid"] == old_pid
+    with pytest.raises(ControlPlaneUnavailable):
+        EtcdClient(etcd_private.endpoint, prefix="/p", timeout=1).get(client.key("jobs"))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    start_line = json.loads(out.splitlines()[-1])
+    assert start_line["action"] == "start_server" and start_line["pid"] != old_pid
+    client = EtcdClient(etcd_private.endpoint, prefix="/p")
+    assert client.get_json(client.key("jobs", "job-a", "state")) == {"state": "RUNNING"}
+    assert etcd_private.running and etcd_private.pid == start_line["pid"], "owner adopts the new pid"
+
+    # without a state file the server is found as the listener of the endpoint
+    res = run_injector("etcd_outage", "--seconds", "0", "--etcd", etcd_private.endpoint)
+    assert res.returncode == 0, res.stderr
+    assert [ln["action"] for ln in res.lines] == ["stop_server", "start_server"]
+    client = EtcdClient(etcd_private.endpoint, prefix="/p")
+    assert client.get_json(client.key("jobs", "job-a", "state")) == {"state": "RUNNING"}
+    new_pid = res.lines[1]["pid"]
+    etcd_private.stop()
+    assert not psutil.pid_exists(new_pid) or psutil.Process(new_pid).status() == "zombie"
+
+
+def test_etcd_outage_refuses_an_unknown_job(etcd_private):
+    res = run_injector("etcd_outage", "--job", "ghost", "--etcd", etcd_private.endpoint,
+                       "--state", str(etcd_private.state_path))
+    assert res.returncode == 1 and res.lines == []
+    assert etcd_private.running
+
+
+# -- storage_outage --------------------------------------------------------------------------------
+def test_storage_outage_during_save_then_back_with_data(s3_private, tmp_path):
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_private.storage_options)
+    root = f"{s3_private.bucket}/run/ckpt"
+    fs.pipe(f"{root}/step-0000000010/model/w/c/0", b"old")
+    fs.pipe(f"{root}/step-0000000010/manifest.json", b"{}")
+    opts = json.dumps({"key": s3_private.storage_options["key"],
+                       "secret": s3_private.storage_options["secret"]})
+    old_pid = s3_private.pid
+    proc = procs.spawn([sys.executable, str(REPO / "chaos" / "storage_outage.py"),
+                        "--state", str(s3_private.state_path), "--seconds", "1", "--during-save",
+                        "--url", f"s3://{root}", "--storage-options", opts, "--wait", "60"],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:                      # baseline taken: now a save "starts"
+        if "waiting_for_save" in line:
+            break
+    fs.pipe(f"{root}/step-0000000020/model/w/c/0", b"new")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    lines = [json.loads(x) for x in out.splitlines()]
+    assert [ln["action"] for ln in lines] == ["stop_server", "start_server"]
+    assert lines[0]["during_save_step"] == 20 and lines[0]["pid"] == old_pid
+    assert s3_private.running and s3_private.pid == lines[1]["pid"] != old_pid
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_private.storage_options)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            assert fs.cat(f"{root}/step-0000000010/model/w/c/0") == b"old"
+            assert fs.cat(f"{root}/step-0000000020/model/w/c/0") == b"new"
+            break
+        except (OSError, AssertionError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def test_storage_outage_without_a_server_finds_nothing(tmp_path):
+    res = run_injector("storage_outage", "--endpoint", f"http://127.0.0.1:{free_port()}")
+    assert res.returncode == 1 and res.lines == []
+
+
+# -- corrupt_checkpoint ----------------------------------------------------------------------------
+def _saved_store(root: Path) -> CheckpointStore:
+    store = CheckpointStore(f"file://{root}")
+    gen = torch.Generator().manual_seed(0)
+    for step in (10, 20):
+        state = {"model": {"a.weight": torch.randn(64, 32, generator=gen),
+                           "b.bias": torch.randn(128, generator=gen)},
+                 "extra": {"step": step}}
+        store.save(step, state, async_=False).wait()
+    return store
+
+
+@pytest.mark.parametrize("mode", ["flip", "truncate"])
+def test_corrupt_checkpoint_newest_is_caught_by_verify(tmp_path, mode):
+    store = _saved_store(tmp_path / "ckpt")
+    assert store.steps() == [10, 20] and store.verify(20).ok
+    res = run_injector("corrupt_checkpoint", "--url", f"file://{tmp_path / 'ckpt'}",
+                       "--mode", mode, "--seed", "4")
+    assert res.returncode == 0, res.stderr
+    [line] = res.lines
+    assert line["action"] == "corrupt" and line["step"] == 20 and line["mode"] == mode
+    path = tmp_path / "ckpt" / "step-0000000020" / line["key"]
+    size = store.manifest(20)["objects"][line["key"]]["size"]
+    if mode == "truncate":
+        assert path.stat().st_size == size // 2
+    else:
+        assert path.stat().st_size == size and len(line["offsets"]) == 8
+    report = CheckpointStore(f"file://{tmp_path / 'ckpt'}").verify(20)
+    assert not report.ok and any(line["key"] in p for p in report.problems)
+    assert CheckpointStore(f"file://{tmp_path / 'ckpt'}").verify(10).ok, "older steps untouched"
+
+
+def test_corrupt_checkpoint_seeded_and_nothing_to_corrupt(tmp_path):
+    picks = []
+    for copy in ("c1", "c2"):
+        _saved_store(tmp_path / copy)
+        res = run_injector("corrupt_checkpoint", "--url", f"file://{tmp_path / copy}", "--seed", "9")
+        assert res.returncode == 0, res.stderr
+        picks.append((res.lines[0]["key"], res.lines[0]["offsets"]))
+    assert picks[0] == picks[1], "the same seed must corrupt the same bytes of the same object"
+    (tmp_path / "empty" / "step-0000000030").mkdir(parents=True)   # a save without its manifest
+    res = run_injector("corrupt_checkpoint", "--url", f"file://{tmp_path / 'empty'}")
+    assert res.returncode == 1 and res.lines == []

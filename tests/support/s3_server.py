@@ -124,6 +124,8 @@ class SeaweedS3:
 
     def _adopted(self) -> int | None:
         """The pid of this server restarted by another process (chaos/storage_outage.py)."""
+        if not self.state_path.exists():
+            return None
         own = self.proc.pid if self.proc else None
         return adopted_server_pid(self.state_path, self.command(), own)
 
