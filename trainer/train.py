@@ -134,8 +134,8 @@ def train(spec: RunSpec, device: torch.device, *, stop: StopFlag | None = None):
     stop_at = int(os.environ.get("MARIND_TEST_STOP_AT_STEP", "0") or 0)
     tb = _tensorboard(spec, rank)
     losses, skipped, rollbacks, bad, loss_val, stopped = [], [], 0, 0, None, False
+    t_last = time.perf_counter()  # step time runs end to end, so checkpoint stalls count
     while step < t.steps:
-        t0 = time.perf_counter()
         lr = lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, total_steps=t.steps)
         for g in optimizer.param_groups:
             g["lr"] = lr
@@ -165,7 +165,8 @@ def train(spec: RunSpec, device: torch.device, *, stop: StopFlag | None = None):
         step += 1
         position += d.global_batch
         loss_val = float(flags[0]) / world
-        dt = time.perf_counter() - t0
+        now = time.perf_counter()
+        dt, t_last = now - t_last, now
         tps = tokens_per_step / dt
         if finite:
             losses.append(loss_val)

@@ -1,0 +1,145 @@
+"""Trainer throughput and checkpoint overhead; ONE JSON object as the last stdout line.
+
+* tokens/s and MFU of the ``tiny`` and ``125m`` presets at 1, 2 and 4 ranks
+  (torchrun --standalone, gloo on CPU / nccl on GPU), from the trainer's own
+  per-step log lines, warm-up steps dropped;
+* async checkpointing every 10 steps versus none, same job otherwise:
+  tokens/s = tokens / wall time of the measured steps (a step's time runs
+  from the end of the previous step, so checkpoint stalls count), median
+  over repeats; overhead in % of the no-checkpoint baseline (floor: <= 5 %).
+
+``--quick`` runs a reduced matrix (tiny only, 1 rank, 1 repeat) so a test
+can check the output shape; its figures mean little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SPEC = """
+[job]
+name = "bench"
+[model]
+preset = "{preset}"
+[data]
+path = "{data}"
+seq_len = {seq_len}
+global_batch = {global_batch}
+micro_batch = {micro_batch}
+[optim]
+lr = 1e-3
+warmup_steps = 2
+[train]
+steps = {steps}
+log_every = 1
+[checkpoint]
+url = "{url}"
+every_steps = {every}
+async = true
+keep_last = 2
+"""
+
+PRESETS = {  # preset -> (seq_len, global_batch, micro_batch, steps, warmup steps dropped)
+    "tiny": (128, 16, 2, 30, 5),
+    "125m": (128, 4, 1, 6, 2),
+}
+
+
+def run_job(preset: str, ranks: int, work: Path, data: str, *, ckpt_every: int = 0,
+            steps: int | None = None) -> dict:
+    seq_len, gb, mb, default_steps, drop = PRESETS[preset]
+    steps = steps or default_steps
+    tag = f"{preset}-r{ranks}-c{ckpt_every}-{time.monotonic_ns()}"
+    url = f"file://{work / tag / 'ckpt'}" if ckpt_every else ""
+    spec = work / f"{tag}.toml"
+    spec.write_text(SPEC.format(preset=preset, data=data, seq_len=seq_len, global_batch=gb, micro_batch=mb,
+                                steps=steps, url=url, every=ckpt_every or 20))
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "MARIND_LOG_JSON": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+           "-m", "trainer", str(spec)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    events = []
+    for line in (proc.stdout + proc.stderr).splitlines():
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(ev, dict) and ev.get("event") == "step":
+            events.append(ev)
+    measured = [e for e in events if e["step"] > drop]
+    if not measured:
+        raise RuntimeError(f"no step lines from {tag}")
+    tokens = seq_len * gb * len(measured)
+    wall = sum(e["step_s"] for e in measured)
+    return {"preset": preset, "ranks": ranks, "steps_measured": len(measured),
+            "tokens_per_s": round(tokens / wall, 1),
+            "tokens_per_s_median_step": round(statistics.median(e["tokens_per_s"] for e in measured), 1),
+            "mfu": round(statistics.median(e["mfu"] for e in measured), 6),
+            "memory_bytes_rank0": max(e["memory_bytes"] for e in measured)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="reduced matrix for a shape check")
+    ap.add_argument("--repeats", type=int, default=3, help="repeats of the checkpoint-overhead pair")
+    ap.add_argument("--presets", default="tiny,125m")
+    ap.add_argument("--ranks", default="1,2,4")
+    args = ap.parse_args(argv)
+    presets = ["tiny"] if args.quick else args.presets.split(",")
+    ranks_list = [1] if args.quick else [int(r) for r in args.ranks.split(",")]
+    repeats = 1 if args.quick else args.repeats
+
+    from marind.commands.data import prepare
+    work = Path(tempfile.mkdtemp(prefix="marind-train-bench-"))
+    data = str(work / "example")
+    prepare([], data, example=True, example_docs=200 if args.quick else 600)
+
+    throughput = []
+    for preset in presets:
+        for ranks in ranks_list:
+            res = run_job(preset, ranks, work, data, steps=12 if args.quick else None)
+            throughput.append(res)
+            print(f"{preset:>5} x{ranks}: {res['tokens_per_s']:10.1f} tokens/s  mfu {res['mfu']:.4f}", flush=True)
+
+    ck_ranks = 1 if args.quick else 2
+    ck_steps = 12 if args.quick else 50
+    none, every10 = [], []
+    for _ in range(repeats):  # interleaved so drift hits both alike
+        none.append(run_job("tiny", ck_ranks, work, data, steps=ck_steps)["tokens_per_s"])
+        every10.append(run_job("tiny", ck_ranks, work, data, steps=ck_steps, ckpt_every=10)["tokens_per_s"])
+    base, with_ck = statistics.median(none), statistics.median(every10)
+    overhead = round(100.0 * (base - with_ck) / base, 2)
+    print(f"async checkpoint every 10 steps: {with_ck:.1f} vs {base:.1f} tokens/s ({overhead:+.2f} % lost)")
+    import torch
+    out = {
+        "bench": "train",
+        "quick": bool(args.quick),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "cpus": os.cpu_count(),
+        "throughput": throughput,
+        "checkpoint_overhead": {"preset": "tiny", "ranks": ck_ranks, "steps": ck_steps, "every_steps": 10,
+                                "repeats": repeats, "tokens_per_s_none": none, "tokens_per_s_async": every10,
+                                "baseline_tokens_per_s": base, "marind_tokens_per_s": with_ck,
+                                "overhead_pct": overhead},
+        "floor": {"overhead_pct_max": 5.0, "ok": overhead <= 5.0},
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

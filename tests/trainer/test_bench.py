@@ -1,0 +1,22 @@
+"""bench/train_bench.py --quick prints one JSON object of the documented shape (no timing checks)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.support.procs import REPO_ROOT, base_env
+
+
+def test_train_bench_quick_shape():
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "train_bench.py"), "--quick"],
+                          env=base_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["bench"] == "train" and out["quick"] is True
+    row = out["throughput"][0]
+    assert {"preset", "ranks", "tokens_per_s", "mfu", "memory_bytes_rank0"} <= set(row)
+    ck = out["checkpoint_overhead"]
+    assert {"baseline_tokens_per_s", "marind_tokens_per_s", "overhead_pct", "every_steps"} <= set(ck)
+    assert isinstance(out["floor"]["ok"], bool)
