@@ -36,6 +36,16 @@ def _status(pid: int) -> str:
         return "gone"
 
 
+def _wait_status(pid: int, wanted: set[str], timeout: float = 10.0) -> str:
+    """The process's status once it is one of ``wanted`` (a signal lands asynchronously)."""
+    deadline = time.monotonic() + timeout
+    status = _status(pid)
+    while status not in wanted and time.monotonic() < deadline:
+        time.sleep(0.02)
+        status = _status(pid)
+    return status
+
+
 # -- kill_random_rank ---------------------------------------------------------------------------
 def test_kill_random_rank_kills_one_worker_of_the_job_only(etcd, etcd_prefix, fake_node):
     a = fake_node("job-a", "n1", 2)
@@ -150,21 +160,19 @@ def test_hang_rank_stops_then_continues(etcd, etcd_prefix, fake_node):
     first = proc.stdout.readline()
     assert '"hang"' in first, first
     pid = a.workers[1]
-    assert _status(pid) == psutil.STATUS_STOPPED
+    assert _wait_status(pid, {psutil.STATUS_STOPPED}) == psutil.STATUS_STOPPED
     assert _status(a.workers[0]) != psutil.STATUS_STOPPED
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0 and '"resume"' in out
-    deadline = time.monotonic() + 5
-    while _status(pid) == psutil.STATUS_STOPPED and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _status(pid) in (psutil.STATUS_SLEEPING, psutil.STATUS_RUNNING)
+    running = {psutil.STATUS_SLEEPING, psutil.STATUS_RUNNING}
+    assert _wait_status(pid, running) in running
 
 
 def test_hang_rank_for_good(etcd, etcd_prefix, fake_node):
     a = fake_node("job-a", "n1", 2)
     res = run_injector("hang_rank", "--job", "job-a", "--seed", "1", etcd=etcd, prefix=etcd_prefix)
     assert res.returncode == 0 and [ln["action"] for ln in res.lines] == ["hang"]
-    assert _status(res.lines[0]["pid"]) == psutil.STATUS_STOPPED
+    assert _wait_status(res.lines[0]["pid"], {psutil.STATUS_STOPPED}) == psutil.STATUS_STOPPED
     assert res.lines[0]["pid"] in a.workers
 
 
