@@ -62,7 +62,7 @@ def _obj(manifest: dict, d: str, key: str) -> dict:
     return obj
 
 
-def load_step(st, d: str, state: dict, rank: int) -> dict:
+def load_step(st, d: str, state: dict, rank: int, values: bool = True) -> dict:
     """Fill ``state`` in place from step dir ``d``; returns read statistics."""
     manifest = read_manifest(st, d)
     step = manifest.get("step", -1)
@@ -132,7 +132,8 @@ def load_step(st, d: str, state: dict, rank: int) -> dict:
         _place(req[0], raw, job, how, crc)
     for local, host in hosts:
         local.copy_(host)
-    _apply_values(st, d, manifest, state, rank)
+    if values:
+        _apply_values(st, d, manifest, state, rank)
     return stats
 
 

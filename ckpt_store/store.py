@@ -187,6 +187,11 @@ class CheckpointStore:
         raise CheckpointNotFound(f"no committed checkpoint under {self.url} loads clean "
                                  f"(tried steps {candidates})")
 
+    def load_arrays(self, state: dict, step: int) -> dict:
+        """Fill only the tensors of ``state`` (no JSON values), from ``step``; for tools."""
+        self.last_load_stats = load_step(self.storage, step_dir(step), state, 0, values=False)
+        return state
+
     def verify(self, step: int) -> VerifyReport:
         from ckpt_store.loader import verify_step
         problems, count, nbytes = verify_step(self.storage, step_dir(step))
