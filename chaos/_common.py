@@ -20,17 +20,13 @@ from pathlib import Path
 from typing import Callable
 
 from marind.errors import ControlPlaneUnavailable, MarindError
-from marind.etcd_client import DEFAULT_PREFIX, EtcdClient
+from marind.etcd_client import EtcdClient
 from marind.log import get_logger
 
 EXIT_ACTED = 0
 EXIT_NOTHING = 1
 EXIT_USAGE = 2
 EXIT_CONTROL_PLANE = 3
-
-# Where `marind agent` publishes the endpoint of the etcd it embeds when none is configured.
-EMBEDDED_ENDPOINT_FILES = ("etcd.endpoint", "etcd/endpoint")
-DEFAULT_STATE_DIR = "/var/lib/marind"
 
 
 class NothingToDo(Exception):
@@ -42,8 +38,8 @@ def base_parser(description: str, *, job_required: bool = True) -> argparse.Argu
     parser.add_argument("--job", required=job_required, help="job id whose processes are targets")
     parser.add_argument("--etcd", help="etcd endpoint(s); default $MARIND_ETCD, then the "
                                        "endpoint the local agent's embedded etcd publishes")
-    parser.add_argument("--prefix", default=os.environ.get("MARIND_PREFIX", DEFAULT_PREFIX),
-                        help="etcd key prefix (default $MARIND_PREFIX or /marind)")
+    parser.add_argument("--prefix", help="etcd key prefix (default $MARIND_PREFIX, the config "
+                                         "file's, or /marind)")
     parser.add_argument("--seed", type=int, help="seed of every random choice (default: drawn, "
                                                  "and printed in each action line)")
     return parser
@@ -72,27 +68,19 @@ def parse_signal(text: str) -> signal.Signals:
 
 
 def resolve_etcd(flag: str | None) -> str:
-    """``--etcd``, then ``MARIND_ETCD``, then the embedded endpoint file under the agent's state dir."""
-    if flag:
-        return flag
-    env = os.environ.get("MARIND_ETCD")
-    if env:
-        return env
-    state_dir = Path(os.environ.get("MARIND_STATE_DIR", DEFAULT_STATE_DIR))
-    for name in EMBEDDED_ENDPOINT_FILES:
-        path = state_dir / name
-        try:
-            text = path.read_text().strip()
-        except OSError:
-            continue
-        if text:
-            return text
-    raise ValueError("no etcd endpoint: pass --etcd http://HOST:PORT or set MARIND_ETCD "
-                     f"(no embedded endpoint file under {state_dir})")
+    """The agent's documented order: ``--etcd``, ``MARIND_ETCD``, the config file, then the
+    endpoint file the agent's embedded etcd writes under its state dir."""
+    from marind.agent.config import resolve_endpoint
+    return resolve_endpoint(flag)[0]
 
 
 def connect(args: argparse.Namespace) -> EtcdClient:
-    return EtcdClient(resolve_etcd(args.etcd), prefix=args.prefix)
+    """A client the way marind's CLI makes one (prefix, user, TLS from env/config) unless flagged."""
+    from marind.agent.config import client_settings
+    settings = client_settings()
+    args.prefix = args.prefix or settings["prefix"]
+    return EtcdClient(resolve_etcd(args.etcd), prefix=args.prefix, user=settings["user"],
+                      password=settings["password"], tls=settings["tls"])
 
 
 def emit(action: str, *, target: str, pid: int | None = None, rank: int | None = None,
