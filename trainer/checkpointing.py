@@ -24,6 +24,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
+from ckpt_store import CheckpointSaveFailed
 from marind.log import get_logger
 from marind.spec import RunSpec
 
@@ -81,7 +82,9 @@ class Checkpointer:
             from ckpt_store import CheckpointStore
             self.store = CheckpointStore(checkpoint_url(c.url), keep_last=c.keep_last or None)
         self.pending = None
-        self.last_step: int | None = None
+        self.started_step: int | None = None   # last save started (maybe still in flight)
+        self.last_step: int | None = None      # last save known committed (or restored)
+        self.failures = 0
         self.last_saved_at = time.monotonic()
 
     @property
@@ -118,25 +121,48 @@ class Checkpointer:
         return (self.enabled and c.every_seconds is not None
                 and time.monotonic() - self.last_saved_at >= c.every_seconds)
 
-    def save(self, step: int, data_position: int, *, wait: bool = False) -> None:
-        if not self.enabled or self.last_step == step:
-            if wait:
-                self.wait()
+    def poll(self) -> int | None:
+        """Note a finished background save (a failure is logged, not fatal); returns the committed step."""
+        if self.pending is not None and self.pending.done():
+            self._settle(0)
+        return self.last_step
+
+    def _settle(self, timeout: float) -> None:
+        pending, self.pending = self.pending, None
+        try:
+            pending.wait(timeout)
+        except CheckpointSaveFailed as exc:
+            self.failures += 1
+            log.error("checkpoint_failed", step=pending.step, error=str(exc), failures=self.failures)
             return
-        state = self.build_state(step, data_position)
-        async_ = self.spec.checkpoint.async_ and not wait
-        self.pending = self.store.save(step, state, async_=async_)
-        self.last_step = step
-        self.last_saved_at = time.monotonic()
-        if self.rank == 0:
-            log.info("checkpoint_started", step=step, async_=async_,
-                     blocked_s=round(self.pending.timings.get("blocked_s", 0.0), 4))
+        except TimeoutError:
+            self.pending = pending
+            raise
+        self.last_step = pending.step
+
+    def save(self, step: int, data_position: int, *, wait: bool = False) -> None:
+        """Start a save of ``step`` (async unless ``wait`` or ``[checkpoint] async = false``)."""
+        if not self.enabled:
+            return
+        if self.started_step != step:
+            if self.pending is not None:
+                self._settle(self.spec.checkpoint.wait_timeout)
+            state = self.build_state(step, data_position)
+            async_ = self.spec.checkpoint.async_ and not wait
+            self.pending = self.store.save(step, state, async_=async_)
+            self.started_step = step
+            self.last_saved_at = time.monotonic()
+            log.debug("checkpoint_started", step=step, async_=async_,
+                      blocked_s=round(self.pending.timings.get("blocked_s", 0.0), 4))
         if wait:
             self.wait()
+            if self.last_step != step:
+                raise CheckpointSaveFailed(f"checkpoint step {step} did not commit (see checkpoint_failed)")
 
     def wait(self, timeout: float | None = None) -> None:
+        """Wait (bounded) for the save in flight; failures are logged."""
         if self.pending is not None:
-            self.pending.wait(timeout if timeout is not None else self.spec.checkpoint.wait_timeout)
+            self._settle(timeout if timeout is not None else self.spec.checkpoint.wait_timeout)
 
     def latest(self) -> int | None:
         return self.store.latest() if self.enabled else None
@@ -156,7 +182,7 @@ class Checkpointer:
         step, position = int(extra["step"]), int(extra["data_position"])
         restore_rng((extra.get("rng") or {}).get(f"rank-{self.rank}"), seed=self.spec.train.seed,
                     step=step, rank=self.rank)
-        self.last_step = step
+        self.last_step = self.started_step = step
         self.last_saved_at = time.monotonic()
         return step, position
 

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 import psutil
+import structlog
 import torch
 import torch.distributed as dist
 
@@ -106,8 +107,9 @@ def train(spec: RunSpec, device: torch.device, *, stop: StopFlag | None = None):
     stop = stop or StopFlag()
     model, optimizer, cfg, layout, sampler, rank, world = build(spec, device)
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    log = get_logger("trainer", rank=rank, **({"job": os.environ["MARIND_JOB_ID"]}
-                                              if os.environ.get("MARIND_JOB_ID") else {}))
+    structlog.contextvars.bind_contextvars(rank=rank, **({"job": os.environ["MARIND_JOB_ID"]}
+                                                         if os.environ.get("MARIND_JOB_ID") else {}))
+    log = get_logger("trainer")
     progress = ProgressWriter(rank, local_rank, world)
     ckpt = Checkpointer(spec, model, optimizer, rank=rank, world_size=world, layout=layout.as_dict())
     accum = grad_accum_steps(spec, layout.dp_size)
@@ -183,7 +185,7 @@ def train(spec: RunSpec, device: torch.device, *, stop: StopFlag | None = None):
                     tb.add_scalar(k_, v, step)
         if bad >= t.max_bad_steps:
             step, rollbacks, bad = _rollback(ckpt, log, step, position, rank), rollbacks + 1, 0
-        progress.update(step=step, loss=loss_val, tokens_per_s=tps)
+        progress.update(step=step, loss=loss_val, tokens_per_s=tps, last_checkpoint_step=ckpt.poll())
         if float(flags[1]) > 0:
             stopped = True
             break
@@ -195,10 +197,13 @@ def train(spec: RunSpec, device: torch.device, *, stop: StopFlag | None = None):
     if not stopped:
         progress.update(phase="checkpointing")
         ckpt.save(step, position, wait=True)
+    try:
+        ckpt.wait()
+    except TimeoutError as exc:
+        log.error("checkpoint_wait_timeout", error=str(exc))
     if rank == 0:
         log.info("stopping" if stopped else "train_done", step=step, loss=loss_val,
                  last_checkpoint_step=ckpt.last_step)
-    ckpt.wait()
     if tb:
         tb.close()
     progress.update(phase="done", step=step, last_checkpoint_step=ckpt.last_step)
