@@ -64,6 +64,9 @@ class StopFlag:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
+        if self.requested:  # a second signal: stop now, the default way
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
         self.requested = True
 
 
