@@ -424,7 +424,6 @@ def validate_spec(spec: RunSpec, *, check_worlds: bool = True) -> None:
     _positive(c.keep_last, "checkpoint.keep_last", zero_ok=True)
     _positive(spec.fault.nan_at_step, "fault.nan_at_step", zero_ok=True)
     if check_worlds:
-        lo, _ = j.nodes
         for world in spec.world_sizes():
             nodes = world // j.nproc_per_node
             try:
