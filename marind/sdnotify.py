@@ -35,7 +35,8 @@ class Notifier:
         if self._sock is None:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         try:
-            self._sock.sendto("\n".join(lines).encode(), self._target())
+            # never block the caller (the supervision loop) on a slow or full receiver
+            self._sock.sendto("\n".join(lines).encode(), socket.MSG_DONTWAIT, self._target())
             return True
         except OSError:
             return False

@@ -102,6 +102,8 @@ _ENV_KEYS = {
     "MARIND_NODE": "node", "MARIND_ETCD": "etcd", "MARIND_PREFIX": "prefix",
     "MARIND_ETCD_USER": "etcd_user", "MARIND_ETCD_PASSWORD": "etcd_password",
     "MARIND_STATE_DIR": "state_dir", "MARIND_SLOTS": "slots", "MARIND_METRICS_PORT": "metrics_port",
+    "MARIND_RDZV_CONF": "rdzv_conf", "MARIND_LEASE_TTL": "lease_ttl",
+    "MARIND_REPORT_INTERVAL": "report_interval", "MARIND_STOP_TIMEOUT": "stop_timeout",
 }
 
 

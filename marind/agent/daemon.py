@@ -39,7 +39,7 @@ from marind.errors import ControlPlaneUnavailable
 from marind.etcd_client import EtcdClient
 from marind.log import get_logger
 from marind.metrics import Metrics, MetricsServer
-from marind.sdnotify import Notifier
+from marind.sdnotify import Notifier, watchdog_interval
 
 TICK_S = 0.5
 SUCCESS_GRACE_S = 30.0      # a job SUCCEEDED elsewhere: let this node's torchrun finish too
@@ -89,6 +89,8 @@ class Agent:
         self.endpoint = config.etcd
         self.etcd_ok = False
         self.slots = config.effective_slots()
+        self._watchdog_every = watchdog_interval()
+        self._last_watchdog = 0.0
 
     @property
     def jobs_dir(self) -> Path:
@@ -230,7 +232,9 @@ class Agent:
         if self.etcd_ok:
             self._flush_outbox()
         self.metrics.set("marind_jobs", len(self.runs))
-        self.notifier.watchdog()
+        if self._watchdog_every is not None and time.monotonic() - self._last_watchdog >= self._watchdog_every:
+            self.notifier.watchdog()
+            self._last_watchdog = time.monotonic()
 
     def _read_jobs(self) -> list[JobView]:
         views = []
@@ -356,6 +360,12 @@ class Agent:
             reason = (f"torchrun exited {rc} on {self.node} (restarts exhausted or the entrypoint "
                       f"failed); see `marind logs {run.job}`")
         self.log.info("torchrun_exited", job=run.job, rc=rc)
+        final = [r for r in prog.read_records(run.sup.run_dir) if r.updated_at >= run.sup.started_at]
+        summary = prog.job_summary(final)
+        if summary is not None:   # the last steps since the previous report
+            run.step = max(run.step, summary["step"])
+            key_p = self.client.key("jobs", run.job, "progress")
+            self._queue(run.job, lambda: self.client.put_json(key_p, summary))
         self._queue(run.job, lambda: update_state(self.client, run.job, event, reason=reason,
                                                   restarts=run.restarts))
         self._emit(run.job, kind, {"rc": rc, "step": run.step})

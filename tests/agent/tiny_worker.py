@@ -43,6 +43,8 @@ def main(argv: list[str]) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     run_dir = os.environ.get("MARIND_RUN_DIR")
     record_path = Path(run_dir) / "progress" / f"rank-{rank}.json" if run_dir else None
+    if record_path:
+        record_path.parent.mkdir(parents=True, exist_ok=True)
     record = {"rank": rank, "local_rank": local_rank, "world_size": world, "pid": os.getpid(), "step": 0,
               "loss": None, "tokens_per_s": None, "last_checkpoint_step": None, "phase": "restoring",
               "updated_at": time.time()}
