@@ -1,5 +1,181 @@
-"""`marind doctor` commands (not implemented yet)."""
+"""`marind doctor`: the environment check to run before a big job.
+
+Checks torch/CUDA/NCCL versions, backend availability, an all-reduce
+across 2 local processes, etcd reachability with a write test, the
+checkpoint store (fsspec) with a write/read/delete test, the etcd binary
+for the embedded default, and free disk in the state dir. Prints a
+pass/fail table with the fix for each failure; exit 1 if any fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass
+
+MIN_FREE_BYTES = 5 * 2**30
+
+_ALLREDUCE = """
+import os, torch, torch.distributed as dist
+from marind.distributed import init_distributed, shutdown_distributed
+device = init_distributed(timeout_s=60)
+t = torch.ones(4, device=device) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+assert t.tolist() == [3.0] * 4, t.tolist()
+shutdown_distributed()
+"""
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
 
 
 def register(sub) -> None:
-    pass
+    p = sub.add_parser("doctor", help="check this node's environment (pass/fail table; exit 1 on a failure)")
+    p.add_argument("--etcd", help="etcd endpoints (default: the documented lookup)")
+    p.add_argument("--config", help="config file")
+    p.add_argument("--ckpt", help="checkpoint store URL to test (file:///..., s3://bucket/prefix)")
+    p.add_argument("--storage-options", help='JSON options for fsspec, e.g. \'{"client_kwargs": {"endpoint_url": "..."}}\'')
+    p.add_argument("--state-dir", help="state dir to check for free disk")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=run)
+
+
+def check_torch() -> list[Check]:
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as exc:
+        return [Check("torch", False, str(exc), "install torch into this environment (`make setup`)")]
+    out = [Check("torch", True, f"torch {torch.__version__}, python {sys.version.split()[0]}")]
+    if torch.cuda.is_available():
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "?"
+        out.append(Check("cuda", True, f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s), NCCL {nccl}"))
+    else:
+        out.append(Check("cuda", True, "no GPU: CPU with gloo (fine for tests, slow for training)"))
+    backends = [b for b, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available())) if ok]
+    want = "nccl" if torch.cuda.is_available() else "gloo"
+    out.append(Check("backends", want in backends, f"available: {', '.join(backends) or 'none'}",
+                     f"this torch build lacks {want}; install the official wheel"))
+    return out
+
+
+def check_allreduce(timeout: float = 90.0) -> Check:
+    from marind.netutil import free_port
+    port = free_port()
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
+        procs.append(subprocess.Popen([sys.executable, "-c", _ALLREDUCE], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    tic = time.monotonic()
+    failures = []
+    for rank, proc in enumerate(procs):
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, timeout - (time.monotonic() - tic)))
+            if proc.returncode != 0:
+                failures.append(f"rank {rank} exited {proc.returncode}: "
+                                f"{(out or b'').decode(errors='replace').strip().splitlines()[-1:]}")
+        except subprocess.TimeoutExpired:
+            failures.append(f"rank {rank} timed out after {timeout:.0f}s")
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait(5)
+    if failures:
+        return Check("all-reduce", False, "; ".join(failures),
+                     "check loopback networking (MASTER_ADDR=127.0.0.1) and the backend (NCCL_DEBUG=INFO)")
+    return Check("all-reduce", True, f"2 local processes in {time.monotonic() - tic:.1f}s")
+
+
+def check_etcd(flag: str | None, config_file: str | None) -> Check:
+    from marind.errors import MarindError
+    from marind.jobs_client import connect
+    try:
+        client = connect(flag, config_file)
+    except MarindError as exc:
+        return Check("etcd", False, str(exc), "start etcd or `marind agent`, or pass --etcd / set MARIND_ETCD")
+    try:
+        key = client.key("doctor", f"{socket.gethostname()}-{os.getpid()}")
+        value = uuid.uuid4().hex
+        client.put(key, value)
+        ok = client.get(key)[0] == value.encode()
+        client.delete(key)
+        return Check("etcd", ok, f"{client.endpoints_spec} prefix {client.prefix}: write/read/delete "
+                                 + ("ok" if ok else "read back a different value"),
+                     "" if ok else "check etcd health (`etcdctl endpoint health`)")
+    except MarindError as exc:
+        return Check("etcd", False, str(exc), "grant the etcd user read/write on the prefix")
+    finally:
+        client.close()
+
+
+def check_store(url: str, storage_options: dict | None = None) -> Check:
+    try:
+        import fsspec
+        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        path = root.rstrip("/") + f"/.marind-doctor-{uuid.uuid4().hex[:8]}"
+        data = os.urandom(1024)
+        fs.makedirs(root, exist_ok=True)
+        with fs.open(path, "wb") as fh:
+            fh.write(data)
+        with fs.open(path, "rb") as fh:
+            same = fh.read() == data
+        fs.rm(path)
+        return Check("checkpoint store", same, f"{url}: write/read/delete {'ok' if same else 'mismatch'}",
+                     "" if same else "the store returned different bytes; check it")
+    except Exception as exc:  # noqa: BLE001 - any failure is the finding
+        return Check("checkpoint store", False, f"{url}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                     "check the URL, credentials (AWS_* / storage options) and permissions")
+
+
+def check_disk(path: str) -> Check:
+    probe = path
+    while probe and not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    free = shutil.disk_usage(probe or "/").free
+    return Check("free disk", free >= MIN_FREE_BYTES, f"{free / 2**30:.1f} GiB free at {probe}",
+                 f"free at least {MIN_FREE_BYTES // 2**30} GiB (logs, run dirs, embedded etcd)")
+
+
+def check_etcd_binary() -> Check:
+    path = shutil.which("etcd")
+    return Check("etcd binary", True, path or "not on PATH (needed only for the embedded default)",
+                 "" if path else "apt-get install etcd-server, or configure [etcd] endpoints")
+
+
+def run(args) -> int:
+    from marind.agent.config import default_state_dir
+    state_dir = args.state_dir or os.environ.get("MARIND_STATE_DIR") or str(default_state_dir())
+    checks = check_torch()
+    checks.append(check_allreduce())
+    checks.append(check_etcd(args.etcd, args.config))
+    options = json.loads(args.storage_options) if args.storage_options else None
+    checks.append(check_store(args.ckpt or f"file://{os.path.join(state_dir, 'ckpt')}", options))
+    checks.append(check_etcd_binary())
+    checks.append(check_disk(state_dir))
+    failed = [c for c in checks if not c.ok]
+    if args.json:
+        print(json.dumps({"ok": not failed, "checks": [asdict(c) for c in checks]}))
+    else:
+        width = max(len(c.name) for c in checks)
+        for c in checks:
+            print(f"{'PASS' if c.ok else 'FAIL'}  {c.name.ljust(width)}  {c.detail}")
+            if not c.ok and c.fix:
+                print(f"      {''.ljust(width)}  fix: {c.fix}")
+        print(f"\n{len(checks) - len(failed)}/{len(checks)} checks passed." if failed else
+              f"\nAll {len(checks)} checks passed.")
+    return 1 if failed else 0

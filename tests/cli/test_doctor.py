@@ -1,0 +1,33 @@
+"""`marind doctor` against a real etcd and a real S3 server."""
+
+from __future__ import annotations
+
+import json
+
+from marind.cli import main
+from marind.commands.doctor import check_etcd, check_store
+from marind.netutil import free_port
+
+
+def test_doctor_passes_on_a_good_node(etcd, etcd_prefix, s3, s3_url, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MARIND_PREFIX", etcd_prefix)
+    rc = main(["doctor", "--json", "--etcd", etcd.endpoint, "--ckpt", s3_url,
+               "--storage-options", json.dumps(s3.storage_options), "--state-dir", str(tmp_path)])
+    doc = json.loads(capsys.readouterr().out)
+    names = [c["name"] for c in doc["checks"]]
+    assert names == ["torch", "cuda", "backends", "all-reduce", "etcd", "checkpoint store", "etcd binary",
+                     "free disk"]
+    by_name = {c["name"]: c for c in doc["checks"]}
+    for name in ("torch", "backends", "all-reduce", "etcd", "checkpoint store"):
+        assert by_name[name]["ok"], by_name[name]
+    assert rc == (0 if doc["ok"] else 1)
+
+
+def test_doctor_names_the_fix_for_failures(tmp_path):
+    bad = check_etcd(f"http://127.0.0.1:{free_port()}", None)
+    assert not bad.ok and "unreachable" in bad.detail and bad.fix
+    (tmp_path / "ro").mkdir(mode=0o500)
+    good = check_store(f"file://{tmp_path}/store")
+    assert good.ok
+    missing = check_store("nosuchproto://x/y")
+    assert not missing.ok and missing.fix
