@@ -29,7 +29,6 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousHandler,
     RendezvousParameters,
-    RendezvousStoreInfo,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
@@ -122,26 +121,28 @@ def connect(options: Etcd3Options, run_id: str = "") -> EtcdClient:
 
 
 class Etcd3RendezvousHandler(DynamicRendezvousHandler):
-    """torch's handler, with the workers' bootstrap address republished every round.
+    """torch's handler, with a fresh workers' store every round.
 
-    torch 2.13 caches the bootstrap info (``MASTER_ADDR``/``MASTER_PORT``
-    of the workers' TCPStore, hosted by the rank-0 agent) after a node's
-    first round, and rank 0 writes it only into that round's store prefix.
-    So a node that joins a later round (scale-up, a replaced node) waits
-    for a key nobody writes, and when the rank-0 node is lost the other
-    survivors keep the dead node's address. Here rank 0 republishes into
-    every round and the other ranks always read the current round. Rank 0
-    also drops the store keys of rounds older than the previous one.
+    torch 2.13 builds the bootstrap info (``MASTER_ADDR``/``MASTER_PORT``
+    of the workers' TCPStore, hosted by the rank-0 agent) in a node's
+    first round only and reuses it, and the store server with it, while
+    the node stays rank 0. Three things break on that: a node joining a
+    later round (scale-up, a replacement) waits for a key rank 0 never
+    writes into that round; after the rank-0 node is lost, the other
+    survivors keep the dead node's address; and the next generation of
+    workers meets the previous one's keys in the reused server (gloo then
+    dials dead peers: "Connection refused"). torch's worker side assumes
+    "a new TCPStore for every retry"; this handler makes that true: rank 0
+    starts a new server and publishes it in every round, the others read
+    the current round. Rank 0 also drops the etcd store keys of rounds
+    older than the previous one.
     """
 
     def _get_world(self) -> tuple[int, int]:
         rank, world_size = super()._get_world()
-        server = self._shared_tcp_store_server
-        if rank == 0 and server is not None and self._bootstrap_store_info is not None:
-            self._bootstrap_store_info = RendezvousStoreInfo.build(
-                0, self._get_store(), local_addr=self._this_node.addr, server_port=server.port)
-        elif rank != 0:
-            self._bootstrap_store_info = None  # read this round's rank 0: it may be a new node
+        # torch rebuilds both (a new server on rank 0) when the cached info is None
+        self._bootstrap_store_info = None
+        self._shared_tcp_store_server = None
         round_ = self._state_holder.state.round
         if rank == 0 and isinstance(self._store, Etcd3Store) and round_ >= 2:
             try:
