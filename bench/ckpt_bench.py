@@ -1,0 +1,366 @@
+"""Checkpoint benchmark: marind ckpt_store vs torch.distributed.checkpoint (DCP) and torch.save.
+
+4 gloo ranks hold an FSDP2-sharded MLP plus its Adam state (>= 512 MB in
+full mode), saved to a local dir and to a SeaweedFS S3 server started here.
+Measured in the same run: sync save, async blocked time, async time to
+commit, training step time while a background save runs vs without,
+same-layout load, reshard load 4 -> 2 ranks, bytes read per byte needed,
+and the disk's raw sequential write rate. Medians over ``--repeats``.
+
+    python bench/ckpt_bench.py            # full (~10 min on 2 cores)
+    python bench/ckpt_bench.py --quick    # tiny state, checks the output shape
+
+The last stdout line is one JSON object (DESIGN §7).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+# ---------------------------------------------------------------- rank side
+def _model(dim: int, layers: int, world: int):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)])
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return model, optim
+
+
+def _train_step(model, optim, dim: int) -> float:
+    import torch
+
+    t0 = time.perf_counter()
+    x = torch.randn(8, dim)
+    model(x).square().mean().backward()
+    optim.step()
+    optim.zero_grad()
+    return time.perf_counter() - t0
+
+
+def _state(model, optim) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optim)
+    return {"model": msd, "optim": osd}
+
+
+def _timed(fn) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _rm(path: str) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
+
+
+def _steps_while(done, model, optim, dim: int, limit: int = 200) -> list[float]:
+    """Train while any rank's save is still running (every rank runs the same steps)."""
+    import torch
+    import torch.distributed as dist
+
+    times = []
+    while len(times) < limit:
+        busy = torch.tensor([0 if done() else 1])
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX)
+        if not busy.item():
+            break
+        times.append(_train_step(model, optim, dim))
+    return times
+
+
+_GROUP = []
+
+
+def _dcp_group():
+    """DCP's async_save runs collectives in a background thread: give it its own gloo group."""
+    import torch.distributed as dist
+
+    if not _GROUP:
+        _GROUP.append(dist.new_group(backend="gloo"))
+    return _GROUP[0]
+
+
+def _dcp_writer(url: str, opts: dict | None):
+    if url.startswith("s3://"):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+        return FsspecWriter(url, **(opts or {}))
+    return None
+
+
+def _dcp_reader(url: str, opts: dict | None):
+    if url.startswith("s3://"):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        return FsspecReader(url, **(opts or {}))
+    return None
+
+
+def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: int) -> dict:
+    """marind and DCP against one target (a local dir or an S3 prefix)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt_store import CheckpointStore
+
+    rank = dist.get_rank()
+    local = not url.startswith("s3://")
+    mk = CheckpointStore(f"{url}/marind" if not local else f"file://{url}/marind", storage_options=opts,
+                         keep_last=1)
+    res: dict = {"marind": {}, "dcp": {}}
+    step = 0
+    sync, blocked, commit, during = [], [], [], []
+    for _ in range(repeats):
+        step += 1
+        state = _state(model, optim)
+        sync.append(_timed(lambda: mk.save(step, state, async_=False)))
+        step += 1
+        dist.barrier()
+        t0 = time.perf_counter()
+        pending = mk.save(step, state, async_=True)
+        blocked.append(time.perf_counter() - t0)
+        during += _steps_while(pending.done, model, optim, dim)
+        pending.wait()
+        commit.append(time.perf_counter() - t0)
+        dist.barrier()
+    res["marind"].update(sync_save_s=statistics.median(sync), async_blocked_s=statistics.median(blocked),
+                         async_commit_s=statistics.median(commit),
+                         step_during_save_s=statistics.median(during) if during else None,
+                         steps_during_save=len(during))
+    loads = []
+    for _ in range(repeats):
+        target = _state(model, optim)
+        loads.append(_timed(lambda: mk.load(target)))
+    res["marind"]["load_s"] = statistics.median(loads)
+    st = mk.last_load_stats
+    res["marind"]["read_amplification"] = st["bytes_read"] / max(1, st["bytes_needed"])
+    res["marind"]["step"] = mk.latest()
+
+    dpath = f"{url}/dcp"
+    sync, blocked, commit, during = [], [], [], []
+    for i in range(repeats):
+        state = _state(model, optim)
+        if local:
+            _rm(dpath)
+        ckpt_id = f"{dpath}/s{i}" if not local else dpath
+        sync.append(_timed(lambda: dcp.save(state, checkpoint_id=ckpt_id,
+                                            storage_writer=_dcp_writer(ckpt_id, opts))))
+        if local:
+            _rm(dpath)
+        ckpt_id = f"{dpath}/a{i}" if not local else dpath
+        dist.barrier()
+        t0 = time.perf_counter()
+        fut = dcp.async_save(state, checkpoint_id=ckpt_id, storage_writer=_dcp_writer(ckpt_id, opts),
+                             process_group=_dcp_group())
+        blocked.append(time.perf_counter() - t0)
+        during += _steps_while(fut.done, model, optim, dim)
+        fut.result()
+        commit.append(time.perf_counter() - t0)
+        dist.barrier()
+    res["dcp"].update(sync_save_s=statistics.median(sync), async_blocked_s=statistics.median(blocked),
+                      async_commit_s=statistics.median(commit),
+                      step_during_save_s=statistics.median(during) if during else None,
+                      steps_during_save=len(during))
+    loads = []
+    for _ in range(repeats):
+        target = _state(model, optim)
+        loads.append(_timed(lambda: dcp.load(target, checkpoint_id=ckpt_id,
+                                             storage_reader=_dcp_reader(ckpt_id, opts))))
+    res["dcp"]["load_s"] = statistics.median(loads)
+    res["dcp"]["checkpoint_id"] = ckpt_id
+    return res if rank == 0 else {}
+
+
+def worker(dim: int, layers: int, repeats: int, local_dir: str, s3_url: str | None,
+           s3_opts: dict | None) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    model, optim = _model(dim, layers, world)
+    _dcp_group()
+    _train_step(model, optim, dim)
+    state = _state(model, optim)
+    nbytes = torch.tensor([sum(v.to_local().numel() * v.element_size() for v in _tensors(state))],
+                          dtype=torch.int64)
+    dist.all_reduce(nbytes)
+    base = [_train_step(model, optim, dim) for _ in range(max(5, repeats * 3))]
+    out = {"world": world, "state_bytes": int(nbytes.item()), "step_s": statistics.median(base)}
+    out["local"] = _bench_target("local", local_dir, None, model, optim, dim, repeats)
+    if s3_url:
+        out["s3"] = _bench_target("s3", s3_url, s3_opts, model, optim, dim, repeats)
+    # torch.save of the full (gathered) state by rank 0
+    full_path = f"{local_dir}/torch_save.pt"
+
+    def full_save():
+        msd, osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist.get_rank() == 0:
+            torch.save({"model": msd, "optim": osd}, full_path)
+    out["torch_save_s"] = statistics.median(_timed(full_save) for _ in range(repeats))
+    return out if dist.get_rank() == 0 else {}
+
+
+def reshard_worker(dim: int, layers: int, repeats: int, marind_url: str, dcp_id: str,
+                   opts: dict | None) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt_store import CheckpointStore
+
+    torch.set_num_threads(1)
+    model, optim = _model(dim, layers, dist.get_world_size())
+    _train_step(model, optim, dim)
+    store = CheckpointStore(marind_url, storage_options=opts)
+    mk, dc, amp = [], [], []
+    for _ in range(repeats):
+        target = _state(model, optim)
+        mk.append(_timed(lambda: store.load(target)))
+        st = store.last_load_stats
+        amp.append(st["bytes_read"] / max(1, st["bytes_needed"]))
+        target = _state(model, optim)
+        dc.append(_timed(lambda: dcp.load(target, checkpoint_id=dcp_id, storage_reader=_dcp_reader(dcp_id, opts))))
+    return {"marind_load_s": statistics.median(mk), "dcp_load_s": statistics.median(dc),
+            "marind_read_amplification": max(amp)} if dist.get_rank() == 0 else {}
+
+
+def _tensors(tree):
+    import torch
+    if isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, torch.Tensor):
+        yield tree if hasattr(tree, "to_local") else _Wrap(tree)
+
+
+class _Wrap:
+    def __init__(self, t):
+        self.t = t
+
+    def to_local(self):
+        return self.t
+
+    def element_size(self):
+        return self.t.element_size()
+
+
+# ---------------------------------------------------------------- driver side
+def disk_write_rate(directory: str, mb: int) -> float:
+    """Raw sequential write rate (MB/s) of ``directory``'s disk: 1 MiB writes + fsync."""
+    block = os.urandom(1 << 20)
+    path = os.path.join(directory, "rawwrite.bin")
+    t0 = time.perf_counter()
+    with open(path, "wb") as fh:
+        for _ in range(mb):
+            fh.write(block)
+        fh.flush()
+        os.fsync(fh.fileno())
+    dt = time.perf_counter() - t0
+    os.remove(path)
+    return mb / dt
+
+
+def _ratio(a, b):
+    return round(a / b, 3) if a is not None and b else None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny state, one repeat (checks the JSON shape)")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--no-s3", action="store_true")
+    ap.add_argument("--dir", default=None, help="local checkpoint dir (default: a temp dir)")
+    args = ap.parse_args(argv)
+    from tests.support.procs import kill_all, run_torch_workers
+    from tests.support.s3_server import SeaweedS3
+
+    dim, layers = (128, 2) if args.quick else (2048, 12)     # full: 50M params + Adam = 604 MB
+    repeats = args.repeats or (1 if args.quick else 3)
+    root = Path(args.dir or tempfile.mkdtemp(prefix="marind-ckpt-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    s3 = None
+    result: dict = {"bench": "ckpt", "quick": args.quick, "repeats": repeats}
+    try:
+        result["disk_write_MBps"] = round(disk_write_rate(str(root), 64 if args.quick else 512), 1)
+        s3_url = s3_opts = None
+        if not args.no_s3:
+            s3 = SeaweedS3(root / "s3").start()
+            s3_url, s3_opts = s3.url("bench"), s3.storage_options
+        env = {"OMP_NUM_THREADS": "1", "MARIND_LOG_LEVEL": "WARNING"}
+        r = run_torch_workers("bench.ckpt_bench:worker", 4, timeout=3000, env=env, dim=dim, layers=layers,
+                              repeats=repeats, local_dir=str(root / "local"), s3_url=s3_url,
+                              s3_opts=s3_opts)[0]
+        result.update({k: r[k] for k in ("world", "state_bytes", "step_s", "torch_save_s")})
+        result["local"], result["s3"] = r["local"], r.get("s3")
+        reshard = run_torch_workers("bench.ckpt_bench:reshard_worker", 2, timeout=3000, env=env, dim=dim,
+                                    layers=layers, repeats=repeats,
+                                    marind_url=f"file://{root}/local/marind",
+                                    dcp_id=r["local"]["dcp"]["checkpoint_id"], opts=None)[0]
+        result["reshard_4_to_2_local"] = reshard
+        result["ratios"] = _ratios(result)
+    finally:
+        kill_all()
+        if s3:
+            s3.stop()
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps(result))
+    return 0
+
+
+def _ratios(res: dict) -> dict:
+    out: dict = {}
+    for target in ("local", "s3"):
+        t = res.get(target)
+        if not t:
+            continue
+        m, d = t["marind"], t["dcp"]
+        out[target] = {
+            "sync_save_vs_dcp": _ratio(m["sync_save_s"], d["sync_save_s"]),
+            "load_vs_dcp": _ratio(m["load_s"], d["load_s"]),
+            "async_blocked_vs_own_sync": _ratio(m["async_blocked_s"], m["sync_save_s"]),
+            "async_commit_vs_own_sync": _ratio(m["async_commit_s"], m["sync_save_s"]),
+            "step_slowdown_during_save": _ratio(m["step_during_save_s"], res["step_s"]),
+            "dcp_step_slowdown_during_save": _ratio(d["step_during_save_s"], res["step_s"]),
+            "sync_save_vs_torch_save": _ratio(m["sync_save_s"], res["torch_save_s"]) if target == "local" else None,
+        }
+    rs = res.get("reshard_4_to_2_local") or {}
+    out["reshard_load_vs_dcp"] = _ratio(rs.get("marind_load_s"), rs.get("dcp_load_s"))
+    if res.get("local") and res.get("disk_write_MBps"):
+        mbps = res["state_bytes"] / 1e6 / res["local"]["marind"]["sync_save_s"]
+        out["local_save_MBps"] = round(mbps, 1)
+        out["local_save_vs_raw_disk"] = round(mbps / (res["disk_write_MBps"] * 1.048576), 3)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
