@@ -115,8 +115,9 @@ def connect(options: Etcd3Options, run_id: str = "") -> EtcdClient:
         client.ping()
         client.get(client.key("jobs", run_id or "_", "rdzv", "state"))  # auth reaches the prefix
     except ControlPlaneUnavailable as exc:
-        raise RendezvousConnectionError(
-            f"etcd3 rendezvous '{run_id}': cannot use etcd at {options.endpoints}: {exc}") from exc
+        # the wrapper's advice names marind's own flags; under torchrun it is --rdzv-endpoint
+        detail = str(exc).replace("or pass --etcd / set MARIND_ETCD", "and --rdzv-endpoint")
+        raise RendezvousConnectionError(f"etcd3 rendezvous '{run_id}': {detail}") from exc
     return client
 
 
