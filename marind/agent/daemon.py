@@ -32,7 +32,7 @@ from marind.agent.events import append_event
 from marind.agent.hang import HangDetector
 from marind.agent.jobs import JobView, list_job_ids, read_job, update_state
 from marind.agent.jobstate import JobEvent, JobState
-from marind.agent.registry import NodeRegistry, live_nodes
+from marind.agent.registry import NodeRegistry
 from marind.agent.supervisor import (TorchrunSupervisor, default_python, prepare_run_dir,
                                      reap_leftovers, torchrun_command, worker_env)
 from marind.errors import ControlPlaneUnavailable
@@ -91,6 +91,7 @@ class Agent:
         self.slots = config.effective_slots()
         self._watchdog_every = watchdog_interval()
         self._last_watchdog = 0.0
+        self._last_nodes_count = 0.0
 
     @property
     def jobs_dir(self) -> Path:
@@ -218,7 +219,9 @@ class Agent:
         try:
             views = self._read_jobs()
             self.etcd_ok = True
-            self.metrics.set("marind_nodes", len(live_nodes(self.client)))
+            if now - self._last_nodes_count >= self.config.report_interval:
+                self.metrics.set("marind_nodes", self.client.count_prefix(self.client.key("nodes") + "/"))
+                self._last_nodes_count = now
         except ControlPlaneUnavailable as exc:
             if self.etcd_ok:
                 self.log.warning("etcd_unreachable", error=str(exc), action="supervising on")

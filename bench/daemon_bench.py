@@ -1,0 +1,259 @@
+"""The agent's cost and recovery time; ONE JSON object as the last stdout line.
+
+* throughput: tokens/s of the same tiny trainer job under `marind agent`
+  (submit, embedded-style local etcd, etcd3 rendezvous) versus plain
+  `torchrun --standalone`, median over the trainer's per-step log lines
+  with warm-up steps dropped; ratio marind/torchrun (floor: >= 0.97).
+* node_death: two agents run one job (nodes = "1:2", 1 proc each); one
+  agent's whole process tree is SIGKILLed; the time to the re-formed
+  job's first step is split, as seen on the survivor, into detection
+  (kill -> its old workers gone), rendezvous (-> new workers spawned),
+  restart (-> a worker reports phase "restoring") and restore (-> the
+  first step after the kill).
+* rendezvous: time for 8/32/64 simulated agents on etcd3 versus c10d,
+  from ``measure()`` of bench/rendezvous_bench.py (the rendezvous
+  engineer's) when that file exists.
+
+``--quick``: throughput only, few steps, so a test can check the shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from marind.etcd_client import EtcdClient  # noqa: E402
+from marind.local_etcd import LocalEtcd  # noqa: E402
+
+SPEC = """
+[job]
+name = "bench"
+nodes = "{nodes}"
+nproc_per_node = {nproc}
+max_restarts = 5
+hang_timeout = "300s"
+[model]
+preset = "tiny"
+[data]
+path = "{data}"
+seq_len = 64
+global_batch = 8
+micro_batch = 2
+[train]
+steps = {steps}
+[checkpoint]
+url = "file://{ckpt}"
+every_steps = {every}
+"""
+FAST_RDZV = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+
+def _env(extra: dict | None = None) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MARIND_LOG_JSON="1")
+    env.pop("NOTIFY_SOCKET", None)
+    env.update(extra or {})
+    return env
+
+
+def _make_data(root: Path) -> str:
+    from trainer import corpus
+    from trainer.data import write_dataset
+    from trainer.tokenize import ByteTokenizer
+    prefix = root / "data" / "corpus"
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    tok = ByteTokenizer()
+    write_dataset(prefix, (tok.encode(t) for t in corpus.documents(60)), tok.vocab_size)
+    return str(prefix)
+
+
+def _step_tps(text: str, warmup: int) -> list[float]:
+    out = []
+    for line in text.splitlines():
+        start = line.find("{")
+        if start < 0 or '"tokens_per_s"' not in line:
+            continue
+        try:
+            rec = json.loads(line[start:])
+        except ValueError:
+            continue
+        if rec.get("event") == "step" and int(rec.get("step", 0)) > warmup:
+            out.append(float(rec["tokens_per_s"]))
+    return out
+
+
+def _spec(root: Path, name: str, data: str, *, nodes="1", nproc=2, steps=20, every=0) -> Path:
+    path = root / f"{name}.toml"
+    path.write_text(SPEC.format(nodes=nodes, nproc=nproc, data=data, steps=steps,
+                                ckpt=root / f"ckpt-{name}", every=every))
+    return path
+
+
+def _agent(root: Path, node: str, etcd: str, prefix: str) -> subprocess.Popen:
+    log = open(root / f"agent-{node}.log", "ab")
+    return subprocess.Popen([sys.executable, "-m", "marind", "agent", "--node", node, "--etcd", etcd,
+                             "--state-dir", str(root / f"state-{node}"), "--slots", "2", "--metrics-port", "0"],
+                            env=_env({"MARIND_PREFIX": prefix, "MARIND_RDZV_CONF": FAST_RDZV,
+                                      "MARIND_REPORT_INTERVAL": "0.5"}),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+
+
+def _submit(spec: Path, etcd: str, prefix: str, wait: bool) -> str:
+    res = subprocess.run([sys.executable, "-m", "marind", "submit", str(spec), *(["--wait"] if wait else [])],
+                         env=_env({"MARIND_ETCD": etcd, "MARIND_PREFIX": prefix}), capture_output=True,
+                         text=True, timeout=900, cwd=REPO)
+    if res.returncode != 0:
+        raise RuntimeError(f"submit failed: {res.stderr.strip()}")
+    return res.stdout.strip().splitlines()[-1]
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    try:
+        root = psutil.Process(proc.pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def bench_throughput(root: Path, etcd: LocalEtcd, data: str, steps: int, warmup: int) -> dict:
+    spec = _spec(root, "plain", data, steps=steps)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          "-m", "trainer", str(spec)], env=_env(), capture_output=True, text=True,
+                         timeout=900, cwd=REPO)
+    plain = _step_tps(res.stdout + res.stderr, warmup)
+    prefix = "/bench-tp"
+    agent = _agent(root, "tp", etcd.endpoint, prefix)
+    try:
+        job = _submit(_spec(root, "marind", data, steps=steps), etcd.endpoint, prefix, wait=True)
+        log = (root / "state-tp" / "jobs" / job / "logs" / "torchrun.log").read_text(errors="replace")
+        under = _step_tps(log, warmup)
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(60)
+    if not plain or not under:
+        raise RuntimeError("no per-step tokens/s found in the trainer's logs")
+    p, m = statistics.median(plain), statistics.median(under)
+    return {"torchrun_tokens_per_s": round(p, 1), "marind_tokens_per_s": round(m, 1),
+            "ratio": round(m / p, 4), "floor": 0.97, "steps_measured": min(len(plain), len(under))}
+
+
+def bench_node_death(root: Path, etcd: LocalEtcd, data: str) -> dict:
+    prefix = "/bench-nd"
+    client = EtcdClient(etcd.endpoint, prefix=prefix)
+    a, b = _agent(root, "a", etcd.endpoint, prefix), _agent(root, "b", etcd.endpoint, prefix)
+    try:
+        job = _submit(_spec(root, "elastic", data, nodes="1:2", nproc=1, steps=400, every=5),
+                      etcd.endpoint, prefix, wait=False)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            doc = client.get_json(client.key("jobs", job, "progress")) or {}
+            if doc.get("world_size") == 2 and doc.get("step", 0) >= 12:
+                break
+            time.sleep(0.2)
+        else:
+            raise RuntimeError("the job never ran on two nodes")
+        rec = client.get_json(client.key("jobs", job, "nodes", "a"))
+        old = {w["pid"] for w in rec["workers"]}
+        progress_dir = root / "state-a" / "jobs" / job / "progress"
+        t0 = time.time()
+        _kill_tree(b)
+        marks: dict[str, float] = {}
+        step_at_kill = None
+        while time.time() - t0 < 300 and "first_step" not in marks:
+            if "old_gone" not in marks and not any(psutil.pid_exists(p) for p in old):
+                marks["old_gone"] = time.time()
+            try:
+                kids = {c.pid for c in psutil.Process(rec["torchrun_pid"]).children()}
+            except psutil.Error:
+                kids = set()
+            if "old_gone" in marks and "spawned" not in marks and kids - old:
+                marks["spawned"] = time.time()
+            for path in progress_dir.glob("rank-*.json"):
+                try:
+                    r = json.loads(path.read_text())
+                except (OSError, ValueError):
+                    continue
+                if r["pid"] in old:
+                    step_at_kill = r["step"]
+                elif "spawned" in marks:
+                    if "restoring" not in marks and r["phase"] in ("restoring", "training"):
+                        marks["restoring"] = time.time()
+                    if "restoring" in marks and r["phase"] == "training" and r["step"] > (r.get("last_checkpoint_step") or 0):
+                        marks["first_step"] = time.time()
+            time.sleep(0.02)
+        if "first_step" not in marks:
+            raise RuntimeError(f"the re-formed job never stepped (marks {sorted(marks)})")
+        return {"detection_s": round(marks["old_gone"] - t0, 2),
+                "rendezvous_s": round(marks["spawned"] - marks["old_gone"], 2),
+                "restart_s": round(marks["restoring"] - marks["spawned"], 2),
+                "restore_s": round(marks["first_step"] - marks["restoring"], 2),
+                "total_s": round(marks["first_step"] - t0, 2), "step_at_kill": step_at_kill}
+    finally:
+        for proc in (a, b):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    _kill_tree(proc)
+        client.close()
+
+
+def bench_rendezvous() -> dict:
+    try:
+        from bench.rendezvous_bench import measure  # the rendezvous engineer's
+    except ImportError as exc:
+        return {"skipped": f"bench/rendezvous_bench.py not available ({exc})"}
+    out = {}
+    for n in (8, 32, 64):
+        try:
+            out[str(n)] = {"etcd3": measure(n, backend="etcd3"), "c10d": measure(n, backend="c10d")}
+        except Exception as exc:  # noqa: BLE001 - report, don't hide the rest
+            out[str(n)] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="throughput only, few steps (shape test)")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="marind-daemon-bench-"))
+    etcd = LocalEtcd(root / "etcd").start()
+    try:
+        data = _make_data(root)
+        result = {"bench": "daemon", "quick": args.quick}
+        result["throughput"] = bench_throughput(root, etcd, data, steps=8 if args.quick else 60,
+                                                warmup=2 if args.quick else 10)
+        if args.quick:
+            result["node_death"] = {"skipped": "--quick"}
+            result["rendezvous"] = {"skipped": "--quick"}
+        else:
+            result["node_death"] = bench_node_death(root, etcd, data)
+            result["rendezvous"] = bench_rendezvous()
+        result["ratios"] = {"marind_over_torchrun_tokens_per_s": result["throughput"]["ratio"]}
+    finally:
+        etcd.stop()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
