@@ -109,6 +109,11 @@ def _dcp_group():
     return _GROUP[0]
 
 
+def _cid(url: str):
+    """DCP re-creates an fsspec writer's filesystem (without our options) from checkpoint_id."""
+    return None if url.startswith("s3://") else url
+
+
 def _dcp_writer(url: str, opts: dict | None):
     if url.startswith("s3://"):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
@@ -170,14 +175,14 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
         if local:
             _rm(dpath)
         ckpt_id = f"{dpath}/s{i}" if not local else dpath
-        sync.append(_timed(lambda: dcp.save(state, checkpoint_id=ckpt_id,
+        sync.append(_timed(lambda: dcp.save(state, checkpoint_id=_cid(ckpt_id),
                                             storage_writer=_dcp_writer(ckpt_id, opts))))
         if local:
             _rm(dpath)
         ckpt_id = f"{dpath}/a{i}" if not local else dpath
         dist.barrier()
         t0 = time.perf_counter()
-        fut = dcp.async_save(state, checkpoint_id=ckpt_id, storage_writer=_dcp_writer(ckpt_id, opts),
+        fut = dcp.async_save(state, checkpoint_id=_cid(ckpt_id), storage_writer=_dcp_writer(ckpt_id, opts),
                              process_group=_dcp_group())
         blocked.append(time.perf_counter() - t0)
         during += _steps_while(fut.done, model, optim, dim)
@@ -191,7 +196,7 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
     loads = []
     for _ in range(repeats):
         target = _state(model, optim)
-        loads.append(_timed(lambda: dcp.load(target, checkpoint_id=ckpt_id,
+        loads.append(_timed(lambda: dcp.load(target, checkpoint_id=_cid(ckpt_id),
                                              storage_reader=_dcp_reader(ckpt_id, opts))))
     res["dcp"]["load_s"] = statistics.median(loads)
     res["dcp"]["checkpoint_id"] = ckpt_id
@@ -248,7 +253,7 @@ def reshard_worker(dim: int, layers: int, repeats: int, marind_url: str, dcp_id:
         st = store.last_load_stats
         amp.append(st["bytes_read"] / max(1, st["bytes_needed"]))
         target = _state(model, optim)
-        dc.append(_timed(lambda: dcp.load(target, checkpoint_id=dcp_id, storage_reader=_dcp_reader(dcp_id, opts))))
+        dc.append(_timed(lambda: dcp.load(target, checkpoint_id=_cid(dcp_id), storage_reader=_dcp_reader(dcp_id, opts))))
     return {"marind_load_s": statistics.median(mk), "dcp_load_s": statistics.median(dc),
             "marind_read_amplification": max(amp)} if dist.get_rank() == 0 else {}
 

@@ -1,0 +1,24 @@
+"""The checkpoint benchmark runs in --quick mode and prints its JSON shape (no timing checks)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.support.procs import REPO_ROOT, base_env
+
+
+def test_ckpt_bench_quick_prints_one_json_object():
+    out = subprocess.run([sys.executable, "bench/ckpt_bench.py", "--quick"], cwd=REPO_ROOT,
+                         env=base_env({"MARIND_LOG_LEVEL": "WARNING"}), capture_output=True,
+                         text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "ckpt" and result["world"] == 4
+    for target in ("local", "s3"):
+        for who in ("marind", "dcp"):
+            for key in ("sync_save_s", "async_blocked_s", "async_commit_s", "load_s", "step_during_save_s"):
+                assert key in result[target][who], (target, who, key)
+    assert {"marind_load_s", "dcp_load_s", "marind_read_amplification"} <= set(result["reshard_4_to_2_local"])
+    assert result["disk_write_MBps"] > 0 and "sync_save_vs_dcp" in result["ratios"]["local"]
