@@ -2,8 +2,8 @@
 
 * ``flatten(state)`` splits the tree into tensors (by slash-joined name) and
   a tree of JSON values.
-* ``plan_array(name, tensor, ...)`` gives the array's Zarr spec, every
-  rank's box, this rank's box and local tensor, and the chunks it writes.
+* ``plan_array(name, tensor, ...)`` gives the array's Zarr spec, this rank's
+  pieces (contiguous global regions) and local tensor, and the chunks it writes.
 * ``snapshot(plans)`` copies the owned regions to host memory (pinned on
   CUDA, reused across saves): the only part of a save the caller waits for.
 """

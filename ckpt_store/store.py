@@ -1,7 +1,9 @@
 """CheckpointStore: the public API (DESIGN §4).
 
-Save protocol, per step (no torch collectives, so it is safe in a background thread):
+Save protocol, per step (the background part uses no torch collectives):
 
+0. in the caller's thread: refuse an already committed step; rank 0 removes leftovers of
+   an earlier failed attempt at this step, then one barrier on the default group;
 1. every rank snapshots the chunks it owns to host memory (the caller waits only for this);
 2. in the background each rank encodes and writes its chunk objects and its JSON
    values, then a done marker ``.marind/rank-R.json`` listing its objects
