@@ -1,7 +1,7 @@
 """Corrupt one object of the newest committed checkpoint: bit rot, a torn write.
 
     python chaos/corrupt_checkpoint.py [--job JOB] [--url CKPT_URL] [--step S]
-        [--mode flip|truncate] [--object KEY] [--bytes 8] [--seed N] [--storage-options JSON]
+        [--mode flip|truncate] [--object KEY | --within PREFIX] [--bytes 8] [--seed N] [--storage-options JSON]
 
 The checkpoint is ``--step`` or the newest committed one (its
 ``manifest.json`` exists) under ``--url`` (default: the job spec's
@@ -26,15 +26,17 @@ from chaos._ckpt import (checkpoint_url_of_job, committed_steps, open_root,  # n
 from chaos._common import NothingToDo, base_parser, connect, emit, run, seeded_rng  # noqa: E402
 
 
-def choose_object(objects: dict, rng, key: str | None) -> str:
-    """The object to corrupt: ``key`` if given (must be in the manifest), else a seeded choice."""
+def choose_object(objects: dict, rng, key: str | None, within: str = "") -> str:
+    """The object to corrupt: ``key`` if given (must be in the manifest), else a seeded choice
+    among the non-empty objects whose key starts with ``within``."""
     if key is not None:
         if key not in objects:
             raise ValueError(f"--object {key!r} is not in the manifest (it lists {len(objects)} objects)")
         return key
-    candidates = sorted(k for k, v in objects.items() if int((v or {}).get("size", 0)) > 0)
+    candidates = sorted(k for k, v in objects.items()
+                        if k.startswith(within) and int((v or {}).get("size", 0)) > 0)
     if not candidates:
-        raise NothingToDo("the manifest lists no non-empty object")
+        raise NothingToDo(f"the manifest lists no non-empty object under {within!r}")
     return rng.choice(candidates)
 
 
@@ -56,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, help="corrupt this committed step (default: the newest)")
     parser.add_argument("--mode", choices=("flip", "truncate"), default="flip")
     parser.add_argument("--object", help="manifest key of the object to corrupt")
+    parser.add_argument("--within", default="", help="choose among objects whose key starts with "
+                                                    "this, e.g. model/ (default: any)")
     parser.add_argument("--bytes", type=int, default=8, help="bytes to flip (mode flip)")
     parser.add_argument("--storage-options", help="fsspec storage options as JSON "
                                                   "(default $MARIND_STORAGE_OPTIONS)")
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         raise NothingToDo(f"no committed checkpoint under {url}")
     step = args.step if args.step is not None else steps[-1]
     manifest = read_manifest(fs, root, step)
-    key = choose_object(manifest.get("objects") or {}, rng, args.object)
+    key = choose_object(manifest.get("objects") or {}, rng, args.object, args.within)
     path = f"{root}/{step_dir_name(step)}/{key}"
     data = fs.cat_file(path)
     bad, detail = corrupt_bytes(data, args.mode, rng, args.bytes)

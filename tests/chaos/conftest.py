@@ -22,6 +22,53 @@ import pytest
 from tests.support import procs
 
 REPO = procs.REPO_ROOT
+_SCENARIO_REPORTS: list = []
+
+
+def pytest_addoption(parser):
+    parser.addoption("--repeat", type=int, default=1,
+                     help="run each chaos scenario N times and print a table (make chaos)")
+
+
+def pytest_generate_tests(metafunc):
+    repeat = metafunc.config.getoption("repeat", 1)
+    if repeat > 1 and metafunc.module.__name__.endswith("test_scenarios"):
+        metafunc.fixturenames.append("chaos_repetition")
+        metafunc.parametrize("chaos_repetition", range(repeat), ids=lambda i: f"rep{i}")
+
+
+def pytest_runtest_logreport(report):
+    if "test_scenarios.py" in report.nodeid and (report.when == "call" or report.outcome == "skipped"
+                                                 or (report.when == "setup" and report.failed)):
+        _SCENARIO_REPORTS.append(report)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One row per scenario: runs, passed, failed, xfailed, skipped, mean seconds."""
+    if not _SCENARIO_REPORTS:
+        return
+    rows: dict[str, dict] = {}
+    for rep in _SCENARIO_REPORTS:
+        name = rep.nodeid.split("::", 1)[-1]
+        name = "-".join(p for p in name.replace("[", "-").rstrip("]").split("-")
+                        if not p.startswith("rep"))
+        row = rows.setdefault(name, {"runs": 0, "passed": 0, "failed": 0, "xfailed": 0,
+                                     "skipped": 0, "seconds": 0.0})
+        row["runs"] += 1
+        if hasattr(rep, "wasxfail"):
+            row["xfailed"] += 1
+        else:
+            row[rep.outcome if rep.outcome in row else "failed"] += 1
+        row["seconds"] += rep.duration
+    tr = terminalreporter
+    width = max(len(n) for n in rows)
+    tr.write_sep("=", "chaos scenarios")
+    tr.write_line(f"{'scenario':<{width}}  runs  pass  fail  xfail  skip  mean_s")
+    for name, r in rows.items():
+        ran = r["runs"] - r["skipped"]
+        mean = r["seconds"] / ran if ran else 0.0
+        tr.write_line(f"{name:<{width}}  {r['runs']:4d}  {r['passed']:4d}  {r['failed']:4d}  "
+                      f"{r['xfailed']:5d}  {r['skipped']:4d}  {mean:6.1f}")
 
 
 @dataclass

@@ -155,12 +155,22 @@ TWO_NODES = pytest.param(("a", "b"), id="2x2", marks=[
                       strict=False)])
 
 
+_BASELINES: dict[int, dict[str, bytes]] = {}
+
+
+def fault_free_final_state(cluster: Cluster) -> dict[str, bytes]:
+    """The final checkpoint's tensor bytes of a fault-free run of the spec (once per module)."""
+    n = len(cluster.nodes)
+    if n not in _BASELINES:
+        job, url = cluster.submit("baseline")
+        assert cluster.wait_done(job)["state"] == "SUCCEEDED"
+        _BASELINES[n] = final_tensor_objects(_check_checkpoints(cluster, url), url, cluster.s3)
+    return _BASELINES[n]
+
+
 @pytest.mark.parametrize("cluster", [ONE_NODE, TWO_NODES], indirect=True)
 def test_kill_random_rank_once_recovers_bit_identical(cluster):
-    base_job, base_url = cluster.submit("baseline")
-    assert cluster.wait_done(base_job)["state"] == "SUCCEEDED"
-    base_store = _check_checkpoints(cluster, base_url)
-    baseline = final_tensor_objects(base_store, base_url, cluster.s3)
+    baseline = fault_free_final_state(cluster)
 
     job, url = cluster.submit("killed")
     res = run_injector("kill_random_rank", "--job", job, "--seed", "1", "--after-step",
@@ -176,3 +186,33 @@ def test_kill_random_rank_once_recovers_bit_identical(cluster):
     store = _check_checkpoints(cluster, url)
     assert final_tensor_objects(store, url, cluster.s3) == baseline, \
         "after one kill the final state must be bit-identical to the fault-free run"
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="known: the restore falls back past the corrupt step correctly, but the "
+                          "replayed save of that step then fails ('already committed') on every "
+                          "restart until max_restarts (trainer/ckpt_store)", strict=False)
+@pytest.mark.parametrize("cluster", [ONE_NODE], indirect=True)
+def test_corrupt_newest_checkpoint_at_restart_falls_back(cluster):
+    baseline = fault_free_final_state(cluster)
+    job, url = cluster.submit("corrupt")
+    wait_for(lambda: cluster.step(job) >= 2 * EVERY + 1 and len(cluster.store(url).steps()) >= 2,
+             240, "two committed checkpoints", interval=0.2, diag=cluster.diag)
+    opts = json.dumps({"key": ACCESS_KEY, "secret": SECRET_KEY})
+    bad = run_injector("corrupt_checkpoint", "--job", job, "--within", "model/", "--seed", "2",
+                       "--storage-options", opts, "--s3-endpoint", cluster.s3.endpoint,
+                       etcd=cluster.etcd, prefix=cluster.prefix)
+    assert bad.returncode == 0, bad.stderr
+    corrupted = bad.lines[0]["step"]
+    kill = run_injector("kill_random_rank", "--job", job, "--seed", "3", "--wait", "60",
+                        etcd=cluster.etcd, prefix=cluster.prefix)
+    assert kill.returncode == 0, kill.stderr
+    state = cluster.wait_done(job)
+    assert state["state"] == "SUCCEEDED", state
+    logs = "".join(p.read_text(errors="replace") for p in cluster.tmp.glob("state-*/jobs/*/logs/*.log"))
+    restored = [json.loads(x[x.index("{"):]) for x in logs.splitlines()
+                if '"event": "restored"' in x and x.lstrip().startswith(("{", "["))]
+    assert "ckpt_skip_corrupt" in logs, "the corrupt newest checkpoint must be skipped at restart"
+    assert restored and all(r.get("step") != corrupted for r in restored), restored
+    store = _check_checkpoints(cluster, url)
+    assert final_tensor_objects(store, url, cluster.s3) == baseline
