@@ -92,6 +92,7 @@ class Agent:
         self._watchdog_every = watchdog_interval()
         self._last_watchdog = 0.0
         self._last_nodes_count = 0.0
+        self._cp_restarts: dict[str, int] = {}
 
     @property
     def jobs_dir(self) -> Path:
@@ -352,10 +353,28 @@ class Agent:
         self._emit(run.job, "restart", {"round": run.generations, "restarts": restarts})
         run.awaiting_running_since = now
 
+    def _control_plane_down(self) -> bool:
+        try:
+            self.client.ping()
+            return False
+        except ControlPlaneUnavailable:
+            self.etcd_ok = False
+            return True
+
     def _torchrun_exited(self, run: JobRun, rc: int) -> None:
         self.runs.pop(run.job, None)
-        self.finished.add(run.job)
         run.sup.stop(5)   # reap anything left, clear pids.json
+        if rc != 0 and self._control_plane_down():
+            # torchrun's rendezvous lost etcd: not the job's failure. Start it again once etcd is
+            # back (the job resumes from its latest checkpoint), at most max_restarts times.
+            tries = self._cp_restarts.get(run.job, 0) + 1
+            self._cp_restarts[run.job] = tries
+            limit = int(run.spec.get("job", {}).get("max_restarts", 3))
+            self.log.warning("torchrun_lost_etcd", job=run.job, rc=rc, attempt=tries, limit=limit)
+            if tries <= limit:
+                self._emit(run.job, "restart", {"reason": "etcd unreachable: torchrun exited", "rc": rc})
+                return
+        self.finished.add(run.job)
         if rc == 0:
             event, kind, reason = JobEvent.SUCCEEDED, "succeeded", f"torchrun exited 0 on {self.node}"
         else:
