@@ -110,8 +110,18 @@ def _summary(runs: list[float]) -> dict:
     return {"median_s": round(statistics.median(runs), 4), "runs_s": [round(r, 4) for r in runs]}
 
 
-def measure(agent_counts=(8, 32, 64), repeats: int = 3, etcd_endpoint: str | None = None) -> dict:
-    """Median time of one rendezvous round per agent count, etcd3 vs c10d, as a dict."""
+def measure(agent_counts=(8, 32, 64), repeats: int = 3, etcd_endpoint: str | None = None,
+            backends=("etcd3", "c10d")) -> dict:
+    """Median time of one rendezvous round per agent count, etcd3 vs c10d, as a dict.
+
+    ``agent_counts`` may be one int. The dict: ``{"bench", "agents", "repeats",
+    "etcd3": {"N": {"median_s", "runs_s"}}, "c10d": {...}, "ratios": {"etcd3_over_c10d_N"}}``.
+    """
+    if isinstance(agent_counts, int):
+        agent_counts = [agent_counts]
+    unknown = set(backends) - {"etcd3", "c10d"}
+    if unknown:
+        raise ValueError(f"unknown rendezvous backend(s) {sorted(unknown)}: use etcd3 and/or c10d")
     tmp = tempfile.TemporaryDirectory(prefix="marind-rdzv-bench-")
     server = None
     if etcd_endpoint is None:
@@ -125,12 +135,16 @@ def measure(agent_counts=(8, 32, 64), repeats: int = 3, etcd_endpoint: str | Non
                     "etcd3": {}, "c10d": {}, "ratios": {}}
     try:
         for n in agent_counts:
-            etcd_runs = [_etcd3_round(etcd_endpoint, prefix, n) for _ in range(repeats)]
-            c10d_runs = [_c10d_round(port, n) for _ in range(repeats)]
-            result["etcd3"][str(n)] = _summary(etcd_runs)
-            result["c10d"][str(n)] = _summary(c10d_runs)
-            result["ratios"][f"etcd3_over_c10d_{n}"] = round(
-                statistics.median(etcd_runs) / statistics.median(c10d_runs), 3)
+            runs = {}
+            if "etcd3" in backends:
+                runs["etcd3"] = [_etcd3_round(etcd_endpoint, prefix, n) for _ in range(repeats)]
+            if "c10d" in backends:
+                runs["c10d"] = [_c10d_round(port, n) for _ in range(repeats)]
+            for name, times in runs.items():
+                result[name][str(n)] = _summary(times)
+            if len(runs) == 2:
+                result["ratios"][f"etcd3_over_c10d_{n}"] = round(
+                    statistics.median(runs["etcd3"]) / statistics.median(runs["c10d"]), 3)
     finally:
         del tcp_server
         if server is not None:
