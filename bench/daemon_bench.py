@@ -217,18 +217,15 @@ def bench_node_death(root: Path, etcd: LocalEtcd, data: str) -> dict:
         client.close()
 
 
-def bench_rendezvous() -> dict:
+def bench_rendezvous(endpoint: str) -> dict:
     try:
         from bench.rendezvous_bench import measure  # the rendezvous engineer's
     except ImportError as exc:
         return {"skipped": f"bench/rendezvous_bench.py not available ({exc})"}
-    out = {}
-    for n in (8, 32, 64):
-        try:
-            out[str(n)] = {"etcd3": measure(n, backend="etcd3"), "c10d": measure(n, backend="c10d")}
-        except Exception as exc:  # noqa: BLE001 - report, don't hide the rest
-            out[str(n)] = {"error": f"{type(exc).__name__}: {exc}"}
-    return out
+    try:
+        return measure((8, 32, 64), repeats=3, etcd_endpoint=endpoint)
+    except Exception as exc:  # noqa: BLE001 - report, don't hide the rest
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def main() -> int:
@@ -247,7 +244,7 @@ def main() -> int:
             result["rendezvous"] = {"skipped": "--quick"}
         else:
             result["node_death"] = bench_node_death(root, etcd, data)
-            result["rendezvous"] = bench_rendezvous()
+            result["rendezvous"] = bench_rendezvous(etcd.endpoint)
         result["ratios"] = {"marind_over_torchrun_tokens_per_s": result["throughput"]["ratio"]}
     finally:
         etcd.stop()

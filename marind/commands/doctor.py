@@ -59,7 +59,11 @@ def check_torch() -> list[Check]:
         return [Check("torch", False, str(exc), "install torch into this environment (`make setup`)")]
     out = [Check("torch", True, f"torch {torch.__version__}, python {sys.version.split()[0]}")]
     if torch.cuda.is_available():
-        nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "?"
+        try:
+            version = torch.cuda.nccl.version()
+            nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+        except Exception:  # noqa: BLE001 - a build without NCCL
+            nccl = "unavailable"
         out.append(Check("cuda", True, f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s), NCCL {nccl}"))
     else:
         out.append(Check("cuda", True, "no GPU: CPU with gloo (fine for tests, slow for training)"))

@@ -51,3 +51,11 @@ async = true
     row = json.loads(capsys.readouterr().out)["jobs"][0]
     assert row["state"] == "SUCCEEDED" and row["step"] == 6 and row["world_size"] == 2
     assert row["last_checkpoint_step"] in (3, 6) and row["loss"] is not None
+
+    # a job whose entrypoint fails, restarts exhausted: FAILED, and `submit --wait` exits 4
+    bad = tmp_path / "bad.toml"
+    bad.write_text(spec.read_text().replace('max_restarts = 2', 'max_restarts = 0')
+                   .replace('[model]', 'entrypoint = "tests.agent.no_such_module"\n[model]'))
+    rc = main(["submit", str(bad), "--wait"])
+    cap = capsys.readouterr()
+    assert rc == 4 and "FAILED" in cap.err and cap.err.count("\n") == 1, cap.err
