@@ -37,14 +37,14 @@ def dataset(tmp_path_factory):
     return str(prefix)
 
 
-def _spec(tmp, name: str, data: str, url: str, s3, nodes: int) -> str:
+def _spec(tmp, name: str, data: str, url: str, s3, nodes: int, hang_timeout: str = "60s") -> str:
     text = f"""
 [job]
 name = "{name}"
 nodes = "{nodes}"
 nproc_per_node = 2
 max_restarts = 10
-hang_timeout = "60s"
+hang_timeout = "{hang_timeout}"
 entrypoint = "trainer"
 [job.env]
 AWS_ENDPOINT_URL = "{s3.endpoint}"
@@ -92,10 +92,11 @@ class Cluster:
     def diag(self) -> str:
         return "\n".join(f"--- agent {n} ---\n{agent_log(self.tmp, n)}" for n in self.nodes)
 
-    def submit(self, name: str) -> tuple[str, str]:
+    def submit(self, name: str, **spec_kw) -> tuple[str, str]:
         url = self.s3.url(f"chaos-{uuid.uuid4().hex[:8]}", name)
         self.capsys.readouterr()
-        rc = marind_main(["submit", _spec(self.tmp, name, self.data, url, self.s3, len(self.nodes))])
+        rc = marind_main(["submit", _spec(self.tmp, name, self.data, url, self.s3, len(self.nodes),
+                                          **spec_kw)])
         out = self.capsys.readouterr().out
         assert rc == 0, out
         return out.strip().splitlines()[-1], url
@@ -216,3 +217,53 @@ def test_corrupt_newest_checkpoint_at_restart_falls_back(cluster):
     assert restored and all(r.get("step") != corrupted for r in restored), restored
     store = _check_checkpoints(cluster, url)
     assert final_tensor_objects(store, url, cluster.s3) == baseline
+
+
+def _finish_like_baseline(cluster: Cluster, job: str, url: str, baseline: dict) -> dict:
+    state = cluster.wait_done(job)
+    assert state["state"] == "SUCCEEDED", state
+    store = _check_checkpoints(cluster, url)
+    assert final_tensor_objects(store, url, cluster.s3) == baseline
+    return state
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cluster", [ONE_NODE], indirect=True)
+def test_hung_rank_is_restarted_by_the_hang_timeout(cluster):
+    baseline = fault_free_final_state(cluster)
+    job, url = cluster.submit("hung", hang_timeout="8s")
+    res = run_injector("hang_rank", "--job", job, "--seed", "4", "--after-step", str(EVERY + 2),
+                       "--wait", "180", etcd=cluster.etcd, prefix=cluster.prefix, timeout=240)
+    assert res.returncode == 0 and [ln["action"] for ln in res.lines] == ["hang"], res.stderr
+    _finish_like_baseline(cluster, job, url, baseline)
+    kinds = [e["kind"] for e in cluster.events(job)]
+    assert "hang_detected" in kinds and "restart" in kinds, kinds
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="known: torchrun's etcd3 rendezvous keep-alive/shutdown raises "
+                          "RendezvousConnectionError during a 5 s etcd outage and torchrun exits 1 "
+                          "with no restart (rendezvous/agent)", strict=False)
+@pytest.mark.parametrize("cluster", [ONE_NODE], indirect=True)
+def test_etcd_restarted_under_a_running_job(cluster):
+    baseline = fault_free_final_state(cluster)
+    job, url = cluster.submit("etcd-out")
+    wait_for(lambda: cluster.step(job) >= EVERY + 2, 240, "training under way", diag=cluster.diag)
+    res = run_injector("etcd_outage", "--job", job, "--seconds", "5", "--state",
+                       str(cluster.etcd.state_path), etcd=cluster.etcd, prefix=cluster.prefix,
+                       timeout=120)
+    assert res.returncode == 0 and len(res.lines) == 2, res.stderr
+    _finish_like_baseline(cluster, job, url, baseline)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cluster", [ONE_NODE], indirect=True)
+def test_storage_outage_during_a_save(cluster):
+    baseline = fault_free_final_state(cluster)
+    job, url = cluster.submit("s3-out")
+    opts = json.dumps({"key": ACCESS_KEY, "secret": SECRET_KEY})
+    res = run_injector("storage_outage", "--job", job, "--during-save", "--seconds", "5",
+                       "--state", str(cluster.s3.state_path), "--storage-options", opts,
+                       "--wait", "180", etcd=cluster.etcd, prefix=cluster.prefix, timeout=300)
+    assert res.returncode == 0 and res.lines[0].get("during_save_step"), res.stderr
+    _finish_like_baseline(cluster, job, url, baseline)
