@@ -49,7 +49,7 @@ def test_job_survives_an_etcd_outage(tmp_path, etcd_private):
     agent = start_agent(tmp_path, "o", etcd_private.endpoint, prefix, env={"MARIND_LEASE_TTL": "4"})
     diag = lambda: agent_log(tmp_path, "o")  # noqa: E731
     wait_for(lambda: node_registered(client, "o"), 30, "node registered", diag=diag)
-    spec = tiny_spec(tmp_path, name="outage", steps=40)
+    spec = tiny_spec(tmp_path, name="outage", steps=30)
     res = _cli("submit", str(spec), env={"MARIND_ETCD": etcd_private.endpoint, "MARIND_PREFIX": prefix})
     assert res.returncode == 0, res.stderr
     job = res.stdout.strip().splitlines()[-1]
@@ -64,7 +64,7 @@ def test_job_survives_an_etcd_outage(tmp_path, etcd_private):
     etcd_private.start()
     wait_for(lambda: job_state(client, job).get("state") == "SUCCEEDED", 120, "SUCCEEDED after the outage",
              diag=lambda: f"{job_state(client, job)}\n{diag()}")
-    assert done_record(spec)["step"] == 40 and done_record(spec)["resumed_from"] > 0
+    assert done_record(spec)["step"] == 30 and done_record(spec)["resumed_from"] > 0
     wait_for(lambda: node_registered(client, "o"), 30, "node registered again", diag=diag)
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(tmp_path, 'o')}/metrics", timeout=5).read().decode()
     failures = [line for line in text.splitlines() if line.startswith("marind_etcd_keepalive_failures_total ")]
