@@ -49,7 +49,7 @@ class JobsClient:
                 rows.append(self._job_row(J.read_job(self.client, job)))
             except NotFound:
                 continue
-        return sorted(rows, key=lambda r: r["submitted_at"])
+        return sorted(rows, key=lambda r: r["submitted_rev"])
 
     def _job_row(self, view: J.JobView) -> dict:
         nodes = J.job_nodes(self.client, view.id)
@@ -66,7 +66,7 @@ class JobsClient:
                 "last_checkpoint_step": progress.get("last_checkpoint_step"),
                 "restarts": view.state.restarts,
                 "updated_at": max(view.state.updated_at, float(progress.get("updated_at") or 0)),
-                "submitted_at": view.submitted_at,
+                "submitted_rev": view.submitted_rev,
                 "target_steps": view.spec.get("train", {}).get("steps")}
 
     def nodes(self) -> list[dict]:

@@ -246,7 +246,7 @@ class Agent:
             if job in self.finished and job not in self.runs:
                 continue
             views.append(read_job(self.client, job))
-        return sorted(views, key=lambda v: (v.submitted_at, v.id))
+        return sorted(views, key=lambda v: (v.submitted_rev, v.id))
 
     def _reconcile(self, view: JobView, now: float) -> None:
         run = self.runs.get(view.id)

@@ -40,7 +40,7 @@ class JobView:
     state: StateRecord
     state_rev: int
     cancel: dict | None
-    submitted_at: float
+    submitted_rev: int          # the spec key's revision: submission order
 
     @property
     def nproc_per_node(self) -> int:
@@ -63,22 +63,20 @@ def list_job_ids(client: EtcdClient) -> list[str]:
 
 
 def read_job(client: EtcdClient, job: str) -> JobView:
-    spec_raw, _ = client.get(client.key("jobs", job, "spec"))
+    spec_raw, spec_rev = client.get(client.key("jobs", job, "spec"))
     if spec_raw is None:
         raise NotFound(f"no job {job!r}: see `marind status` for the jobs there are")
     spec = json.loads(spec_raw)
     raw, rev = client.get(state_key(client, job))
     state = StateRecord.from_dict(json.loads(raw)) if raw else StateRecord(JobState.PENDING)
     cancel = client.get_json(client.key("jobs", job, "cancel"))
-    return JobView(id=job, spec=spec.get("spec", spec), state=state, state_rev=rev, cancel=cancel,
-                   submitted_at=float(spec.get("submitted_at", state.updated_at)))
+    return JobView(id=job, spec=spec, state=state, state_rev=rev, cancel=cancel, submitted_rev=spec_rev)
 
 
 def create_job(client: EtcdClient, job: str, spec: dict, now: float | None = None) -> bool:
     """Write spec (only if absent) and the initial PENDING state; False when the id exists."""
     now = time.time() if now is None else now
-    doc = json.dumps({"spec": spec, "submitted_at": now}, sort_keys=True)
-    if not client.create(client.key("jobs", job, "spec"), doc):
+    if not client.create(client.key("jobs", job, "spec"), json.dumps(spec, sort_keys=True)):
         return False
     client.put_json(state_key(client, job),
                     StateRecord(JobState.PENDING, reason="submitted", updated_at=now).to_dict())
