@@ -101,12 +101,13 @@ def _spec(root: Path, name: str, data: str, *, nodes="1", nproc=2, steps=20, eve
     return path
 
 
-def _agent(root: Path, node: str, etcd: str, prefix: str) -> subprocess.Popen:
+def _agent(root: Path, node: str, etcd: str, prefix: str, fast: bool = True) -> subprocess.Popen:
+    """An agent subprocess; ``fast``: short rendezvous timeouts and reports (node-death runs)."""
     log = open(root / f"agent-{node}.log", "ab")
+    extra = {"MARIND_RDZV_CONF": FAST_RDZV, "MARIND_REPORT_INTERVAL": "0.5"} if fast else {}
     return subprocess.Popen([sys.executable, "-m", "marind", "agent", "--node", node, "--etcd", etcd,
                              "--state-dir", str(root / f"state-{node}"), "--slots", "2", "--metrics-port", "0"],
-                            env=_env({"MARIND_PREFIX": prefix, "MARIND_RDZV_CONF": FAST_RDZV,
-                                      "MARIND_REPORT_INTERVAL": "0.5"}),
+                            env=_env({"MARIND_PREFIX": prefix, **extra}),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
 
 
@@ -140,7 +141,7 @@ def bench_throughput(root: Path, etcd: LocalEtcd, data: str, steps: int, warmup:
                          timeout=900, cwd=REPO)
     plain = _step_tps(res.stdout + res.stderr, warmup)
     prefix = "/bench-tp"
-    agent = _agent(root, "tp", etcd.endpoint, prefix)
+    agent = _agent(root, "tp", etcd.endpoint, prefix, fast=False)   # the defaults a user gets
     try:
         job = _submit(_spec(root, "marind", data, steps=steps), etcd.endpoint, prefix, wait=True)
         log = (root / "state-tp" / "jobs" / job / "logs" / "torchrun.log").read_text(errors="replace")
