@@ -170,9 +170,11 @@ def _place(key: str, raw: bytes, job, how, crc) -> None:
     else:
         rows = spec.inner_rows
         pieces = how
+    raw = memoryview(raw)
     for k, off, nb in pieces:
         chunk_raw = raw[off:off + nb]
-        block = decode_block(key, chunk_raw, spec.inner_shape, spec, f"inner chunk {k}")
+        block = decode_block(key, chunk_raw, spec.inner_shape, spec, f"inner chunk {k}",
+                             checked=how == "whole")
         inner_off = (full_off[0] + k * rows, *full_off[1:])
         _copy(host, box, block, Box(inner_off, spec.inner_shape))
 
