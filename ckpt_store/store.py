@@ -186,8 +186,31 @@ class CheckpointStore:
             warnings.warn(f"skipping checkpoint step {s}: {error or 'corrupt on another rank'}",
                           stacklevel=2)
             log.warning("ckpt_skip_corrupt", step=s, error=str(error))
+            self._quarantine(s, rank, str(error or "corrupt on another rank"))
         raise CheckpointNotFound(f"no committed checkpoint under {self.url} loads clean "
                                  f"(tried steps {candidates})")
+
+    def _quarantine(self, step: int, rank: int, reason: str) -> None:
+        """Uncommit a step that failed its checksums, so it is never chosen again.
+
+        A run that falls back to an older step will reach this step number again
+        and must be able to save it. Rank 0 keeps the old manifest as
+        ``manifest.corrupt.json`` (evidence for an operator) and removes
+        ``manifest.json``; the rest of the directory becomes an uncommitted
+        leftover. All ranks wait for it (foreground, default group).
+        """
+        d = step_dir(step)
+        if rank == 0:
+            try:
+                manifest = self.storage.read_json(f"{d}/manifest.json")
+            except Exception:  # noqa: BLE001 - a corrupt manifest is itself the reason
+                manifest = None
+            self.storage.write_json_atomic(f"{d}/manifest.corrupt.json",
+                                           {"reason": reason, "at": _now(), "manifest": manifest})
+            self.storage.delete_prefix(f"{d}/manifest.json")
+            log.warning("ckpt_quarantined", step=step, reason=reason)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
 
     def load_arrays(self, state: dict, step: int) -> dict:
         """Fill only the tensors of ``state`` (no JSON values), from ``step``; for tools."""

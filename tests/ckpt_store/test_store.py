@@ -109,6 +109,11 @@ def test_flipped_byte_is_caught_and_load_falls_back(tmp_path):
         store.load(target)
     assert _equal(target, _state(1))
     assert any("skipping checkpoint step 2" in str(w.message) for w in caught)
+    # the corrupt step is uncommitted (evidence kept), so a run that fell back can save it again
+    assert store.steps() == [1] and store.latest() == 1
+    assert os.path.exists(f"{root}/step-0000000002/manifest.corrupt.json")
+    store.save(2, _state(2), async_=False)
+    assert store.steps() == [1, 2] and store.verify(2).ok
 
 
 def test_truncated_object_and_missing_manifest(tmp_path):
