@@ -190,9 +190,6 @@ def test_kill_random_rank_once_recovers_bit_identical(cluster):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="known: the restore falls back past the corrupt step correctly, but the "
-                          "replayed save of that step then fails ('already committed') on every "
-                          "restart until max_restarts (trainer/ckpt_store)", strict=False)
 @pytest.mark.parametrize("cluster", [ONE_NODE], indirect=True)
 def test_corrupt_newest_checkpoint_at_restart_falls_back(cluster):
     baseline = fault_free_final_state(cluster)
