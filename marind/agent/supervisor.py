@@ -5,7 +5,7 @@ spec), ``logs/torchrun.log`` (torchrun's and the workers' output),
 ``progress/`` (the workers' records) and ``pids.json`` (torchrun's and
 the workers' pids with their start times).
 
-torchrun runs in its own session with ``PR_SET_PDEATHSIG = SIGTERM``:
+torchrun runs in its own session with ``PR_SET_PDEATHSIG = SIGTERM`` (set by a shim):
 if the agent dies, torchrun is told to stop and stops its workers. When
 an agent starts it reaps leftovers of a previous incarnation from
 ``pids.json`` (``reap_leftovers``): marind chooses clean restart over
@@ -15,7 +15,6 @@ round.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
@@ -33,11 +32,19 @@ from marind.log import get_logger
 PR_SET_PDEATHSIG = 1
 
 
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except OSError:
-        pass
+# Sets PR_SET_PDEATHSIG in the child, then execs torchrun (same pid; the setting survives exec).
+# A shim rather than ``preexec_fn``: a preexec_fn forces fork() in a process with gRPC threads,
+# whose fork handlers sometimes abort the child; without it subprocess uses vfork.
+_PDEATHSIG_SHIM = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n"
+    f"    ctypes.CDLL('libc.so.6', use_errno=True).prctl({PR_SET_PDEATHSIG}, signal.SIGTERM, 0, 0, 0)\n"
+    "except OSError:\n"
+    "    pass\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(143)  # the agent is already gone\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
 
 def _toml_value(value) -> str:
@@ -159,9 +166,10 @@ class TorchrunSupervisor:
             logf.write(f"--- marind: starting torchrun at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
                        .encode())
             logf.flush()
-            self.proc = subprocess.Popen(self.command, env=self.env, cwd=self.run_dir, stdout=logf,
+            shim = [sys.executable, "-c", _PDEATHSIG_SHIM, str(os.getpid())]
+            self.proc = subprocess.Popen([*shim, *self.command], env=self.env, cwd=self.run_dir, stdout=logf,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, preexec_fn=_set_pdeathsig)
+                                         start_new_session=True)
         self.started_at = time.time()
         self._save_pids()
         self.log.info("torchrun_started", pid=self.proc.pid, command=" ".join(self.command))
@@ -267,6 +275,8 @@ def reap_leftovers(jobs_dir: Path) -> list[int]:
                 proc = psutil.Process(int(item["pid"]))
                 if abs(proc.create_time() - float(item["create_time"])) > 0.5:
                     continue            # pid reused by something else
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    continue            # already dead, waiting for its reaper
                 proc.kill()
                 killed.append(proc.pid)
             except (psutil.Error, KeyError, ValueError):
