@@ -1,16 +1,20 @@
-"""`make demo`: train the tiny GPT on the generated example corpus with 2 processes.
+"""`make demo`: the product end to end on the embedded defaults.
 
-Prepares ``data/example`` if missing, runs ``torchrun --standalone
---nproc-per-node 2 -m trainer`` on ``examples/tiny.toml`` with a fresh
-checkpoint directory under ``runs/demo/``, prints a line every few
-steps, then where the checkpoints went and the final loss. (It runs the
-trainer directly; once the daemon is up this goes through ``marind agent``.)
+1. prepares the generated example corpus (``data/example``) if missing;
+2. starts one ``marind agent`` with no etcd configured, so it runs its own
+   local etcd under ``runs/demo/<time>/agent``;
+3. ``marind submit --wait`` the tiny GPT (``examples/tiny.toml`` with absolute
+   data and ``file://`` checkpoint paths, one node x 2 processes) and follows
+   it to SUCCEEDED;
+4. shows ``marind status`` and the committed checkpoints, then stops the
+   agent with SIGTERM (it stops its etcd and workers cleanly).
 """
 
 from __future__ import annotations
 
-import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -19,61 +23,88 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _demo_spec(run_dir: Path, data: Path) -> Path:
+    text = (REPO / "examples/tiny.toml").read_text()
+    replacements = {
+        r'(?m)^nodes = .*$': 'nodes = "1"',
+        r'(?m)^path = .*$': f'path = "{data.resolve()}"',
+        r'(?m)^url = .*$': f'url = "file://{(run_dir / "ckpt").resolve()}"',
+    }
+    for pattern, value in replacements.items():
+        text, count = re.subn(pattern, value, text, count=1)
+        if count != 1:
+            raise RuntimeError(f"examples/tiny.toml has no line matching {pattern!r}")
+    path = run_dir / "run.toml"
+    path.write_text(text)
+    return path
+
+
+def _marind(*args: str, env: dict) -> int:
+    return subprocess.call([sys.executable, "-m", "marind", *args], env=env)
+
+
+def _wait_endpoint(state: Path, agent: subprocess.Popen, timeout: float = 60.0) -> str:
+    endpoint_file = state / "etcd.endpoint"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if agent.poll() is not None:
+            raise RuntimeError(f"marind agent exited with {agent.returncode}; see {state.parent / 'agent.log'}")
+        if endpoint_file.exists() and endpoint_file.read_text().strip():
+            return endpoint_file.read_text().strip()
+        time.sleep(0.2)
+    raise RuntimeError(f"the agent's embedded etcd did not come up in {timeout:.0f}s")
+
+
+def _stop(agent: subprocess.Popen, timeout: float = 60.0) -> None:
+    if agent.poll() is not None:
+        return
+    agent.send_signal(signal.SIGTERM)
+    try:
+        agent.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait(10)
+
+
 def main() -> int:
     from marind.commands.data import prepare
-    from marind.spec import load_spec
 
     os.chdir(REPO)
     data = Path("data/example")
     if not Path(f"{data}.idx").exists():
         header = prepare([], str(data), example=True)
-        print(f"prepared the example corpus: {data}.bin ({header.tokens} tokens, {header.documents} documents)")
-    run_dir = Path("runs/demo") / time.strftime("%Y%m%d-%H%M%S")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    spec = load_spec("examples/tiny.toml").to_dict()
-    spec["checkpoint"]["url"] = "file://" + str((run_dir / "ckpt").resolve())
-    spec["data"]["path"] = str(data.resolve())
-    spec_path = run_dir / "spec.json"
-    spec_path.write_text(json.dumps(spec, indent=2))
-    log_path = run_dir / "train.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "trainer", str(spec_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MARIND_LOG_JSON": "1", "MARIND_RUN_DIR": str(run_dir),
+        print(f"prepared the example corpus: {data}.bin ({header.tokens} tokens)")
+    run_dir = (Path("runs/demo") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    state = run_dir / "agent"
+    state.mkdir(parents=True)
+    spec = _demo_spec(run_dir, data)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    print(f"training {spec['model']['preset']} for {spec['train']['steps']} steps on 2 processes "
-          f"(log: {log_path})")
-    last = None
-    t0 = time.monotonic()
-    with open(log_path, "w") as log, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                                      stderr=subprocess.STDOUT, text=True) as proc:
-        for line in proc.stdout:
-            log.write(line)
-            event = _event(line)
-            if event.get("event") == "step":
-                last = event
-                if event["step"] % 20 == 0 or event["step"] == 1:
-                    print(f"  step {event['step']:4d}  loss {event['loss']:.4f}  "
-                          f"{event['tokens_per_s']:8.0f} tokens/s  grad_norm {event['grad_norm']:.3f}")
-            elif event.get("event") in ("restored", "train_failed"):
-                print(f"  {event['event']}: {event}")
-        rc = proc.wait()
-    if rc != 0:
-        print(f"demo failed: trainer exited with {rc}; see {log_path}", file=sys.stderr)
-        return 1
-    from ckpt_store import CheckpointStore
-    store = CheckpointStore(spec["checkpoint"]["url"])
-    print(f"done in {time.monotonic() - t0:.0f}s: final loss {last['loss']:.4f} at step {last['step']}")
-    print(f"checkpoints (Zarr v3): {spec['checkpoint']['url']}  committed steps {store.steps()}")
-    print(f"inspect one: marind ckpt inspect {spec['checkpoint']['url']}")
-    return 0
-
-
-def _event(line: str) -> dict:
+    env.pop("MARIND_ETCD", None)
+    agent_log = open(run_dir / "agent.log", "wb")
+    print(f"starting marind agent (embedded etcd, state dir {state}; log {run_dir / 'agent.log'})")
+    agent = subprocess.Popen([sys.executable, "-m", "marind", "agent", "--node", "demo",
+                              "--state-dir", str(state), "--metrics-port", "-1"],
+                             env={**env, "MARIND_LOG_JSON": "1"}, stdout=agent_log,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    agent_log.close()
     try:
-        value = json.loads(line)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
+        endpoint = _wait_endpoint(state, agent)
+        env["MARIND_ETCD"] = endpoint
+        print(f"etcd at {endpoint}\n$ marind submit {spec} --wait")
+        rc = _marind("submit", str(spec), "--wait", env=env)
+        print("$ marind status")
+        _marind("status", env=env)
+        if rc != 0:
+            print(f"demo failed: the job did not succeed (exit {rc}); see {run_dir}", file=sys.stderr)
+            return 1
+        from ckpt_store import CheckpointStore
+        url = f"file://{run_dir / 'ckpt'}"
+        print(f"checkpoints (Zarr v3): {url}  committed steps {CheckpointStore(url).steps()}")
+        print(f"inspect one: marind ckpt inspect {url}")
+        return 0
+    finally:
+        _stop(agent)
 
 
 if __name__ == "__main__":
