@@ -33,3 +33,12 @@ def documents(n_docs: int = 600, seed: int = 0):
     rng = random.Random(seed)
     for _ in range(n_docs):
         yield " ".join(sentence(rng) for _ in range(rng.randint(4, 9))) + "\n\n"
+
+
+def write_example_dataset(prefix, n_docs: int = 600, seed: int = 0):
+    """Byte-tokenize ``documents(n_docs, seed)`` into ``prefix.bin`` + ``prefix.idx``; returns the header."""
+    from trainer.data import write_dataset
+    from trainer.tokenize import ByteTokenizer
+
+    tok = ByteTokenizer()
+    return write_dataset(prefix, (tok.encode(t) for t in documents(n_docs, seed)), tok.vocab_size)

@@ -22,8 +22,6 @@ from tests.agent.helpers import agent_log, job_state, node_registered, start_age
 from tests.chaos.conftest import run_injector
 from tests.support.s3_server import ACCESS_KEY, SECRET_KEY
 from trainer import corpus
-from trainer.data import write_dataset
-from trainer.tokenize import ByteTokenizer
 
 STEPS = 24
 EVERY = 6
@@ -32,8 +30,7 @@ EVERY = 6
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     prefix = tmp_path_factory.mktemp("chaos-data") / "corpus"
-    tok = ByteTokenizer()
-    write_dataset(prefix, (tok.encode(t) for t in corpus.documents(60)), tok.vocab_size)
+    corpus.write_example_dataset(prefix, 60)
     return str(prefix)
 
 

@@ -14,8 +14,6 @@ from ckpt_store import CheckpointStore
 from marind.spec import load_spec
 from tests.support.procs import kill_group, run_torch_workers, spawn
 from trainer import corpus
-from trainer.data import write_dataset
-from trainer.tokenize import ByteTokenizer
 
 SPEC = """
 [job]
@@ -42,8 +40,7 @@ keep_last = 0
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     prefix = tmp_path_factory.mktemp("data") / "corpus"
-    tok = ByteTokenizer()
-    write_dataset(prefix, (tok.encode(t) for t in corpus.documents(30)), tok.vocab_size)
+    corpus.write_example_dataset(prefix, 30)
     return str(prefix)
 
 

@@ -8,9 +8,7 @@ import pytest
 
 from marind.spec import load_spec
 from tests.support.procs import run_torch_workers
-from trainer.data import write_dataset
 from trainer import corpus
-from trainer.tokenize import ByteTokenizer
 
 STEPS = 12
 GLOBAL_BATCH = 8
@@ -46,8 +44,7 @@ keep_last = 0
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     prefix = tmp_path_factory.mktemp("data") / "corpus"
-    tok = ByteTokenizer()
-    write_dataset(prefix, (tok.encode(t) for t in corpus.documents(60)), tok.vocab_size)
+    corpus.write_example_dataset(prefix, 60)
     return str(prefix)
 
 
