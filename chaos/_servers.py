@@ -70,7 +70,8 @@ def load_state(path: str | os.PathLike) -> ServerState:
         raise ValueError(f"bad server state file {path}: {exc}") from exc
 
 
-def _listens(proc: psutil.Process, port: int) -> bool:
+def listens_on(proc: psutil.Process, port: int) -> bool:
+    """Whether ``proc`` has a listening inet socket on ``port``."""
     getter = getattr(proc, "net_connections", None) or proc.connections
     try:
         return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
@@ -107,7 +108,7 @@ def discover(endpoint: str, *, kind: str, health_url: str | None = None,
     probe = ServerState(pid=0, command=(), cwd="/", endpoint=endpoint)
     _, port = probe.host_port
     for proc in psutil.process_iter():
-        if proc.pid == os.getpid() or not _listens(proc, port):
+        if proc.pid == os.getpid() or not listens_on(proc, port):
             continue
         try:
             path = _state_file_beside(proc.cmdline(), proc.pid)

@@ -27,6 +27,7 @@ if __package__ in (None, ""):
 
 import psutil  # noqa: E402
 
+from chaos._servers import listens_on  # noqa: E402
 from chaos._common import (NothingToDo, add_wait_args, base_parser, connect, emit,  # noqa: E402
                            resolve_etcd, run, seeded_rng, wait_for_step, wait_until)
 from chaos._targets import (NodeTarget, agent_is_genuine, job_node_records, live_process,  # noqa: E402
@@ -41,15 +42,6 @@ def find_nodes(client, job: str, node: str | None) -> list[NodeTarget]:
     return [t for t in targets if (node is None or t.node == node) and agent_is_genuine(t)]
 
 
-def _listens_on(proc: psutil.Process, port: int) -> bool:
-    getter = getattr(proc, "net_connections", None) or proc.connections
-    try:
-        return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
-                   for c in getter(kind="inet"))
-    except psutil.Error:
-        return False
-
-
 def process_tree(target: NodeTarget, spare_port: int | None) -> list[psutil.Process]:
     """Agent, everything below it, and the record's torchrun/workers (if still below it)."""
     agent = live_process(target.agent_pid)
@@ -62,7 +54,7 @@ def process_tree(target: NodeTarget, spare_port: int | None) -> list[psutil.Proc
     except psutil.NoSuchProcess:
         pass
     if spare_port:
-        spared = {p.pid for p in tree.values() if _listens_on(p, spare_port)}
+        spared = {p.pid for p in tree.values() if listens_on(p, spare_port)}
         for pid in list(spared):
             try:
                 spared |= {c.pid for c in tree[pid].children(recursive=True)}
