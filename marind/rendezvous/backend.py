@@ -6,7 +6,8 @@ The whole rendezvous state (an opaque byte string that torch's
 ``mod_revision``; ``set_state`` is one etcd transaction that writes only
 if the revision is unchanged and otherwise returns the value that won,
 so a lost race costs no second round trip and cannot read a newer state
-than the one that beat us.
+than the one that beat us. An etcd outage is retried for ``grace`` seconds
+(``--rdzv-conf etcd_grace_timeout``) before RendezvousConnectionError.
 
 etcd v3 stores bytes, so unlike torch's v2 and c10d backends the state is
 kept raw, not base64.
@@ -19,6 +20,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 
 from marind.errors import ControlPlaneUnavailable
 from marind.etcd_client import EtcdClient
+from marind.rendezvous.retry import DEFAULT_GRACE, with_grace
 
 
 def state_key(client: EtcdClient, run_id: str) -> str:
@@ -28,11 +30,12 @@ def state_key(client: EtcdClient, run_id: str) -> str:
 class Etcd3RendezvousBackend(RendezvousBackend):
     """Rendezvous state in one etcd v3 key, compare-and-set on its mod_revision."""
 
-    def __init__(self, client: EtcdClient, run_id: str) -> None:
+    def __init__(self, client: EtcdClient, run_id: str, grace: float = DEFAULT_GRACE) -> None:
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
         self._client = client
         self._run_id = run_id
+        self._grace = grace
         self.key = state_key(client, run_id)
 
     @property
@@ -41,7 +44,8 @@ class Etcd3RendezvousBackend(RendezvousBackend):
 
     def get_state(self) -> tuple[bytes, Token] | None:
         try:
-            value, mod_revision = self._client.get(self.key)
+            value, mod_revision = with_grace(lambda: self._client.get(self.key), self._grace,
+                                             "rdzv get_state")
         except ControlPlaneUnavailable as exc:
             raise RendezvousConnectionError(self._connection_message(exc)) from exc
         if value is None:
@@ -59,7 +63,9 @@ class Etcd3RendezvousBackend(RendezvousBackend):
             current = self.get_state()
             return None if current is None else (*current, False)
         try:
-            ok, value, mod_revision = self._client.compare_and_swap_value(self.key, state, expected)
+            ok, value, mod_revision = with_grace(
+                lambda: self._client.compare_and_swap_value(self.key, state, expected),
+                self._grace, "rdzv set_state")
         except ControlPlaneUnavailable as exc:
             raise RendezvousConnectionError(self._connection_message(exc)) from exc
         if value is None:  # lost the race against a delete: there is no state to return
@@ -74,4 +80,6 @@ class Etcd3RendezvousBackend(RendezvousBackend):
         return value
 
     def _connection_message(self, exc: Exception) -> str:
-        return f"The rendezvous '{self._run_id}' cannot reach etcd: {exc}"
+        return (f"The rendezvous '{self._run_id}' cannot reach etcd at "
+                f"{self._client.endpoints_spec} for {self._grace:g}s "
+                f"(--rdzv-conf etcd_grace_timeout): {exc}")

@@ -6,6 +6,8 @@ Options come from ``--rdzv-conf key=value,...`` (``params.config``):
 prefix                 etcd key prefix (default ``/marind``)
 read_timeout           seconds per etcd request (default 10)
 store_timeout          seconds an agent waits on a store key (default 60, as c10d)
+etcd_grace_timeout     seconds an etcd outage is retried before the rendezvous fails with
+                       RendezvousConnectionError (default 30)
 join_timeout           torch's: seconds for a round to complete (default 600)
 last_call_timeout      torch's: extra wait once ``min`` nodes joined (default 30)
 close_timeout          torch's: seconds to close the rendezvous (default 30)
@@ -50,6 +52,7 @@ class Etcd3Options:
     prefix: str = DEFAULT_PREFIX
     read_timeout: float = 10.0
     store_timeout: float = 60.0
+    grace_timeout: float = 30.0
     user: str | None = None
     password: str | None = None
     tls: EtcdTLS = EtcdTLS()
@@ -93,6 +96,7 @@ def parse_options(params: RendezvousParameters, env: dict | None = None) -> Etcd
         prefix=_first(params, "prefix") or DEFAULT_PREFIX,
         read_timeout=_positive(params, "read_timeout", 10),
         store_timeout=_positive(params, "store_timeout", 60),
+        grace_timeout=_positive(params, "etcd_grace_timeout", 30),
         user=user, password=password, tls=tls)
 
 
@@ -160,8 +164,9 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     keep_alive_interval = _positive(params, "keep_alive_interval", 5)
     keep_alive_max_attempt = _positive(params, "keep_alive_max_attempt", 3)
     client = connect(options, params.run_id)
-    backend = Etcd3RendezvousBackend(client, params.run_id)
-    store = Etcd3Store(client, params.run_id, timeout=timedelta(seconds=options.store_timeout))
+    backend = Etcd3RendezvousBackend(client, params.run_id, grace=options.grace_timeout)
+    store = Etcd3Store(client, params.run_id, timeout=timedelta(seconds=options.store_timeout),
+                       grace=options.grace_timeout)
     log.info("rdzv_etcd3", run_id=params.run_id, endpoints=options.endpoints, key=backend.key,
              min_nodes=params.min_nodes, max_nodes=params.max_nodes)
     return Etcd3RendezvousHandler.from_backend(

@@ -11,7 +11,9 @@ the store lives there too: no node is special and any node can be lost.
 
 Keys are the c10d keys verbatim under ``{prefix}/jobs/{run_id}/rdzv/store/``;
 values are raw bytes. ``get``/``wait`` block by watch, up to the store's
-timeout, and then raise ``DistStoreError`` as a TCPStore does.
+timeout, and then raise ``DistStoreError`` as a TCPStore does. Every etcd
+call is retried through an outage for ``grace`` seconds
+(``--rdzv-conf etcd_grace_timeout``) before ``ControlPlaneUnavailable``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from marind.etcd_client import EtcdClient
+from marind.rendezvous.retry import DEFAULT_GRACE, with_grace
 
 _ROUND_PREFIX = "torch.rendezvous."
 
@@ -40,12 +43,28 @@ def _as_bytes(value) -> bytes:
     raise TypeError(f"store values must be str or bytes, not {type(value).__name__}")
 
 
+class _GraceClient:
+    """The store's view of an EtcdClient: each call retried through an outage."""
+
+    def __init__(self, client: EtcdClient, grace: float) -> None:
+        self._client, self._grace = client, grace
+
+    def key(self, *parts: str) -> str:
+        return self._client.key(*parts)
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._client, name)
+        return lambda *args, **kwargs: with_grace(lambda: fn(*args, **kwargs), self._grace,
+                                                  f"rdzv store {name}")
+
+
 class Etcd3Store(dist.Store):
     """set/get/add/compare_set/wait/check/num_keys/delete_key on etcd v3 keys."""
 
-    def __init__(self, client: EtcdClient, run_id: str, timeout: timedelta | None = None) -> None:
+    def __init__(self, client: EtcdClient, run_id: str, timeout: timedelta | None = None,
+                 grace: float = DEFAULT_GRACE) -> None:
         super().__init__()  # required by the pybind trampoline
-        self._client = client
+        self._client = _GraceClient(client, grace)
         self._run_id = run_id
         self._base = store_base(client, run_id)
         if timeout is not None:

@@ -113,18 +113,58 @@ def test_empty_value_is_a_state_error(backend, etcd_client):
         backend.get_state()
 
 
-def test_lost_etcd_is_a_connection_error_and_recovers(etcd_private):
+def test_lost_etcd_is_a_connection_error_past_the_grace_and_recovers(etcd_private):
     client = EtcdClient(etcd_private.endpoint, prefix="/t", timeout=2)
-    backend = Etcd3RendezvousBackend(client, "job")
+    backend = Etcd3RendezvousBackend(client, "job", grace=1)
     _, token, _ = backend.set_state(b"v1")
     etcd_private.kill()
     try:
-        with pytest.raises(RendezvousConnectionError, match=str(etcd_private.client_port)):
+        with pytest.raises(RendezvousConnectionError, match=str(etcd_private.client_port)) as err:
             backend.get_state()
+        assert "etcd_grace_timeout" in str(err.value)
         with pytest.raises(RendezvousConnectionError):
             backend.set_state(b"v2", token)
         etcd_private.start()  # same data dir and port: the same client recovers
         assert backend.get_state() == (b"v1", token)
         assert backend.set_state(b"v2", token)[2] is True
+    finally:
+        client.close()
+
+
+def test_outage_within_the_grace_is_ridden_out(etcd_private):
+    """etcd down while get_state/set_state and a store op are in flight, back within the grace."""
+    from datetime import timedelta
+
+    from marind.rendezvous import Etcd3Store
+
+    client = EtcdClient(etcd_private.endpoint, prefix="/t", timeout=2)
+    backend = Etcd3RendezvousBackend(client, "job", grace=60)
+    store = Etcd3Store(client, "job", timeout=timedelta(seconds=30), grace=60)
+    _, token, _ = backend.set_state(b"v1")
+    results: dict = {}
+
+    def call(name, fn):
+        try:
+            results[name] = fn()
+        except Exception as exc:  # reported by the assertions below
+            results[name] = exc
+
+    etcd_private.kill()
+    try:
+        threads = [threading.Thread(target=call, args=(name, fn)) for name, fn in (
+            ("get", backend.get_state),
+            ("set", lambda: backend.set_state(b"v2", token)),
+            ("add", lambda: store.add("counter", 3)))]
+        for t in threads:
+            t.start()
+        threads[0].join(2)
+        assert all(t.is_alive() for t in threads)  # retrying, not failed
+        etcd_private.start()
+        for t in threads:
+            t.join(60)
+        assert results["set"][0] == b"v2" and results["set"][2] is True
+        # the get may land before or after the set once etcd is back
+        assert results["get"] in ((b"v1", token), (b"v2", results["set"][1]))
+        assert results["add"] == 3
     finally:
         client.close()
