@@ -235,9 +235,6 @@ def test_hung_rank_is_restarted_by_the_hang_timeout(cluster):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="known: torchrun's etcd3 rendezvous keep-alive/shutdown raises "
-                          "RendezvousConnectionError during a 5 s etcd outage and torchrun exits 1 "
-                          "with no restart (rendezvous/agent)", strict=False)
 @pytest.mark.parametrize("cluster", [ONE_NODE], indirect=True)
 def test_etcd_restarted_under_a_running_job(cluster):
     baseline = fault_free_final_state(cluster)
