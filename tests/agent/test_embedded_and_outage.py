@@ -55,16 +55,21 @@ def test_job_survives_an_etcd_outage(tmp_path, etcd_private):
     job = res.stdout.strip().splitlines()[-1]
     wait_for(lambda: (r := client.get_json(client.key("jobs", job, "nodes", "o")))
                       and r["step"] >= 2 and r, 90, "the job running", diag=diag)
+    progress = tmp_path / "state-o" / "jobs" / job / "progress" / "rank-0.json"
+    local_step = lambda: json.loads(progress.read_text())["step"] if progress.exists() else -1  # noqa: E731
     etcd_private.stop()
+    step_at_outage = local_step()
     res = _cli("status", env={"MARIND_ETCD": etcd_private.endpoint, "MARIND_PREFIX": prefix})
     assert res.returncode == 3
-    # torchrun's rendezvous needs etcd and gives up; the agent stays up and holds the job
-    wait_for(lambda: "torchrun_lost_etcd" in agent_log(tmp_path, "o"), 60, "the agent noticing", diag=diag)
+    # the rendezvous rides out a short outage (etcd_grace_timeout): the workers keep training
+    # while etcd is down, and the agent stays up and keeps supervising
+    wait_for(lambda: local_step() >= step_at_outage + 3, 60, "training to go on while etcd is down",
+             diag=diag)
     assert agent.poll() is None
     etcd_private.start()
     wait_for(lambda: job_state(client, job).get("state") == "SUCCEEDED", 120, "SUCCEEDED after the outage",
              diag=lambda: f"{job_state(client, job)}\n{diag()}")
-    assert done_record(spec)["step"] == 30 and done_record(spec)["resumed_from"] > 0
+    assert done_record(spec)["step"] == 30
     wait_for(lambda: node_registered(client, "o"), 30, "node registered again", diag=diag)
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(tmp_path, 'o')}/metrics", timeout=5).read().decode()
     failures = [line for line in text.splitlines() if line.startswith("marind_etcd_keepalive_failures_total ")]
