@@ -68,10 +68,8 @@ def _spec(p) -> tuple:
                      "(redistribute to Replicate/Shard) first")
 
 
-@lru_cache(maxsize=8192)
-def dim_indices(length: int, dim: int, mesh_shape: tuple[int, ...], coord: tuple[int, ...],
-                specs: tuple[tuple, ...]) -> tuple[int, ...]:
-    """Global indices along ``dim`` held, in local order, by the rank at mesh ``coord``."""
+def _index_vector(length: int, dim: int, mesh_shape: tuple[int, ...], coord: tuple[int, ...],
+                  specs: tuple[tuple, ...]) -> torch.Tensor:
     from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
     idx = torch.arange(length, dtype=torch.int64)
@@ -81,7 +79,20 @@ def dim_indices(length: int, dim: int, mesh_shape: tuple[int, ...], coord: tuple
         p = _StridedShard(0, split_factor=sf) if kind == "strided" else Shard(0)
         pieces, _ = p._split_tensor(idx, mesh_shape[mesh_dim], with_padding=False, contiguous=True)
         idx = pieces[coord[mesh_dim]]
-    return tuple(int(i) for i in idx.tolist())
+    return idx
+
+
+@lru_cache(maxsize=8192)
+def dim_runs(length: int, dim: int, mesh_shape: tuple[int, ...], coord: tuple[int, ...],
+             specs: tuple[tuple, ...]) -> tuple[tuple[int, int, int], ...]:
+    """(local_start, global_start, length) runs of consecutive global indices along ``dim``."""
+    idx = _index_vector(length, dim, mesh_shape, coord, specs)
+    if idx.numel() == 0:
+        return ()
+    breaks = (torch.nonzero(idx[1:] - idx[:-1] != 1).flatten() + 1).tolist()
+    starts = [0, *breaks]
+    ends = [*breaks, idx.numel()]
+    return tuple((s, int(idx[s]), e - s) for s, e in zip(starts, ends))
 
 
 @dataclass(frozen=True)
@@ -95,37 +106,34 @@ class Piece:
         return tuple(slice(o, o + s) for o, s in zip(self.local, self.box.shape))
 
 
-def _runs(indices: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    """(local_start, global_start, length) runs of consecutive global indices."""
-    out: list[list[int]] = []
-    for local, g in enumerate(indices):
-        if out and out[-1][1] + out[-1][2] == g:
-            out[-1][2] += 1
-        else:
-            out.append([local, g, 1])
-    return [tuple(r) for r in out]
-
-
 def rank_pieces(shape: tuple[int, ...], ranks: list[int], mesh_shape: tuple[int, ...],
                 placements) -> dict[int, list[Piece]]:
     """Every mesh rank's pieces; ``ranks`` lists global ranks in C order over ``mesh_shape``.
 
     Shard/Replicate give one piece per rank; _StridedShard (FSDP2 over TP on
-    the same dim) gives one piece per contiguous run of global rows.
+    the same dim) gives one piece per contiguous run of global rows. Cached:
+    a save or load of many same-shaped tensors computes each layout once.
     """
     specs = tuple(_spec(p) for p in placements)
-    out: dict[int, list[Piece]] = {}
+    cached = _rank_pieces(tuple(shape), tuple(int(r) for r in ranks), tuple(mesh_shape), specs)
+    return {r: list(ps) for r, ps in cached.items()}
+
+
+@lru_cache(maxsize=4096)
+def _rank_pieces(shape: tuple[int, ...], ranks: tuple[int, ...], mesh_shape: tuple[int, ...],
+                 specs: tuple[tuple, ...]) -> dict[int, tuple[Piece, ...]]:
+    out: dict[int, tuple[Piece, ...]] = {}
     for coord, rank in zip(itertools.product(*[range(m) for m in mesh_shape]), ranks):
         per_dim = []
         for d, n in enumerate(shape):
             if any(k != "replicate" and dd == d for k, dd, _ in specs):
-                r = _runs(dim_indices(n, d, tuple(mesh_shape), tuple(coord), specs))
+                r = dim_runs(n, d, mesh_shape, tuple(coord), specs)
             else:
-                r = [(0, 0, n)]
-            per_dim.append(r or [(0, 0, 0)])
-        out[int(rank)] = [Piece(tuple(c[0] for c in combo),
+                r = ((0, 0, n),)
+            per_dim.append(r or ((0, 0, 0),))
+        out[rank] = tuple(Piece(tuple(c[0] for c in combo),
                                 Box(tuple(c[1] for c in combo), tuple(c[2] for c in combo)))
-                          for combo in itertools.product(*per_dim)]
+                          for combo in itertools.product(*per_dim))
     return out
 
 

@@ -9,6 +9,7 @@ are reported at once, before anything is read.
 from __future__ import annotations
 
 import json
+import math
 
 import crc32c
 import torch
@@ -18,8 +19,8 @@ from ckpt_store import layout
 from ckpt_store.errors import CheckpointCorrupt, CheckpointMismatch, CheckpointNotFound
 from ckpt_store.layout import Box
 from ckpt_store.plan import flatten, local_pieces
-from ckpt_store.zarr_format import (EMPTY, TORCH_DTYPES, ArraySpec, chunk_key, decode_block,
-                                    decode_index, dtype_name, index_nbytes)
+from ckpt_store.zarr_format import (EMPTY, TORCH_DTYPES, ArraySpec, chunk_key, decode_index,
+                                    dtype_name, index_nbytes, tensor_bytes)
 
 MANIFEST = "manifest.json"
 
@@ -91,45 +92,57 @@ def load_step(st, d: str, state: dict, rank: int, values: bool = True) -> dict:
             for cell in layout.cells_for_box(box, spec.chunks):
                 cbox = layout.cell_box(cell, spec.chunks, spec.shape)
                 jobs.append((spec, box, view, cell, cbox, box.intersect(cbox)))
-    # phase 1: shard indexes of partially needed sharded chunks
-    partial = [j for j in jobs if j[0].inner_rows and j[5] != j[4]]
+    # phase 1: the shard index of every sharded chunk this rank needs
+    sharded = sorted({(j[0].name, j[3]): j for j in jobs if j[0].inner_rows}.values(), key=lambda j: j[0].name)
     index_reqs = []
-    for spec, _, _, cell, _, _ in partial:
+    for spec, _, _, cell, _, _ in sharded:
         key = chunk_key(spec.name, cell)
         size = int(_obj(manifest, d, key)["size"])
         index_reqs.append((f"{d}/{key}", size - index_nbytes(spec), size))
     indexes = {}
-    for (spec, _, _, cell, _, _), req, raw in zip(partial, index_reqs, _read(st, index_reqs)):
+    for (spec, _, _, cell, _, _), req, raw in zip(sharded, index_reqs, _read(st, index_reqs)):
         stats["bytes_read"] += len(raw)
         indexes[(spec.name, cell)] = decode_index(req[0], raw, spec)
-    # phase 2: data
-    reqs, plans = [], []
+    # phase 2: data, read straight into the target where a block lands contiguously in it
+    reads, blocks = [], []
     for job in jobs:
         spec, box, host, cell, cbox, inter = job
-        key = chunk_key(spec.name, cell)
-        obj = _obj(manifest, d, key)
-        if (spec.name, cell) not in indexes:
-            reqs.append((f"{d}/{key}", 0, int(obj["size"])))
-            plans.append((job, "whole", int(obj["crc32c"])))
-            continue
-        index = indexes[(spec.name, cell)]
-        rows = spec.inner_rows
-        lo = inter.offset[0] - cbox.offset[0]
-        hi = lo + inter.shape[0]
-        ks = list(range(lo // rows, -(-hi // rows)))
-        spans = [(int(index[k][0]), int(index[k][1])) for k in ks]
-        if any(o == EMPTY for o, _ in spans):
-            raise CheckpointCorrupt(f"{d}/{key}", "an inner chunk the layout needs is absent")
-        start, end = spans[0][0], spans[-1][0] + spans[-1][1]
-        contiguous = all(spans[i][0] + spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1))
-        if not contiguous:
-            start, end = min(o for o, _ in spans), max(o + n for o, n in spans)
-        reqs.append((f"{d}/{key}", start, end))
-        plans.append((job, [(k, o - start, n) for k, (o, n) in zip(ks, spans)], None))
-    for req, raw, (job, how, crc) in zip(reqs, _read(st, reqs), plans):
-        stats["bytes_read"] += len(raw)
+        key = f"{d}/{chunk_key(spec.name, cell)}"
+        full_off = tuple(i * c for i, c in zip(cell, spec.chunks))
+        if not spec.inner_rows:
+            size = int(_obj(manifest, d, chunk_key(spec.name, cell))["size"])
+            want = math.prod(spec.chunks) * spec.itemsize + 4
+            if size != want:
+                raise CheckpointCorrupt(key, f"object has {size} bytes in the manifest, expected {want}")
+            spans = [(None, 0, want, Box(full_off, spec.chunks))]
+        else:
+            index, rows = indexes[(spec.name, cell)], spec.inner_rows
+            lo = inter.offset[0] - cbox.offset[0]
+            hi = lo + inter.shape[0]
+            spans = []
+            for k in range(lo // rows, -(-hi // rows)):
+                off, nb = int(index[k][0]), int(index[k][1])
+                if off == EMPTY:
+                    raise CheckpointCorrupt(key, "an inner chunk the layout needs is absent")
+                spans.append((k, off, nb, Box((full_off[0] + k * rows, *full_off[1:]), spec.inner_shape)))
+        for group in _contiguous(spans):
+            bufs = []
+            for k, _, nb, bbox in group:
+                blk = _Block(key, spec, k, nb, bbox, box, host)
+                bufs += [blk.data, blk.crc]
+                blocks.append(blk)
+            reads.append((key, group[0][1], bufs, sum(g[2] for g in group)))
+    try:
+        got = st.read_into([(k, start, bufs) for k, start, bufs, _ in reads])
+    except FileNotFoundError as exc:
+        raise CheckpointCorrupt(str(exc.filename or exc), "object missing") from exc
+    for (key, _, _, want), n in zip(reads, got):
+        if n != want:
+            raise CheckpointCorrupt(key, f"object truncated ({n} of {want} bytes read)")
+        stats["bytes_read"] += n
         stats["objects"] += 1
-        _place(req[0], raw, job, how, crc)
+    for blk in st._pool.map(_Block.check, blocks):
+        blk.place()
     for local, host in hosts:
         local.copy_(host)
     if values:
@@ -144,39 +157,49 @@ def _read(st, reqs):
         raise CheckpointCorrupt(str(exc.filename or exc), "object missing") from exc
 
 
-def _copy(host: torch.Tensor, box: Box, block: torch.Tensor, block_box: Box) -> None:
-    inter = box.intersect(block_box)
-    if inter is not None:
-        host[inter.slices(box.offset)] = block[inter.slices(block_box.offset)]
+def _contiguous(spans: list) -> list[list]:
+    """Group (k, offset, nbytes, box) spans into runs that lie back to back in the object."""
+    groups: list[list] = []
+    for sp in spans:
+        if groups and groups[-1][-1][1] + groups[-1][-1][2] == sp[1] and len(groups[-1]) < 256:
+            groups[-1].append(sp)
+        else:
+            groups.append([sp])
+    return groups
 
 
-def _place(key: str, raw: bytes, job, how, crc) -> None:
-    spec, box, host, cell, cbox, _ = job
-    full_off = tuple(i * c for i, c in zip(cell, spec.chunks))
-    if how == "whole":
-        if crc32c.crc32c(raw) != crc:
-            raise CheckpointCorrupt(key, f"object fails its crc32c checksum ({len(raw)} bytes read)")
-        if not spec.inner_rows:
-            block = decode_block(key, raw, spec.chunks, spec, "chunk")
-            _copy(host, box, block, Box(full_off, spec.chunks))
+class _Block:
+    """One encoded (inner) chunk to read: into the target directly when it lies whole and
+    contiguous inside it, else into a scratch buffer copied over after its check."""
+
+    def __init__(self, key: str, spec: ArraySpec, k, nbytes: int, block: Box, box: Box,
+                 host: torch.Tensor):
+        self.key, self.spec, self.what = key, spec, "chunk" if k is None else f"inner chunk {k}"
+        self.block, self.box, self.host = block, box, host
+        want = block.numel * spec.itemsize
+        if nbytes != want + 4:
+            raise CheckpointCorrupt(key, f"{self.what} has {nbytes} bytes, expected {want + 4}")
+        dest = None
+        if box.contains(block):
+            view = host[block.slices(box.offset)]
+            if view.is_contiguous():
+                dest = view
+        self.direct = dest is not None
+        self.tensor = dest if dest is not None else torch.empty(block.shape, dtype=host.dtype)
+        self.data = tensor_bytes(self.tensor) if want else bytearray(0)
+        self.crc = bytearray(4)
+
+    def check(self) -> "_Block":
+        if crc32c.crc32c(self.data) != int.from_bytes(self.crc, "little"):
+            raise CheckpointCorrupt(self.key, f"{self.what} fails its crc32c checksum")
+        return self
+
+    def place(self) -> None:
+        if self.direct:
             return
-        n = index_nbytes(spec)
-        if len(raw) < n:
-            raise CheckpointCorrupt(key, "shard truncated")
-        index = decode_index(key, raw[len(raw) - n:], spec)
-        rows = spec.inner_rows
-        pieces = [(k, int(index[k][0]), int(index[k][1])) for k in range(spec.n_inner)
-                  if int(index[k][0]) != EMPTY]
-    else:
-        rows = spec.inner_rows
-        pieces = how
-    raw = memoryview(raw)
-    for k, off, nb in pieces:
-        chunk_raw = raw[off:off + nb]
-        block = decode_block(key, chunk_raw, spec.inner_shape, spec, f"inner chunk {k}",
-                             checked=how == "whole")
-        inner_off = (full_off[0] + k * rows, *full_off[1:])
-        _copy(host, box, block, Box(inner_off, spec.inner_shape))
+        inter = self.box.intersect(self.block)
+        if inter is not None:
+            self.host[inter.slices(self.box.offset)] = self.tensor[inter.slices(self.block.offset)]
 
 
 def _apply_values(st, d: str, manifest: dict, state: dict, rank: int) -> None:

@@ -60,12 +60,25 @@ def flatten(state: dict, prefix: str = "") -> tuple[dict[str, torch.Tensor], dic
     return tensors, values
 
 
+_MESHES: dict[int, tuple] = {}
+
+
+def mesh_ranks(mesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global ranks in C order, mesh shape) of a DeviceMesh; cached (``mesh.mesh`` is slow)."""
+    hit = _MESHES.get(id(mesh))
+    if hit is None or hit[0] is not mesh:
+        if len(_MESHES) > 256:
+            _MESHES.clear()
+        hit = (mesh, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape))
+        _MESHES[id(mesh)] = hit
+    return hit[1], hit[2]
+
+
 def local_pieces(t: torch.Tensor, rank: int) -> tuple[list, torch.Tensor]:
     """This rank's pieces of the global tensor and the local tensor that holds them."""
     if isinstance(t, DTensor):
-        mesh = t.device_mesh
-        pieces = layout.rank_pieces(tuple(t.shape), mesh.mesh.flatten().tolist(),
-                                    tuple(mesh.mesh.shape), t.placements)
+        ranks, mesh_shape = mesh_ranks(t.device_mesh)
+        pieces = layout.rank_pieces(tuple(t.shape), ranks, mesh_shape, t.placements)
         return pieces.get(rank, []), t._local_tensor
     return [layout.Piece((0,) * t.dim(), layout.full_box(tuple(t.shape)))], t
 
@@ -77,9 +90,9 @@ def plan_array(name: str, t: torch.Tensor, rank: int, world: int, salt: int,
     if isinstance(t, DTensor):
         _check_placements(t)
         mesh = t.device_mesh
-        pieces = layout.rank_pieces(shape, mesh.mesh.flatten().tolist(), tuple(mesh.mesh.shape),
-                                    t.placements)
-        how = {"mesh_shape": list(mesh.mesh.shape), "mesh_dim_names": list(mesh.mesh_dim_names or []),
+        ranks, mesh_shape = mesh_ranks(mesh)
+        pieces = layout.rank_pieces(shape, ranks, mesh_shape, t.placements)
+        how = {"mesh_shape": list(mesh_shape), "mesh_dim_names": list(mesh.mesh_dim_names or []),
                "placements": [str(p) for p in t.placements]}
         local = t._local_tensor
     else:
