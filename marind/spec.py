@@ -228,11 +228,27 @@ class CheckpointSpec:
     wait_timeout: float = _f(600.0, "duration")
 
 
+FAULT_MODES = ("elastic", "torchft")
+
+
 @dataclass(frozen=True, kw_only=True)
 class FaultSpec:
-    """Reserved for fault injection in tests (the trainer honours ``nan_at_step``)."""
+    """Fault-tolerance mode, and fault injection for tests (the trainer honours ``nan_at_step``).
+
+    ``mode = "elastic"`` (default): torch elastic restarts every worker on a failure.
+    ``mode = "torchft"``: each node is one replica group (its own torchrun; FSDP/TP inside),
+    data parallel across groups through torchft; a failed group heals from a live peer while the
+    others keep stepping (trainer/ft.py). ``data.global_batch`` is then per group and step.
+    """
 
     nan_at_step: int = _f(0, "int")       # 0 = off; also env MARIND_TEST_NAN_AT_STEP
+    mode: str = _f("elastic", "str")
+    replica_groups: int = _f(2, "int")    # torchft: group slots (one node each)
+    min_replicas: int = _f(1, "int")      # torchft: groups needed to commit a step
+    timeout: float = _f(30.0, "duration")           # torchft: collectives, commit, state transfer
+    quorum_timeout: float = _f(60.0, "duration")    # torchft: waiting for a quorum
+    join_timeout: float = _f(1.0, "duration")       # lighthouse: wait for stragglers before a quorum
+    heartbeat_timeout: float = _f(5.0, "duration")  # lighthouse: a silent group is dead after this
 
 
 _SECTIONS: dict[str, type] = {
@@ -266,7 +282,12 @@ class RunSpec:
         return _build(data, source="spec", check_worlds=check_worlds)
 
     def world_sizes(self) -> list[int]:
-        """Every world size this job may run at (node counts x procs per node)."""
+        """Every world size this job may run at (node counts x procs per node).
+
+        Under ``fault.mode = "torchft"`` a torch world is one replica group: one node.
+        """
+        if self.fault.mode == "torchft":
+            return [self.job.nproc_per_node]
         lo, hi = self.job.nodes
         return [n * self.job.nproc_per_node for n in range(lo, hi + 1)]
 
@@ -423,6 +444,7 @@ def validate_spec(spec: RunSpec, *, check_worlds: bool = True) -> None:
         _positive(c.every_seconds, "checkpoint.every_seconds")
     _positive(c.keep_last, "checkpoint.keep_last", zero_ok=True)
     _positive(spec.fault.nan_at_step, "fault.nan_at_step", zero_ok=True)
+    _validate_fault(spec)
     if check_worlds:
         for world in spec.world_sizes():
             nodes = world // j.nproc_per_node
@@ -431,6 +453,24 @@ def validate_spec(spec: RunSpec, *, check_worlds: bool = True) -> None:
             except SpecError as exc:
                 raise SpecError(f"{exc} (at {nodes} node(s) x {j.nproc_per_node} procs of "
                                 f"job.nodes = \"{j.nodes[0]}:{j.nodes[1]}\")") from None
+
+
+def _validate_fault(spec: RunSpec) -> None:
+    f = spec.fault
+    if f.mode not in FAULT_MODES:
+        raise SpecError(f"fault.mode = {f.mode!r}{_did_you_mean(f.mode, FAULT_MODES)}")
+    if f.mode != "torchft":
+        return
+    _positive(f.replica_groups, "fault.replica_groups")
+    _positive(f.min_replicas, "fault.min_replicas")
+    if f.min_replicas > f.replica_groups:
+        raise SpecError(f"fault.min_replicas = {f.min_replicas} exceeds fault.replica_groups = "
+                        f"{f.replica_groups}; lower it")
+    if spec.job.nodes[1] > f.replica_groups:
+        raise SpecError(f"job.nodes = \"{spec.job.nodes[0]}:{spec.job.nodes[1]}\": under fault.mode = \"torchft\" "
+                        f"each node is one replica group; at most fault.replica_groups = {f.replica_groups} nodes")
+    for key in ("timeout", "quorum_timeout", "join_timeout", "heartbeat_timeout"):
+        _positive(getattr(f, key), f"fault.{key}")
 
 
 def resolve_mesh(spec: RunSpec, world_size: int) -> tuple[int, int, int]:

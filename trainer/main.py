@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     device = init_distributed()
     code = 1
     try:
+        if spec.fault.mode == "torchft":
+            from trainer.ft import train_ft as train
         result, _, _ = train(spec, device, stop=stop)
         code = STOP_EXIT_CODE if result.stopped else 0
     except Exception as exc:

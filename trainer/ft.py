@@ -1,0 +1,321 @@
+"""torchft mode (``[fault] mode = "torchft"``): this torch world is ONE replica group.
+
+FSDP2/TP work inside the group as in ``trainer.train``; across groups the
+gradients are averaged through a torchft ``Manager`` and its reconfigurable
+gloo process group, so when a group dies the others keep stepping (their
+quorum shrinks), and a restarted group joins the next quorum and receives
+the live parameters and optimizer state from a healthy peer (torchft's HTTP
+checkpoint transport), not from the durable store.
+
+Per step: quorum (synchronous, so a healing group has its state before the
+forward) -> forward/backward on this group's slice of the data -> one
+flat all-reduce of the local gradient shards across groups -> clip ->
+``should_commit`` -> optimizer step. The step count is the Manager's, the
+data position and learning rate are pure functions of it, so a healed
+group needs nothing else.
+
+What the worker reads (set by ``marind agent``, or by hand):
+``MARIND_REPLICA_GROUP`` (this group's slot, 0..replica_groups-1),
+``TORCHFT_LIGHTHOUSE`` (``http://host:port``) or, preferred because the
+agent rewrites it when the lighthouse moves, ``$MARIND_RUN_DIR/ft/lighthouse.json``
+(``{"address", "epoch"}``). On a quorum failure the Manager is rebuilt
+with the current lighthouse; ``epoch`` prefixes the process-group store
+keys so that a new lighthouse's restarted quorum ids never meet stale keys.
+
+Durable checkpoints (ckpt_store) are written by the group that is replica
+rank 0 of the step's quorum only. A group whose first quorum finds no live
+peer ahead of step 0 restores the latest durable checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from marind.log import get_logger
+from marind.spec import RunSpec, grad_accum_steps
+from trainer.checkpointing import Checkpointer, init_optimizer_state
+from trainer.data import rank_sample_indices
+from trainer.model import lm_loss
+from trainer.parallel import clip_grad_norm
+from trainer.progress import ProgressWriter
+from trainer.schedule import lr_at
+from trainer.train import Result, StopFlag, build
+
+LIGHTHOUSE_WAIT_S = 30.0     # after a failed quorum: wait this long for a new lighthouse address
+MAX_QUORUM_FAILURES = 20     # in a row, then the worker fails (torchrun restarts the group)
+
+
+def lighthouse_file() -> Path | None:
+    run_dir = os.environ.get("MARIND_RUN_DIR")
+    return Path(run_dir) / "ft" / "lighthouse.json" if run_dir else None
+
+
+def read_lighthouse() -> tuple[str, int]:
+    """(address, epoch): the agent's file if present, else ``TORCHFT_LIGHTHOUSE`` (epoch 0)."""
+    path = lighthouse_file()
+    if path is not None:
+        try:
+            rec = json.loads(path.read_text())
+            return str(rec["address"]), int(rec.get("epoch", 0))
+        except (OSError, ValueError, KeyError):
+            pass
+    addr = os.environ.get("TORCHFT_LIGHTHOUSE")
+    if not addr:
+        raise RuntimeError("fault.mode = \"torchft\" needs a lighthouse: run under `marind agent`, "
+                           "or set TORCHFT_LIGHTHOUSE=http://HOST:PORT (torchft_lighthouse --min_replicas N)")
+    return addr, 0
+
+
+def sample_indices(step: int, *, micro_step: int, spec: RunSpec, group: int, groups: int,
+                   dp_rank: int, dp_size: int) -> range:
+    """Global sample indices of one micro-batch: every group slot owns a fixed slice of each step.
+
+    Step ``s`` covers samples ``[s*B*G, (s+1)*B*G)`` (B = data.global_batch per group,
+    G = fault.replica_groups); a missing group's slice is skipped, never reassigned.
+    """
+    d = spec.data
+    return rank_sample_indices(step * d.global_batch * groups, micro_step=micro_step,
+                               micro_batch=d.micro_batch, dp_rank=group * dp_size + dp_rank,
+                               dp_size=groups * dp_size)
+
+
+def param_digest(model: torch.nn.Module) -> str:
+    """sha256 over this rank's local parameter shards (equal across groups iff same state)."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        t = p.to_local() if hasattr(p, "to_local") else p
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class LiveState:
+    """What a healthy group sends to a recovering one: local shards of params and Adam state."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.named = list(model.named_parameters())
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict:
+        return {"model": {n: _local(p.data) for n, p in self.named},
+                "optim": {n: {k: _local(v) for k, v in self.optimizer.state[p].items()}
+                          for n, p in self.named}}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        for n, p in self.named:
+            _local(p.data).copy_(sd["model"][n])
+            for k, v in self.optimizer.state[p].items():
+                _local(v).copy_(sd["optim"][n][k])
+
+
+class FTGroup:
+    """The torchft Manager of this replica group, rebuilt (collectively) when its quorum fails."""
+
+    def __init__(self, spec: RunSpec, live: LiveState, rank: int, world: int, group: int):
+        from torchft.process_group import ProcessGroupGloo
+
+        class _EpochGloo(ProcessGroupGloo):
+            """Store keys under the lighthouse epoch: a new lighthouse restarts quorum ids."""
+            epoch = 0
+
+            def configure(self, store_addr: str, *args, **kwargs) -> None:
+                super().configure(f"{store_addr}/lh{self.epoch}", *args, **kwargs)
+
+        self.spec, self.live, self.rank, self.world, self.group = spec, live, rank, world, group
+        self.timeout = timedelta(seconds=spec.fault.timeout)
+        self.pg = _EpochGloo(timeout=self.timeout)
+        self.manager = None
+        self.epoch = -1
+        self.rebuilds = 0
+        self.build()
+
+    def build(self, state: dict | None = None) -> None:
+        from torchft import Manager
+
+        f = self.spec.fault
+        address, self.epoch = read_lighthouse()
+        self.pg.epoch = self.epoch
+        job = os.environ.get("MARIND_JOB_ID", self.spec.job.name)
+
+        def make():
+            m = Manager(pg=self.pg, load_state_dict=self.live.load_state_dict, state_dict=self.live.state_dict,
+                        min_replica_size=f.min_replicas, use_async_quorum=False, init_sync=False,
+                        timeout=self.timeout, quorum_timeout=timedelta(seconds=f.quorum_timeout),
+                        connect_timeout=self.timeout, rank=self.rank, world_size=self.world,
+                        lighthouse_addr=address, replica_id=f"{job}_rg{self.group}")
+            if state:
+                m.load_state_dict(state)
+            return m
+
+        # rank 0 publishes the manager address in the group's store; the others read it after the
+        # barrier (the store outlives a torchrun restart, so an earlier read could be stale)
+        if self.rank == 0:
+            self.manager = make()
+            dist.barrier()
+        else:
+            dist.barrier()
+            self.manager = make()
+
+    def rebuild(self, log, why: str) -> None:
+        old = self.manager
+        state = old.state_dict() if old is not None else None
+        if old is not None:
+            try:
+                old.shutdown(wait=False)
+            except Exception as exc:  # noqa: BLE001 - the old manager may be half dead
+                log.warning("ft_manager_shutdown_failed", error=str(exc))
+        deadline = time.monotonic() + LIGHTHOUSE_WAIT_S
+        while time.monotonic() < deadline and _safe_epoch() == self.epoch:
+            time.sleep(0.2)
+        self.rebuilds += 1
+        self.build(state)
+        log.warning("ft_manager_rebuilt", reason=why, epoch=self.epoch, rebuilds=self.rebuilds,
+                    step=self.manager.current_step())
+
+    def status(self) -> dict:
+        m = self.manager
+        return {"replica_group": self.group, "participants": m.num_participants(),
+                "replica_rank": m.participating_rank(), "quorum_id": m._quorum_id,
+                "lighthouse_epoch": self.epoch, "manager_rebuilds": self.rebuilds}
+
+
+def _safe_epoch() -> int:
+    try:
+        return read_lighthouse()[1]
+    except RuntimeError:
+        return -1
+
+
+def _allreduce_grads(manager, params: list) -> None:
+    """Average the local gradient shards across replica groups in one flat all-reduce."""
+    grads = [_local(p.grad) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    manager.allreduce(flat).wait()
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset:offset + n].view_as(g))
+        offset += n
+
+
+def train_ft(spec: RunSpec, device: torch.device, *, stop: StopFlag | None = None):
+    """The torchft loop; returns (Result, model, optimizer) like ``trainer.train.train``."""
+    stop = stop or StopFlag()
+    f, d, o, t = spec.fault, spec.data, spec.optim, spec.train
+    group = int(os.environ.get("MARIND_REPLICA_GROUP", "0"))
+    if not 0 <= group < f.replica_groups:
+        raise ValueError(f"MARIND_REPLICA_GROUP = {group} is outside 0..fault.replica_groups-1 = {f.replica_groups - 1}")
+    model, optimizer, cfg, layout, sampler, rank, world = build(spec, device)
+    init_optimizer_state(optimizer)     # Adam state exists before a peer's state is copied into it
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    structlog.contextvars.bind_contextvars(rank=rank, replica_group=group,
+                                           **({"job": os.environ["MARIND_JOB_ID"]}
+                                              if os.environ.get("MARIND_JOB_ID") else {}))
+    log = get_logger("trainer")
+    progress = ProgressWriter(rank, local_rank, world)
+    progress.update(replica_group=group)
+    ckpt = Checkpointer(spec, model, optimizer, rank=rank, world_size=world, layout=layout.as_dict())
+    accum = grad_accum_steps(spec, layout.dp_size)
+    params = [p for p in model.parameters()]
+    ft = FTGroup(spec, LiveState(model, optimizer), rank, world, group)
+    if rank == 0:
+        log.info("train_start", mode="torchft", replica_group=group, replica_groups=f.replica_groups,
+                 world_size=world, layout=layout.as_dict(), grad_accum=accum, steps=t.steps,
+                 lighthouse_epoch=ft.epoch)
+
+    losses, skipped, loss_val, stopped, first, failures = [], [], None, False, True, 0
+    stop_at = int(os.environ.get("MARIND_TEST_STOP_AT_STEP", "0") or 0)
+    t_last = time.perf_counter()
+    progress.update(phase="training")
+    while True:
+        manager = ft.manager
+        try:
+            manager.start_quorum()          # synchronous: a healing group holds the peer's state now
+        except Exception as exc:  # noqa: BLE001 - lighthouse lost or peers gone: rebuild and retry
+            failures += 1
+            if failures > MAX_QUORUM_FAILURES:
+                raise
+            log.warning("ft_quorum_failed", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
+                        failures=failures)
+            ft.rebuild(log, "quorum failed")
+            continue
+        step = manager.current_step()
+        if first:
+            first = False
+            if step == 0 and ckpt.enabled and ckpt.latest() is not None:
+                progress.update(phase="restoring")
+                restored, _ = ckpt.restore()
+                manager.load_state_dict({"step": restored, "batches_committed": 0})
+                step = restored
+                log.info("restored", step=step, url=ckpt.store.url) if rank == 0 else None
+            elif step > 0:
+                log.info("healed_from_peer", step=step) if rank == 0 else None
+            progress.update(phase="training", step=step, last_checkpoint_step=ckpt.last_step, **ft.status())
+        if step >= t.steps:
+            break
+        lr = lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, total_steps=t.steps)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        optimizer.zero_grad(set_to_none=False)
+        loss_acc = torch.zeros((), device=device)
+        for k in range(accum):
+            x, y = sampler.batch(sample_indices(step, micro_step=k, spec=spec, group=group, groups=f.replica_groups,
+                                                dp_rank=layout.dp_rank, dp_size=layout.dp_size), device)
+            loss = lm_loss(model(x), y) / accum
+            loss.backward()
+            loss_acc += loss.detach()
+        _allreduce_grads(manager, params)
+        norm = clip_grad_norm(params, o.grad_clip)
+        if not bool(torch.isfinite(norm)):
+            manager.report_error(FloatingPointError(f"non-finite gradient norm at step {step + 1}"))
+        committed = manager.should_commit()
+        if committed:
+            optimizer.step()
+            failures = 0
+        else:
+            skipped.append(step + 1)
+        step = manager.current_step()
+        flags = torch.stack([loss_acc.float(), torch.tensor(float(stop.requested or step == stop_at), device=device)])
+        dist.all_reduce(flags)              # inside the group only
+        loss_val = float(flags[0]) / world
+        now = time.perf_counter()
+        dt, t_last = now - t_last, now
+        if committed:
+            losses.append(loss_val)
+        if rank == 0 and committed and (step % t.log_every == 0 or step == t.steps):
+            log.info("step", step=step, loss=round(loss_val, 6), grad_norm=round(float(norm), 6), lr=lr,
+                     participants=manager.num_participants(), step_s=round(dt, 4))
+        progress.update(step=step, loss=loss_val, tokens_per_s=d.global_batch * d.seq_len / dt,
+                        last_checkpoint_step=ckpt.poll(), **ft.status())
+        if float(flags[1]) > 0:
+            stopped = True
+            break
+        if committed and step < t.steps and ckpt.due(step) and manager.participating_rank() == 0:
+            progress.update(phase="checkpointing")
+            ckpt.save(step, step * d.global_batch * f.replica_groups)
+            progress.update(phase="training", last_checkpoint_step=ckpt.last_step)
+
+    step = ft.manager.current_step()
+    if not stopped and ckpt.enabled and ft.manager.participating_rank() == 0 and ckpt.last_step != step:
+        ckpt.save(step, step * d.global_batch * f.replica_groups, wait=True)
+    ckpt.wait()
+    ft.manager.shutdown(wait=False)
+    if rank == 0:
+        log.info("stopping" if stopped else "train_done", step=step, loss=loss_val, rebuilds=ft.rebuilds)
+    progress.update(phase="done", step=step, last_checkpoint_step=ckpt.last_step, param_digest=param_digest(model))
+    position = step * d.global_batch * f.replica_groups
+    return Result(step, position, loss_val, losses, skipped, 0, stopped, ckpt.last_step), model, optimizer
