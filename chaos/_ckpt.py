@@ -8,11 +8,14 @@ exists. The injectors read this layout directly so that they keep working
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 
 import fsspec
+
+from chaos._common import NothingToDo, wait_until
 
 STEP_DIR = re.compile(r"^step-(\d{10})$")
 MANIFEST = "manifest.json"
@@ -106,10 +109,77 @@ class SaveWatcher:
         return max(fresh) if fresh else None
 
 
+def _job_spec(client, job: str) -> dict:
+    spec = client.get_json(client.key("jobs", job, "spec")) or {}
+    if not isinstance(spec, dict):
+        return {}
+    return spec["spec"] if "checkpoint" not in spec and isinstance(spec.get("spec"), dict) else spec
+
+
 def checkpoint_url_of_job(client, job: str) -> str | None:
     """The job spec's checkpoint url (``spec.checkpoint.url``), if any."""
-    spec = client.get_json(client.key("jobs", job, "spec")) or {}
-    ckpt = spec.get("checkpoint") if isinstance(spec, dict) else None
-    if not isinstance(ckpt, dict) and isinstance(spec.get("spec"), dict):
-        ckpt = spec["spec"].get("checkpoint")
+    ckpt = _job_spec(client, job).get("checkpoint")
     return ckpt.get("url") if isinstance(ckpt, dict) else None
+
+
+def job_s3_env(client, job: str) -> dict:
+    """The S3 settings the job's workers get from ``[job.env]`` (endpoint, keys), as storage options."""
+    env = (_job_spec(client, job).get("job") or {}).get("env") or {}
+    opts: dict = {}
+    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+        opts.update(key=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"])
+    if env.get("AWS_ENDPOINT_URL"):
+        opts["client_kwargs"] = {"endpoint_url": env["AWS_ENDPOINT_URL"]}
+    return opts
+
+
+def add_root_args(parser: argparse.ArgumentParser) -> None:
+    """``--url``, ``--storage-options``, ``--s3-endpoint``: which checkpoint root, and how to reach it."""
+    parser.add_argument("--url", help="checkpoint root url (default: the job spec's checkpoint.url)")
+    parser.add_argument("--storage-options", help="fsspec storage options as JSON "
+                                                  "(default $MARIND_STORAGE_OPTIONS, then the S3 "
+                                                  "settings of the job's [job.env])")
+    parser.add_argument("--s3-endpoint", help="S3 endpoint url, added to the storage options")
+
+
+def resolve_root(args, client, s3_endpoint: str | None = None):
+    """(filesystem, root, url) of the checkpoint root that ``add_root_args``' flags name.
+
+    The url is ``--url``, else the job spec's; storage options are
+    ``--storage-options`` (or ``$MARIND_STORAGE_OPTIONS``), else what the
+    job's workers are given in ``[job.env]``; ``--s3-endpoint`` (or
+    ``s3_endpoint``) is added to them.
+    """
+    url = args.url
+    if not url:
+        if not getattr(args, "job", None):
+            raise ValueError("name the checkpoint: pass --url or --job")
+        url = checkpoint_url_of_job(client, args.job)
+        if not url:
+            raise NothingToDo(f"job {args.job} has no checkpoint url in its spec")
+    opts = storage_options(url, args.storage_options, args.s3_endpoint or s3_endpoint)
+    if url.startswith("s3://") and not (args.storage_options or os.environ.get("MARIND_STORAGE_OPTIONS")) \
+            and client is not None and getattr(args, "job", None):
+        for key, value in job_s3_env(client, args.job).items():
+            opts.setdefault(key, value)
+    fs, root = open_root(url, opts)
+    return fs, root, url
+
+
+def add_save_wait_args(parser: argparse.ArgumentParser, *, what: str) -> None:
+    parser.add_argument("--during-save", action="store_true",
+                        help=f"{what} the moment a new checkpoint save is seen in progress")
+
+
+def wait_for_save(fs, root: str, url: str, timeout: float, log) -> int:
+    """The step of a checkpoint save that starts within ``timeout`` seconds, else NothingToDo.
+
+    ``waiting_for_save`` is logged once the saves already under way are known.
+    """
+    watcher = SaveWatcher(fs, root)
+    watcher.poll()
+    log.info("waiting_for_save", url=url, timeout=timeout)
+    step = wait_until(watcher.poll, timeout=timeout, interval=0.05)
+    if step is None:
+        raise NothingToDo(f"no checkpoint save started under {url} within {timeout:g}s")
+    return step

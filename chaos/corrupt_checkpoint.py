@@ -21,8 +21,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from chaos._ckpt import (checkpoint_url_of_job, committed_steps, open_root,  # noqa: E402
-                         read_manifest, step_dir_name, storage_options)
+from chaos._ckpt import (add_root_args, committed_steps, read_manifest, resolve_root,  # noqa: E402
+                         step_dir_name)
 from chaos._common import NothingToDo, base_parser, connect, emit, run, seeded_rng  # noqa: E402
 
 
@@ -54,28 +54,18 @@ def corrupt_bytes(data: bytes, mode: str, rng, nbytes: int) -> tuple[bytes, dict
 
 def main(argv: list[str] | None = None) -> int:
     parser = base_parser(__doc__.split("\n", 1)[0], job_required=False)
-    parser.add_argument("--url", help="checkpoint root url (default: the job spec's checkpoint.url)")
+    add_root_args(parser)
     parser.add_argument("--step", type=int, help="corrupt this committed step (default: the newest)")
     parser.add_argument("--mode", choices=("flip", "truncate"), default="flip")
     parser.add_argument("--object", help="manifest key of the object to corrupt")
     parser.add_argument("--within", default="", help="choose among objects whose key starts with "
                                                     "this, e.g. model/ (default: any)")
     parser.add_argument("--bytes", type=int, default=8, help="bytes to flip (mode flip)")
-    parser.add_argument("--storage-options", help="fsspec storage options as JSON "
-                                                  "(default $MARIND_STORAGE_OPTIONS)")
-    parser.add_argument("--s3-endpoint", help="S3 endpoint url, added to the storage options")
     args = parser.parse_args(argv)
     if args.bytes < 1:
         raise ValueError("--bytes must be >= 1")
     rng = seeded_rng(args)
-    url = args.url
-    if not url:
-        if not args.job:
-            raise ValueError("name the checkpoint: pass --url or --job")
-        url = checkpoint_url_of_job(connect(args), args.job)
-        if not url:
-            raise NothingToDo(f"job {args.job} has no checkpoint url in its spec")
-    fs, root = open_root(url, storage_options(url, args.storage_options, args.s3_endpoint))
+    fs, root, url = resolve_root(args, connect(args) if args.job and not args.url else None)
     steps = committed_steps(fs, root)
     if args.step is not None and args.step not in steps:
         raise NothingToDo(f"step {args.step} is not a committed checkpoint under {url}")

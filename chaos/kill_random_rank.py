@@ -2,12 +2,14 @@
 
     python chaos/kill_random_rank.py --job JOB [--etcd URL] [--seed N]
         [--signal KILL] [--count 1] [--interval 0] [--rank R] [--node NODE]
-        [--after-step S] [--wait SECONDS]
+        [--after-step S] [--wait SECONDS] [--during-save [--url URL] [--storage-options JSON]]
 
 Targets are the workers that the job's etcd records place on this host,
 checked to be alive descendants of their torchrun. ``--count N`` with
 ``--interval 0`` signals N distinct workers at once; with an interval it
 signals one, waits, looks again (the job may have restarted) and repeats.
+``--during-save`` first waits (up to ``--wait``) for a checkpoint save to
+start under the job's checkpoint url, so the kill lands mid-upload.
 One JSON line per signal; exit 0 if any was sent, 1 if none.
 """
 
@@ -21,6 +23,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from chaos._ckpt import add_root_args, add_save_wait_args, resolve_root, wait_for_save  # noqa: E402
 from chaos._common import (NothingToDo, add_wait_args, base_parser, connect, emit,  # noqa: E402
                            parse_signal, run, seeded_rng, wait_for_step, wait_until)
 from chaos._targets import find_workers  # noqa: E402
@@ -38,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, help="signal this global rank instead of a random one")
     parser.add_argument("--node", help="choose only among this node's workers")
     add_wait_args(parser)
+    add_save_wait_args(parser, what="signal")
+    add_root_args(parser)
     args = parser.parse_args(argv)
     if args.count < 1:
         raise ValueError("--count must be >= 1")
@@ -45,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     rng = seeded_rng(args)
     client = connect(args)
     wait_for_step(client, args.job, args.after_step, timeout=args.wait or 3600.0)
+    extra = {}
+    if args.during_save:
+        fs, root, url = resolve_root(args, client)
+        extra["during_save_step"] = wait_for_save(fs, root, url, args.wait or 3600.0, log)
 
     signalled: set[int] = set()
     sent = 0
@@ -71,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             signalled.add(worker.pid)
             sent += 1
             emit("kill", target=f"{args.job}/rank-{worker.rank}", pid=worker.pid, rank=worker.rank,
-                 node=worker.node, signal=sig.name, seed=args.seed)
+                 node=worker.node, signal=sig.name, seed=args.seed, **extra)
         if sent < args.count and args.interval > 0:
             time.sleep(args.interval)
     if sent == 0:

@@ -91,6 +91,29 @@ def test_kill_random_rank_by_rank_and_two_at_once(etcd, etcd_prefix, fake_node):
         assert (a if pid in a.workers else b).wait_exit(pid) == -signal.SIGKILL
 
 
+def test_kill_random_rank_during_save_waits_for_a_save_to_start(etcd, etcd_client, etcd_prefix,
+                                                                 fake_node, tmp_path):
+    root = tmp_path / "ckpt"
+    (root / "step-0000000004").mkdir(parents=True)        # an old failed save: not "in progress"
+    etcd_client.put_json(etcd_client.key("jobs", "job-s", "spec"),
+                         {"job": {"name": "s"}, "checkpoint": {"url": f"file://{root}"}})
+    a = fake_node("job-s", "n1", 2)
+    proc = procs.spawn([sys.executable, str(REPO / "chaos" / "kill_random_rank.py"), "--job", "job-s",
+                        "--during-save", "--wait", "60", "--seed", "1", "--etcd", etcd.endpoint,
+                        "--prefix", etcd_prefix], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        if "waiting_for_save" in line:
+            break
+    time.sleep(0.5)
+    assert all(a.alive(p) for p in a.workers), "nothing may be signalled before a save starts"
+    (root / "step-0000000008" / "model").mkdir(parents=True)   # a save starts
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    [line] = [json.loads(x) for x in out.splitlines()]
+    assert line["action"] == "kill" and line["during_save_step"] == 8
+    assert a.wait_exit(line["pid"]) == -signal.SIGKILL
+
+
 def test_kill_random_rank_finds_nothing_elsewhere(etcd, etcd_prefix, fake_node):
     remote = fake_node("job-r", "n9", 1, host="some-other-host")
     res = run_injector("kill_random_rank", "--job", "job-r", etcd=etcd, prefix=etcd_prefix)
