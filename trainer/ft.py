@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -50,8 +51,13 @@ from trainer.progress import ProgressWriter
 from trainer.schedule import lr_at
 from trainer.train import Result, StopFlag, build
 
+MOVED_GRACE_S = 2.0          # a quorum waiting this long is abandoned if the lighthouse moved
 LIGHTHOUSE_WAIT_S = 30.0     # after a failed quorum: wait this long for a new lighthouse address
 MAX_QUORUM_FAILURES = 20     # in a row, then the worker fails (torchrun restarts the group)
+
+
+class LighthouseMoved(RuntimeError):
+    pass
 
 
 def lighthouse_file() -> Path | None:
@@ -186,6 +192,32 @@ class FTGroup:
         log.warning("ft_manager_rebuilt", reason=why, epoch=self.epoch, rebuilds=self.rebuilds,
                     step=self.manager.current_step())
 
+    def start_quorum(self) -> None:
+        """``manager.start_quorum()``, abandoned when the lighthouse moves while it waits.
+
+        A dead lighthouse is not reported to the waiting client: it would wait out
+        ``fault.quorum_timeout``. The call runs in a helper thread instead, and a new
+        lighthouse epoch (seen after ``MOVED_GRACE_S``, so that a quorum that was about to
+        complete on the old one is not cut short) raises ``LighthouseMoved``.
+        """
+        manager, box, done = self.manager, {}, threading.Event()
+
+        def run():
+            try:
+                manager.start_quorum()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                box["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="ft-quorum", daemon=True).start()
+        started = time.monotonic()
+        while not done.wait(0.2):
+            if time.monotonic() - started > MOVED_GRACE_S and _safe_epoch() not in (self.epoch, -1):
+                raise LighthouseMoved(f"lighthouse epoch {self.epoch} -> {_safe_epoch()} during a quorum")
+        if "error" in box:
+            raise box["error"]
+
     def status(self) -> dict:
         m = self.manager
         return {"replica_group": self.group, "participants": m.num_participants(),
@@ -244,7 +276,7 @@ def train_ft(spec: RunSpec, device: torch.device, *, stop: StopFlag | None = Non
     while True:
         manager = ft.manager
         try:
-            manager.start_quorum()          # synchronous: a healing group holds the peer's state now
+            ft.start_quorum()               # synchronous: a healing group holds the peer's state now
         except Exception as exc:  # noqa: BLE001 - lighthouse lost or peers gone: rebuild and retry
             failures += 1
             if failures > MAX_QUORUM_FAILURES:

@@ -32,6 +32,7 @@ from marind.agent.events import append_event
 from marind.agent.hang import HangDetector
 from marind.agent.jobs import JobView, list_job_ids, read_job, update_state
 from marind.agent.jobstate import JobEvent, JobState
+from marind.agent.lighthouse import FTCoordinator, is_torchft
 from marind.agent.registry import NodeRegistry
 from marind.agent.supervisor import (TorchrunSupervisor, default_python, prepare_run_dir,
                                      reap_leftovers, torchrun_command, worker_env)
@@ -63,6 +64,7 @@ class JobRun:
     terminal_since: float | None = None
     known_nodes: set = field(default_factory=set)
     step: int = 0
+    ft: FTCoordinator | None = None      # torchft jobs: replica-group slot and lighthouse
 
     @property
     def nproc(self) -> int:
@@ -93,6 +95,7 @@ class Agent:
         self._last_watchdog = 0.0
         self._last_nodes_count = 0.0
         self._cp_restarts: dict[str, int] = {}
+        self._ft_pending: dict[str, FTCoordinator] = {}
 
     @property
     def jobs_dir(self) -> Path:
@@ -193,7 +196,9 @@ class Agent:
             t.start()
         for t in threads:
             t.join(self.config.stop_timeout + 15)
-        for job in list(self.runs):
+        for job, run in list(self.runs.items()):
+            if run.ft is not None:
+                run.ft.stop()
             self._emit(job, "node_left", {"reason": "agent stopping"})
         self.runs.clear()
         self._flush_outbox()
@@ -254,6 +259,9 @@ class Agent:
         if state.is_terminal():
             if run is None:
                 self.finished.add(view.id)
+                pending = self._ft_pending.pop(view.id, None)
+                if pending is not None:
+                    pending.stop()
                 return
             if state == JobState.SUCCEEDED and run.sup.poll() is None:
                 run.terminal_since = run.terminal_since or now
@@ -281,6 +289,9 @@ class Agent:
         if used + view.nproc_per_node > self.slots:
             return
         run_dir = self.jobs_dir / view.id
+        ft = self._ft_ready(view, run_dir)
+        if ft is False:
+            return
         run_toml = prepare_run_dir(run_dir, view.spec)
         c = self.config
         cmd = torchrun_command(python=c.python or default_python(), job=view.id, spec=view.spec,
@@ -288,10 +299,12 @@ class Agent:
                                rdzv_conf=c.rdzv_conf)
         env = worker_env(os.environ, job=view.id, node=self.node, run_dir=run_dir, spec=view.spec,
                          etcd_user=c.etcd_user, etcd_password=c.etcd_password)
+        if ft is not None:
+            env.update(ft.worker_env())
         sup = TorchrunSupervisor(view.id, run_dir, cmd, env)
         sup.start()
         hang_timeout = float(view.spec.get("job", {}).get("hang_timeout", 300.0))
-        run = JobRun(view.id, view.spec, sup, HangDetector(hang_timeout))
+        run = JobRun(view.id, view.spec, sup, HangDetector(hang_timeout), ft=ft)
         self.runs[view.id] = run
         self._emit(view.id, "node_joined", {"torchrun_pid": sup.pid, "slots": self.slots})
         self._report(run, time.time(), force=True)
@@ -299,13 +312,39 @@ class Agent:
     def _end_run(self, run: JobRun, why: str) -> None:
         self.log.info("job_stopping", job=run.job, reason=why)
         run.sup.stop(self.config.stop_timeout)
+        if run.ft is not None:
+            run.ft.stop()
         self.runs.pop(run.job, None)
         self.finished.add(run.job)
         key = self.client.key("jobs", run.job, "nodes", self.node)
         self._queue(run.job, lambda: self.client.delete(key))
 
     # -- supervision of one job ---------------------------------------------------------------
+    def _ft_ready(self, view: JobView, run_dir: Path):
+        """torchft job: its coordinator once it has a slot and a lighthouse; False: not yet; None: not torchft."""
+        if not is_torchft(view.spec):
+            return None
+        ft = self._ft_pending.get(view.id)
+        if ft is None:
+            ft = self._ft_pending[view.id] = FTCoordinator(
+                self.client, view.id, self.node, self.registry.record["host"], view.spec, run_dir,
+                lease=lambda: self.registry.lease)
+        try:
+            ft.tick()
+        except ControlPlaneUnavailable:
+            return False
+        if not ft.ready:
+            return False
+        return self._ft_pending.pop(view.id)
+
     def _supervise(self, run: JobRun, now: float) -> None:
+        if run.ft is not None and self.etcd_ok:
+            try:
+                run.ft.tick()
+            except ControlPlaneUnavailable:
+                self.etcd_ok = False
+            except Exception as exc:  # noqa: BLE001 - e.g. a lighthouse that would not start; next tick
+                self.log.error("ft_tick_failed", job=run.job, error=f"{type(exc).__name__}: {exc}")
         rc = run.sup.poll()
         if rc is not None and not run.sup.stopping:
             self._torchrun_exited(run, rc)
@@ -364,6 +403,8 @@ class Agent:
     def _torchrun_exited(self, run: JobRun, rc: int) -> None:
         self.runs.pop(run.job, None)
         run.sup.stop(5)   # reap anything left, clear pids.json
+        if run.ft is not None:
+            run.ft.stop()
         if rc != 0 and self._control_plane_down():
             # torchrun's rendezvous lost etcd: not the job's failure. Start it again once etcd is
             # back (the job resumes from its latest checkpoint), at most max_restarts times.
@@ -429,6 +470,8 @@ class Agent:
         record = {"state": state, "torchrun_pid": run.sup.pid, "workers": workers, "restarts": run.restarts,
                   "step": run.step, "updated_at": now, "host": self.registry.record["host"],
                   "agent_pid": os.getpid(), "node": self.node, "round": run.generations}
+        if run.ft is not None:
+            record["ft"] = run.ft.report()
         try:
             self.client.put_json(self.client.key("jobs", run.job, "nodes", self.node), record,
                                  lease=self.registry.lease)

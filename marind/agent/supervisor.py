@@ -89,9 +89,11 @@ def torchrun_command(*, python: str, job: str, spec: dict, endpoint: str, prefix
     nodes = str(j.get("nodes", "1:1"))
     conf = [f"prefix={prefix}"] + [c for c in rdzv_conf.split(",") if c.strip()]
     endpoint = ",".join(e.split("://", 1)[-1] for e in endpoint.split(","))
-    return [python, "-m", "torch.distributed.run",
-            f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}",
-            f"--rdzv-conf={','.join(conf)}", f"--nnodes={nodes}",
+    rdzv = [f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}",
+            f"--rdzv-conf={','.join(conf)}", f"--nnodes={nodes}"]
+    if (spec.get("fault") or {}).get("mode") == "torchft":
+        rdzv = ["--standalone", "--nnodes=1"]     # this node is one replica group (marind/agent/lighthouse.py)
+    return [python, "-m", "torch.distributed.run", *rdzv,
             f"--nproc-per-node={int(j.get('nproc_per_node', 1))}",
             f"--max-restarts={int(j.get('max_restarts', 3))}", "--monitor-interval=0.5",
             "-m", str(j.get("entrypoint", "trainer")), str(run_toml)]

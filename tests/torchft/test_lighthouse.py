@@ -1,0 +1,102 @@
+"""Lighthouse election and replica-group slots on a real etcd (marind/agent/lighthouse.py).
+
+Each coordinator stands for one node's agent: its own etcd lease (the node's), its
+own run dir. Losing a node = its lease revoked (what expiry does) and its processes
+killed; the survivor's next tick elects a new lighthouse with a higher epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+pytest.importorskip("torchft")
+
+from marind.agent.lighthouse import FTCoordinator, ft_status  # noqa: E402
+from marind.netutil import port_open  # noqa: E402
+
+SPEC = {"fault": {"mode": "torchft", "replica_groups": 2, "min_replicas": 1,
+                  "join_timeout": 0.5, "heartbeat_timeout": 2.0}}
+
+
+class Node:
+    def __init__(self, client, name, tmp_path):
+        self.client, self.name = client, name
+        self.lease = client.lease(30)
+        self.ft = FTCoordinator(client, "job1", name, "127.0.0.1", SPEC, tmp_path / name, lease=lambda: self.lease)
+
+    def published(self) -> dict:
+        return json.loads((self.ft.run_dir / "ft" / "lighthouse.json").read_text())
+
+    def die(self) -> None:
+        """The node is gone: its processes die and its lease expires."""
+        if self.ft.proc is not None and self.ft.proc.proc is not None:
+            self.ft.proc.proc.send_signal(signal.SIGKILL)
+            self.ft.proc.proc.wait(5)
+        self.client.revoke_lease(self.lease)
+
+
+@pytest.fixture
+def nodes(etcd_client, tmp_path):
+    made = [Node(etcd_client, f"n{i}", tmp_path) for i in range(3)]
+    yield made
+    for n in made:
+        n.ft.stop(release=False)
+
+
+def test_one_lighthouse_slots_and_published_address(nodes):
+    a, b, c = nodes
+    a.ft.tick()
+    b.ft.tick()
+    c.ft.tick()
+    assert (a.ft.slot, b.ft.slot, c.ft.slot) == (0, 1, None)       # replica_groups = 2
+    assert a.ft.ready and b.ft.ready and not c.ft.ready
+    assert a.ft.holds_lighthouse and not b.ft.holds_lighthouse and b.ft.proc is None
+    pub_a, pub_b = a.published(), b.published()
+    assert pub_a == pub_b and pub_a["node"] == "n0"
+    port = int(pub_a["address"].rsplit(":", 1)[1])
+    assert port_open("127.0.0.1", port)
+    assert b.ft.worker_env() == {"MARIND_REPLICA_GROUP": "1", "TORCHFT_LIGHTHOUSE": pub_a["address"]}
+    st = ft_status(a.client, "job1")
+    assert [g["node"] for g in st["groups"]] == ["n0", "n1"] and st["lighthouse"]["node"] == "n0"
+    a.ft.tick()                                                      # stable: same slot, same epoch
+    assert a.ft.slot == 0 and a.published()["epoch"] == pub_a["epoch"]
+
+
+def test_losing_the_lighthouse_node_elects_another(nodes):
+    a, b, _ = nodes
+    a.ft.tick()
+    b.ft.tick()
+    old = b.published()
+    a.die()
+    b.ft.tick()
+    new = b.published()
+    assert new["node"] == "n1" and new["epoch"] > old["epoch"] and new["address"] != old["address"]
+    assert b.ft.holds_lighthouse
+    assert port_open("127.0.0.1", int(new["address"].rsplit(":", 1)[1]))
+
+
+def test_dead_lighthouse_process_is_replaced_with_a_new_epoch(nodes):
+    a, b, _ = nodes
+    a.ft.tick()
+    b.ft.tick()
+    old = a.published()
+    a.ft.proc.proc.send_signal(signal.SIGKILL)
+    a.ft.proc.proc.wait(5)
+    a.ft.tick()                       # the holder notices and runs again; b may win on its next tick
+    b.ft.tick()
+    a.ft.tick()
+    new = b.published()
+    assert new["epoch"] > old["epoch"] and a.published() == new
+    holders = [n for n in (a, b) if n.ft.holds_lighthouse]
+    assert len(holders) == 1 and holders[0].name == new["node"]
+
+
+def test_release_on_stop_frees_slot_and_lighthouse(nodes):
+    a, b, _ = nodes
+    a.ft.tick()
+    a.ft.stop()
+    b.ft.tick()
+    assert b.ft.slot == 0 and b.ft.holds_lighthouse
