@@ -22,7 +22,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -33,6 +33,7 @@ from marind.agent.hang import HangDetector
 from marind.agent.jobs import JobView, list_job_ids, read_job, update_state
 from marind.agent.jobstate import JobEvent, JobState
 from marind.agent.lighthouse import FTCoordinator, is_torchft
+from marind.agent.membership import Membership
 from marind.agent.registry import NodeRegistry
 from marind.agent.supervisor import (TorchrunSupervisor, default_python, prepare_run_dir,
                                      reap_leftovers, torchrun_command, worker_env)
@@ -62,7 +63,7 @@ class JobRun:
     ckpt_since: float | None = None
     last_ckpt_step: int | None = None
     terminal_since: float | None = None
-    known_nodes: set = field(default_factory=set)
+    members: Membership | None = None
     step: int = 0
     ft: FTCoordinator | None = None      # torchft jobs: replica-group slot and lighthouse
 
@@ -199,6 +200,7 @@ class Agent:
         for job, run in list(self.runs.items()):
             if run.ft is not None:
                 run.ft.stop()
+            self._leave(run, "agent stopping")
             self._emit(job, "node_left", {"reason": "agent stopping"})
         self.runs.clear()
         self._flush_outbox()
@@ -305,6 +307,7 @@ class Agent:
         sup.start()
         hang_timeout = float(view.spec.get("job", {}).get("hang_timeout", 300.0))
         run = JobRun(view.id, view.spec, sup, HangDetector(hang_timeout), ft=ft)
+        run.members = Membership(self.client, view.id, self.node, incarnation=str(os.getpid()))
         self.runs[view.id] = run
         self._emit(view.id, "node_joined", {"torchrun_pid": sup.pid, "slots": self.slots})
         self._report(run, time.time(), force=True)
@@ -316,8 +319,14 @@ class Agent:
             run.ft.stop()
         self.runs.pop(run.job, None)
         self.finished.add(run.job)
+        self._leave(run, why)
         key = self.client.key("jobs", run.job, "nodes", self.node)
         self._queue(run.job, lambda: self.client.delete(key))
+
+    def _leave(self, run: JobRun, why: str) -> None:
+        """Mark this node's departure as clean before its record goes (no node_lost for it)."""
+        if run.members is not None:
+            self._queue(run.job, lambda: run.members.leaving(why))
 
     # -- supervision of one job ---------------------------------------------------------------
     def _ft_ready(self, view: JobView, run_dir: Path):
@@ -432,6 +441,7 @@ class Agent:
         self._queue(run.job, lambda: update_state(self.client, run.job, event, reason=reason,
                                                   restarts=run.restarts))
         self._emit(run.job, kind, {"rc": rc, "step": run.step})
+        self._leave(run, f"torchrun exited {rc}")
         key = self.client.key("jobs", run.job, "nodes", self.node)
         self._queue(run.job, lambda: self.client.delete(key))
 
@@ -478,17 +488,11 @@ class Agent:
             summary = prog.job_summary(records or [])
             if summary is not None:
                 self.client.put_json(self.client.key("jobs", run.job, "progress"), summary)
-                self._watch_membership(run)
+            for gone in run.members.poll() if run.members is not None else ():
+                self.log.warning("node_lost", job=run.job, lost=gone)
+                self._emit(run.job, "node_lost", {"node": gone})
         except ControlPlaneUnavailable:
             self.etcd_ok = False
-
-    def _watch_membership(self, run: JobRun) -> None:
-        """The agent of global rank 0 notes nodes that left the job (node_lost)."""
-        nodes = {k.rsplit("/", 1)[-1] for k in
-                 self.client.get_prefix_keys(self.client.key("jobs", run.job, "nodes") + "/")}
-        for gone in sorted(run.known_nodes - nodes):
-            self._emit(run.job, "node_lost", {"node": gone})
-        run.known_nodes = nodes
 
     def _emit(self, job: str, kind: str, detail: dict) -> None:
         at = time.time()

@@ -66,3 +66,4 @@ def test_node_loss_and_rejoin(tmp_path, etcd, etcd_client, etcd_prefix, capsys, 
     assert row["step"] == steps and row["restarts"] >= 1
     kinds = [e["kind"] for e in etcd_client.get_prefix_json(etcd_client.key("jobs", job, "events") + "/").values()]
     assert "restart" in kinds and kinds.count("node_joined") >= 2
+    assert kinds.count("node_lost") == 1, kinds
