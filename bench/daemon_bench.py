@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -35,6 +33,8 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench._cluster import env as _env, kill_tree as _kill_tree, make_data as _make_data  # noqa: E402
+from bench._cluster import start_agent as _agent, stop_agent, submit as _submit  # noqa: E402
 from marind.etcd_client import EtcdClient  # noqa: E402
 from marind.local_etcd import LocalEtcd  # noqa: E402
 
@@ -58,25 +58,6 @@ steps = {steps}
 url = "file://{ckpt}"
 every_steps = {every}
 """
-FAST_RDZV = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
-
-
-def _env(extra: dict | None = None) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MARIND_LOG_JSON="1")
-    env.pop("NOTIFY_SOCKET", None)
-    env.update(extra or {})
-    return env
-
-
-def _make_data(root: Path) -> str:
-    from trainer import corpus
-    from trainer.data import write_dataset
-    from trainer.tokenize import ByteTokenizer
-    prefix = root / "data" / "corpus"
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    tok = ByteTokenizer()
-    write_dataset(prefix, (tok.encode(t) for t in corpus.documents(60)), tok.vocab_size)
-    return str(prefix)
 
 
 def _step_tps(text: str, warmup: int) -> list[float]:
@@ -101,39 +82,6 @@ def _spec(root: Path, name: str, data: str, *, nodes="1", nproc=2, steps=20, eve
     return path
 
 
-def _agent(root: Path, node: str, etcd: str, prefix: str, fast: bool = True) -> subprocess.Popen:
-    """An agent subprocess; ``fast``: short rendezvous timeouts and reports (node-death runs)."""
-    log = open(root / f"agent-{node}.log", "ab")
-    extra = {"MARIND_RDZV_CONF": FAST_RDZV, "MARIND_REPORT_INTERVAL": "0.5"} if fast else {}
-    return subprocess.Popen([sys.executable, "-m", "marind", "agent", "--node", node, "--etcd", etcd,
-                             "--state-dir", str(root / f"state-{node}"), "--slots", "2", "--metrics-port", "0"],
-                            env=_env({"MARIND_PREFIX": prefix, **extra}),
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
-
-
-def _submit(spec: Path, etcd: str, prefix: str, wait: bool) -> str:
-    res = subprocess.run([sys.executable, "-m", "marind", "submit", str(spec), *(["--wait"] if wait else [])],
-                         env=_env({"MARIND_ETCD": etcd, "MARIND_PREFIX": prefix}), capture_output=True,
-                         text=True, timeout=900, cwd=REPO)
-    if res.returncode != 0:
-        raise RuntimeError(f"submit failed: {res.stderr.strip()}")
-    return res.stdout.strip().splitlines()[-1]
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    try:
-        root = psutil.Process(proc.pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=10)
-
-
 def bench_throughput(root: Path, etcd: LocalEtcd, data: str, steps: int, warmup: int) -> dict:
     spec = _spec(root, "plain", data, steps=steps)
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -147,8 +95,7 @@ def bench_throughput(root: Path, etcd: LocalEtcd, data: str, steps: int, warmup:
         log = (root / "state-tp" / "jobs" / job / "logs" / "torchrun.log").read_text(errors="replace")
         under = _step_tps(log, warmup)
     finally:
-        agent.send_signal(signal.SIGTERM)
-        agent.wait(60)
+        stop_agent(agent)
     if not plain or not under:
         raise RuntimeError("no per-step tokens/s found in the trainer's logs")
     p, m = statistics.median(plain), statistics.median(under)
@@ -209,12 +156,7 @@ def bench_node_death(root: Path, etcd: LocalEtcd, data: str) -> dict:
                 "total_s": round(marks["first_step"] - t0, 2), "step_at_kill": step_at_kill}
     finally:
         for proc in (a, b):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    _kill_tree(proc)
+            stop_agent(proc)
         client.close()
 
 

@@ -1,0 +1,91 @@
+"""What the daemon benchmarks share: agents as subprocesses, submit, data, a process tree's end.
+
+Every process is started in its own session and ended by the benchmark
+that started it (``stop_agent`` / ``kill_tree``), never by name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+
+# short rendezvous timeouts: no waiting for extra nodes, node loss noticed in ~3 s
+FAST_RDZV = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+
+def env(extra: dict | None = None) -> dict:
+    out = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MARIND_LOG_JSON="1")
+    out.pop("NOTIFY_SOCKET", None)
+    out.update(extra or {})
+    return out
+
+
+def make_data(root: Path, n_docs: int = 60) -> str:
+    from trainer import corpus
+    prefix = root / "data" / "corpus"
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    corpus.write_example_dataset(prefix, n_docs)
+    return str(prefix)
+
+
+def start_agent(root: Path, node: str, etcd: str, prefix: str, *, fast: bool = True,
+                slots: int = 2) -> subprocess.Popen:
+    """An agent subprocess; ``fast``: short rendezvous timeouts and reports."""
+    log = open(root / f"agent-{node}.log", "ab")
+    extra = {"MARIND_RDZV_CONF": FAST_RDZV, "MARIND_REPORT_INTERVAL": "0.5"} if fast else {}
+    try:
+        return subprocess.Popen([sys.executable, "-m", "marind", "agent", "--node", node, "--etcd", etcd,
+                                 "--state-dir", str(root / f"state-{node}"), "--slots", str(slots),
+                                 "--metrics-port", "0"],
+                                env=env({"MARIND_PREFIX": prefix, **extra}),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+    finally:
+        log.close()
+
+
+def marind(args: list[str], etcd: str, prefix: str, timeout: float = 900) -> str:
+    """Run ``marind ARGS`` against this etcd; its stdout, or RuntimeError with its stderr."""
+    res = subprocess.run([sys.executable, "-m", "marind", *args],
+                         env=env({"MARIND_ETCD": etcd, "MARIND_PREFIX": prefix}), capture_output=True,
+                         text=True, timeout=timeout, cwd=REPO)
+    if res.returncode != 0:
+        raise RuntimeError(f"marind {args[0]} failed ({res.returncode}): {res.stderr.strip()}")
+    return res.stdout
+
+
+def submit(spec: Path, etcd: str, prefix: str, wait: bool) -> str:
+    out = marind(["submit", str(spec), *(["--wait"] if wait else [])], etcd, prefix)
+    return out.strip().splitlines()[-1]
+
+
+def kill_tree(proc: subprocess.Popen | int) -> None:
+    pid = proc if isinstance(proc, int) else proc.pid
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def stop_agent(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM (the agent stops its jobs' workers), then the whole tree if it lingers."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    kill_tree(proc)

@@ -1,0 +1,348 @@
+"""Goodput under failures; ONE JSON object as the last stdout line.
+
+    python bench/goodput.py [--wall 300] [--every 60] [--seed 7] [--nodes 2] [--nproc 2]
+        [--ckpt-every 5] [--fixed] [--quick]
+
+The example job (the tiny GPT, nodes x nproc gloo ranks under ``marind
+agent``s on this machine, async checkpoints to a local directory) runs
+for ``--wall`` seconds twice: once with no fault (the baseline) and once
+with ``chaos/kill_random_rank.py`` fired at failure times drawn from
+``--seed`` (``chaos.schedule.draw_schedule``: exponential gaps with mean
+``--every``, or exactly ``--every`` with ``--fixed``).
+
+* goodput: time spent in steps that were kept (the last run of every
+  step number, by global rank 0's ``step_s``) over the wall time from
+  submit; ``goodput_steady`` counts the wall time from the first step
+  instead (the start-up, paid once per run, left out).
+* lost steps per failure: the highest step reached before the kill minus
+  the step the job restored from.
+* recovery, per failure, from the kill, split into detection (every
+  worker alive at the kill has exited), rendezvous (a full new set of
+  workers is spawned), restart (every new worker has imported, joined the
+  process group and built its model: its first progress record), restore
+  (every new worker has loaded the checkpoint) and first step (rank 0
+  finished a step); p50/p95 of each and of the total.
+
+``--quick``: 1 node, 90 s, one failure at 50 s, for a shape test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench._cluster import env, make_data, marind, start_agent, stop_agent, submit  # noqa: E402
+from chaos.schedule import draw_schedule  # noqa: E402
+from marind.etcd_client import EtcdClient  # noqa: E402
+from marind.local_etcd import LocalEtcd  # noqa: E402
+
+SPEC = """
+[job]
+name = "{name}"
+nodes = "{nodes}"
+nproc_per_node = {nproc}
+max_restarts = 1000
+hang_timeout = "120s"
+entrypoint = "trainer"
+[model]
+preset = "tiny"
+[data]
+path = "{data}"
+seq_len = 128
+global_batch = 16
+micro_batch = 2
+[optim]
+lr = 3e-3
+min_lr = 3e-4
+warmup_steps = 20
+[train]
+steps = 1000000
+seed = 1234
+log_every = 1
+[checkpoint]
+url = "file://{ckpt}"
+every_steps = {every}
+async = true
+keep_last = 2
+"""
+PHASES = ("detection", "rendezvous", "restart", "restore", "first_step")
+FLOORS = {"goodput_min": 0.85, "recovery_p50_max_s": 15.0}
+
+
+# -- pure accounting ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepLine:
+    at: float          # unix time the step ended
+    step: int
+    step_s: float
+
+
+def parse_step_lines(text: str) -> list[StepLine]:
+    """Global rank 0's ``step`` records in a trainer log."""
+    out = []
+    for line in text.splitlines():
+        start = line.find("{")
+        if start < 0 or '"event": "step"' not in line:
+            continue
+        try:
+            rec = json.loads(line[start:])
+            at = datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")).timestamp()
+            out.append(StepLine(at, int(rec["step"]), float(rec["step_s"])))
+        except (ValueError, KeyError):
+            continue
+    return out
+
+
+def kept_step_seconds(lines: list[StepLine], start: float, end: float) -> tuple[float, int]:
+    """(seconds, count) of the steps kept: of each step number, its last run within [start, end]."""
+    last: dict[int, StepLine] = {}
+    for ln in sorted(lines, key=lambda x: x.at):
+        if start <= ln.at <= end:
+            last[ln.step] = ln
+    return sum(ln.step_s for ln in last.values()), len(last)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    xs = sorted(values)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return round(xs[lo] + (xs[hi] - xs[lo]) * (k - lo), 3)
+
+
+def phase_split(marks: dict[str, float], t_kill: float) -> dict[str, float] | None:
+    """Seconds of each recovery phase from the times each one ended (None if one is missing)."""
+    if any(p not in marks for p in PHASES):
+        return None
+    out, prev = {}, t_kill
+    for p in PHASES:
+        end = max(marks[p], prev)
+        out[p] = round(end - prev, 3)
+        prev = end
+    out["total"] = round(prev - t_kill, 3)
+    return out
+
+
+# -- watching a live job -------------------------------------------------------------------------------
+@dataclass
+class Job:
+    id: str
+    root: Path
+    nodes: list[str]
+    world: int
+    submitted_at: float
+
+    def run_dirs(self) -> list[Path]:
+        return [self.root / f"state-{n}" / "jobs" / self.id for n in self.nodes]
+
+    def records(self) -> list[dict]:
+        out = []
+        for run_dir in self.run_dirs():
+            for path in (run_dir / "progress").glob("rank-*.json"):
+                try:
+                    out.append(json.loads(path.read_text()))
+                except (OSError, ValueError):
+                    continue
+        return out
+
+    def workers(self) -> set[int]:
+        """Live worker pids: the children of every node's torchrun."""
+        pids = set()
+        for run_dir in self.run_dirs():
+            try:
+                torchrun = json.loads((run_dir / "pids.json").read_text())["torchrun_pid"]
+                pids |= {c.pid for c in psutil.Process(torchrun).children()
+                         if c.status() != psutil.STATUS_ZOMBIE}
+            except (OSError, ValueError, KeyError, psutil.Error):
+                continue
+        return pids
+
+    def step_lines(self) -> list[StepLine]:
+        out = []
+        for run_dir in self.run_dirs():
+            try:
+                out += parse_step_lines((run_dir / "logs" / "torchrun.log").read_text(errors="replace"))
+            except OSError:
+                continue
+        return out
+
+
+@dataclass
+class Failure:
+    at: float
+    draw: float
+    step_before: int = 0
+    restored_step: int | None = None
+    marks: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        split = phase_split(self.marks, self.at)
+        return {"draw_s": round(self.draw, 2), "step_before": self.step_before,
+                "restored_step": self.restored_step,
+                "lost_steps": None if self.restored_step is None else self.step_before - self.restored_step,
+                "recovery_s": split}
+
+
+def watch_recovery(job: Job, failure: Failure, old: set[int], timeout: float) -> None:
+    """Fill ``failure.marks`` with the time each recovery phase ended, polling at ~20 Hz."""
+    marks, deadline = failure.marks, time.time() + timeout
+    new: set[int] = set()
+    while time.time() < deadline and "first_step" not in marks:
+        now = time.time()
+        alive = job.workers()
+        if "detection" not in marks and not (alive & old):
+            marks["detection"] = now
+        if "detection" in marks:
+            new |= alive - old
+            if "rendezvous" not in marks and len(new) >= job.world:
+                marks["rendezvous"] = now
+        recs = [r for r in job.records() if r.get("pid") in new]
+        if "rendezvous" in marks and len(recs) >= job.world:
+            if "restart" not in marks:
+                marks["restart"] = now
+            if "restore" not in marks and all(r.get("phase") != "restoring" for r in recs):
+                marks["restore"] = now
+                failure.restored_step = min(int(r.get("step") or 0) for r in recs)
+            rank0 = next((r for r in recs if r.get("rank") == 0), None)
+            if "restore" in marks and rank0 and int(rank0.get("step") or 0) > (failure.restored_step or 0):
+                marks["first_step"] = now
+        time.sleep(0.05)
+
+
+def current_step(job: Job) -> int:
+    return max([int(r.get("step") or 0) for r in job.records()] + [0])
+
+
+def kill_one(job: Job, etcd: str, prefix: str, seed: int) -> dict:
+    res = subprocess.run([sys.executable, str(REPO / "chaos" / "kill_random_rank.py"), "--job", job.id,
+                          "--etcd", etcd, "--prefix", prefix, "--seed", str(seed), "--wait", "30"],
+                         env=env(), capture_output=True, text=True, timeout=60, cwd=REPO)
+    lines = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
+    if res.returncode != 0 or not lines:
+        raise RuntimeError(f"kill_random_rank found no worker: {res.stderr.strip()[-400:]}")
+    return lines[0]
+
+
+def run_job(root: Path, etcd: LocalEtcd, data: str, *, name: str, nodes: int, nproc: int, wall: float,
+            every_steps: int, draws: list) -> dict:
+    """One run of ``wall`` seconds, with a kill at each draw; goodput and per-failure figures."""
+    prefix = f"/goodput-{name}"
+    node_names = [f"{name}-{i}" for i in range(nodes)]
+    agents = [start_agent(root, n, etcd.endpoint, prefix) for n in node_names]
+    client = EtcdClient(etcd.endpoint, prefix=prefix)
+    failures: list[Failure] = []
+    try:
+        deadline = time.time() + 60
+        while len(client.get_prefix_keys(client.key("nodes") + "/")) < nodes:
+            if time.time() > deadline:
+                raise RuntimeError("the agents did not register within 60 s")
+            time.sleep(0.2)
+        spec = root / f"{name}.toml"
+        spec.write_text(SPEC.format(name=name, nodes=f"1:{nodes}", nproc=nproc, data=data,
+                                    ckpt=root / f"ckpt-{name}", every=every_steps))
+        t0 = time.time()
+        job = Job(submit(spec, etcd.endpoint, prefix, wait=False), root, node_names, nodes * nproc, t0)
+        end = t0 + wall
+        for draw in draws:
+            if t0 + draw.at >= end:
+                break
+            time.sleep(max(0.0, t0 + draw.at - time.time()))
+            old = job.workers()
+            if len(old) < job.world:   # not (yet) running in full: the draw waits for it
+                while time.time() < end and len(job.workers()) < job.world:
+                    time.sleep(0.1)
+                old = job.workers()
+            failure = Failure(at=time.time(), draw=draw.at, step_before=current_step(job))
+            kill_one(job, etcd.endpoint, prefix, draw.seed)
+            failure.step_before = max(failure.step_before, current_step(job))
+            failures.append(failure)
+            watch_recovery(job, failure, old, timeout=max(5.0, min(180.0, end - time.time())))
+        time.sleep(max(0.0, end - time.time()))
+        lines = job.step_lines()
+        marind(["cancel", job.id], etcd.endpoint, prefix, timeout=60)
+    finally:
+        for agent in agents:
+            stop_agent(agent)
+        client.close()
+    first = min((ln.at - ln.step_s for ln in lines), default=end)
+    kept_s, kept_n = kept_step_seconds(lines, t0, end)
+    runs = sum(1 for ln in lines if t0 <= ln.at <= end)
+    return {"wall_s": round(end - t0, 2), "startup_s": round(first - t0, 2),
+            "steps_kept": kept_n, "steps_run": runs, "kept_step_s": round(kept_s, 2),
+            "goodput": round(kept_s / (end - t0), 4),
+            "goodput_steady": round(kept_s / max(1e-9, end - first), 4),
+            "failures": [f.to_json() for f in failures]}
+
+
+def summarize(run: dict) -> dict:
+    fs = run["failures"]
+    lost = [f["lost_steps"] for f in fs if f["lost_steps"] is not None]
+    splits = [f["recovery_s"] for f in fs if f["recovery_s"]]
+    rec = {p: {"p50": percentile([s[p] for s in splits], 0.5), "p95": percentile([s[p] for s in splits], 0.95)}
+           for p in (*PHASES, "total")}
+    dominant = max(PHASES, key=lambda p: rec[p]["p50"] or 0.0) if splits else None
+    return {"failures": len(fs), "recovered": len(splits),
+            "lost_steps_per_failure": round(statistics.mean(lost), 2) if lost else None,
+            "recovery_s": rec, "dominant_phase": dominant}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--wall", type=float, default=300.0, help="seconds each run lasts (default 300)")
+    parser.add_argument("--every", type=float, default=60.0, help="mean seconds between failures (default 60)")
+    parser.add_argument("--fixed", action="store_true", help="a failure exactly every --every seconds")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--nodes", type=int, default=2, help="agents (nodes) on this machine (default 2)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks per node (default 2)")
+    parser.add_argument("--ckpt-every", type=int, default=5, help="checkpoint every N steps (default 5)")
+    parser.add_argument("--min-gap", type=float, default=20.0,
+                        help="at least this many seconds between failures (default 20)")
+    parser.add_argument("--quick", action="store_true", help="1 node, 90 s, one failure at 50 s (shape test)")
+    args = parser.parse_args()
+    if args.quick:
+        args.wall, args.nodes, args.every, args.fixed = 90.0, 1, 50.0, True
+    draws = draw_schedule(args.seed, args.every, args.wall, fixed=args.fixed, min_gap=args.min_gap,
+                          max_actions=1 if args.quick else None)
+    root = Path(tempfile.mkdtemp(prefix="marind-goodput-"))
+    etcd = LocalEtcd(root / "etcd").start()
+    try:
+        data = make_data(root)
+        kw = dict(nodes=args.nodes, nproc=args.nproc, wall=args.wall, every_steps=args.ckpt_every)
+        baseline = run_job(root, etcd, data, name="baseline", draws=[], **kw)
+        elastic = run_job(root, etcd, data, name="elastic", draws=draws, **kw)
+    finally:
+        etcd.stop()
+    elastic["summary"] = summarize(elastic)
+    p50 = elastic["summary"]["recovery_s"]["total"]["p50"]
+    result = {
+        "bench": "goodput", "quick": args.quick,
+        "config": {"wall_s": args.wall, "every_s": args.every, "fixed": args.fixed, "seed": args.seed,
+                   "nodes": args.nodes, "nproc": args.nproc, "ckpt_every_steps": args.ckpt_every,
+                   "draws_s": [round(d.at, 2) for d in draws]},
+        "baseline": baseline, "elastic": elastic,
+        "ratios": {"elastic_goodput_over_baseline": round(elastic["goodput"] / max(1e-9, baseline["goodput"]), 4)},
+        "floors": {**FLOORS,
+                   "goodput_met": elastic["goodput"] >= FLOORS["goodput_min"],
+                   "goodput_steady_met": elastic["goodput_steady"] >= FLOORS["goodput_min"],
+                   "recovery_p50_met": p50 is not None and p50 <= FLOORS["recovery_p50_max_s"]},
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
