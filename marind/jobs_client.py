@@ -14,6 +14,7 @@ from marind.agent import jobs as J
 from marind.agent.config import client_settings, resolve_endpoint
 from marind.agent.events import list_events
 from marind.agent.jobstate import JobEvent, JobState
+from marind.agent.lighthouse import ft_status, is_torchft
 from marind.agent.registry import live_nodes
 from marind.errors import NotFound
 from marind.etcd_client import EtcdClient
@@ -67,7 +68,8 @@ class JobsClient:
                 "restarts": view.state.restarts,
                 "updated_at": max(view.state.updated_at, float(progress.get("updated_at") or 0)),
                 "submitted_rev": view.submitted_rev,
-                "target_steps": view.spec.get("train", {}).get("steps")}
+                "target_steps": view.spec.get("train", {}).get("steps"),
+                "torchft": ft_status(self.client, view.id, nodes) if is_torchft(view.spec) else None}
 
     def nodes(self) -> list[dict]:
         return [dict(v, node=k) for k, v in sorted(live_nodes(self.client).items())]
@@ -77,7 +79,8 @@ class JobsClient:
         keys = ("id", "name", "state", "nodes", "world_size", "step", "loss", "tokens_per_s",
                 "last_checkpoint_step", "restarts", "updated_at")
         return {"schema_version": SCHEMA_VERSION, "nodes": self.nodes(),
-                "jobs": [{k: j[k] for k in keys} for j in jobs]}
+                "jobs": [{k: j[k] for k in keys} | ({"torchft": j["torchft"]} if j["torchft"] else {})
+                         for j in jobs]}
 
     def cancel(self, job: str, by: str) -> str:
         view = J.read_job(self.client, job)

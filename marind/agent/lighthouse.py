@@ -261,8 +261,13 @@ class FTCoordinator:
             self.log.warning("ft_release_failed", error=str(exc))
 
 
-def ft_status(client: EtcdClient, job: str) -> dict | None:
-    """``{"lighthouse": {...}|None, "groups": [{slot, node}]}`` for ``marind status``; None if not torchft."""
+def ft_status(client: EtcdClient, job: str, nodes: dict | None = None) -> dict | None:
+    """What ``marind status`` shows of a torchft job; None when the job has no torchft keys.
+
+    ``{"lighthouse": {node, address, epoch}|None, "quorum_id", "participants",
+    "groups": [{slot, node, state, step, participants, quorum_id, lighthouse}]}``; ``nodes`` are the
+    job's per-node records (``{p}/jobs/{job}/nodes/*``, keyed by node) carrying each group's ``ft``.
+    """
     prefix = client.key("jobs", job, "ft")
     groups = client.get_prefix_json(prefix + "/groups/")
     value, rev = client.get(prefix + "/lighthouse")
@@ -271,9 +276,20 @@ def ft_status(client: EtcdClient, job: str) -> dict | None:
     lighthouse = None
     if value is not None:
         try:
-            lighthouse = dict(json.loads(value), epoch=rev)
+            rec = json.loads(value)
+            lighthouse = {"node": rec.get("node"), "address": rec.get("address"), "epoch": rev}
         except ValueError:
             lighthouse = None
-    rows = sorted(({"slot": int(k.rsplit("/", 1)[-1]), "node": (v or {}).get("node")} for k, v in groups.items()),
-                  key=lambda r: r["slot"])
-    return {"lighthouse": lighthouse, "groups": rows}
+    rows = []
+    for key, rec in groups.items():
+        node = (rec or {}).get("node")
+        nrec = (nodes or {}).get(node) or {}
+        ft = nrec.get("ft") or {}
+        rows.append({"slot": int(key.rsplit("/", 1)[-1]), "node": node, "state": nrec.get("state", "absent"),
+                     "step": nrec.get("step"), "participants": ft.get("participants"),
+                     "quorum_id": ft.get("quorum_id"), "lighthouse": bool(lighthouse and lighthouse["node"] == node)})
+    rows.sort(key=lambda r: r["slot"])
+    latest = max((r for r in rows if r["quorum_id"] is not None), key=lambda r: r["quorum_id"], default=None)
+    return {"lighthouse": lighthouse, "groups": rows,
+            "quorum_id": latest["quorum_id"] if latest else None,
+            "participants": latest["participants"] if latest else None}

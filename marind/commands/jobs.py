@@ -134,7 +134,20 @@ def status(args) -> int:
                  [[j["id"], j["state"], _fmt(len(j["nodes"])), _fmt(j["world_size"]), _fmt(j["step"]),
                    _fmt(j["loss"], 4), _fmt(j["tokens_per_s"], 0), _fmt(j["last_checkpoint_step"]),
                    _fmt(j["restarts"])] for j in doc["jobs"]]))
+    for j in doc["jobs"]:
+        if j.get("torchft"):
+            _print_replica_groups(j["id"], j["torchft"])
     return 0
+
+
+def _print_replica_groups(job: str, ft: dict) -> None:
+    lh = ft.get("lighthouse") or {}
+    print(f"\n{job}: torchft replica groups; lighthouse {lh.get('address', '-')} on {lh.get('node', '-')} "
+          f"(epoch {_fmt(lh.get('epoch'))}), quorum {_fmt(ft.get('quorum_id'))} with "
+          f"{_fmt(ft.get('participants'))} participating")
+    print(_table(["GROUP", "NODE", "STATE", "STEP", "PARTICIPANTS", "QUORUM"],
+                 [[str(g["slot"]), _fmt(g["node"]), _fmt(g["state"]), _fmt(g["step"]), _fmt(g["participants"]),
+                   _fmt(g["quorum_id"])] for g in ft["groups"]]))
 
 
 def nodes(args) -> int:

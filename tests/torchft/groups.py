@@ -1,0 +1,100 @@
+"""Replica groups as real processes for the torchft tests: one standalone torchrun per group.
+
+Each group's run dir (``MARIND_RUN_DIR``) holds its workers' progress records
+(``progress/rank-0.json``, with the torchft fields) and, when a coordinator
+publishes one, ``ft/lighthouse.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.support.procs import spawn
+
+
+def ft_spec(tmp: Path, *, steps: int, groups: int = 2, min_replicas: int = 1, ckpt: str = "",
+            every_steps: int = 0) -> Path:
+    from trainer.corpus import write_example_dataset
+
+    data = tmp / "data"
+    if not data.with_suffix(".bin").exists():
+        write_example_dataset(data, n_docs=120)
+    path = tmp / "ft.toml"
+    path.write_text(f"""
+[job]
+name = "ftjob"
+nodes = "1:{groups}"
+nproc_per_node = 1
+max_restarts = 3
+[model]
+preset = "tiny"
+[data]
+path = "{data}"
+seq_len = 32
+global_batch = 2
+micro_batch = 2
+[optim]
+lr = 3e-3
+warmup_steps = 2
+[train]
+steps = {steps}
+log_every = 10
+[checkpoint]
+url = "{ckpt}"
+every_steps = {every_steps}
+[fault]
+mode = "torchft"
+replica_groups = {groups}
+min_replicas = {min_replicas}
+timeout = "10s"
+quorum_timeout = "20s"
+join_timeout = "500ms"
+heartbeat_timeout = "2s"
+""")
+    return path
+
+
+def run_dir(tmp: Path, group: int) -> Path:
+    return tmp / f"rg{group}"
+
+
+def start_group(tmp: Path, group: int, spec: Path, *, lighthouse: str | None = None,
+                nproc: int = 1) -> subprocess.Popen:
+    env = {"MARIND_REPLICA_GROUP": group, "MARIND_RUN_DIR": run_dir(tmp, group), "MARIND_LOG_JSON": "1"}
+    if lighthouse:
+        env["TORCHFT_LIGHTHOUSE"] = lighthouse
+    run_dir(tmp, group).mkdir(parents=True, exist_ok=True)
+    log = open(tmp / f"rg{group}.log", "ab")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=3",
+           "--monitor-interval=0.5", f"--nproc-per-node={nproc}", "-m", "trainer", str(spec)]
+    proc = spawn(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    return proc
+
+
+def progress(tmp: Path, group: int, rank: int = 0) -> dict:
+    try:
+        return json.loads((run_dir(tmp, group) / "progress" / f"rank-{rank}.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def wait_for(pred, timeout: float, what: str, tmp: Path | None = None, poll: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f"\n{logs(tmp)}" if tmp else ""))
+
+
+def logs(tmp: Path, tail: int = 3000) -> str:
+    out = []
+    for path in sorted(tmp.glob("rg*.log")):
+        out.append(f"--- {path.name} ---\n{path.read_text(errors='replace')[-tail:]}")
+    return "\n".join(out)

@@ -1,0 +1,74 @@
+"""A torchft job under two real `marind agent`s: each node one replica group, the lighthouse
+elected through etcd; a SIGKILLed worker (chaos/kill_random_rank.py) heals from the other
+group while it keeps stepping, the job succeeds, both groups end with the same parameters,
+and `marind status` shows the replica groups and the quorum.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torchft")
+
+from marind.cli import main  # noqa: E402
+from tests.agent.helpers import agent_log, job_state, node_registered, start_agent, wait_for  # noqa: E402
+from tests.support.procs import REPO_ROOT, base_env  # noqa: E402
+from tests.torchft.groups import ft_spec  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _progress(tmp, node, job) -> dict:
+    try:
+        return json.loads((tmp / f"state-{node}" / "jobs" / job / "progress" / "rank-0.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def test_torchft_job_under_two_agents_survives_a_killed_rank(tmp_path, etcd, etcd_client, etcd_prefix, capsys,
+                                                             monkeypatch):
+    spec = ft_spec(tmp_path, steps=400)
+    monkeypatch.setenv("MARIND_ETCD", etcd.endpoint)
+    monkeypatch.setenv("MARIND_PREFIX", etcd_prefix)
+    for node in ("a", "b"):
+        start_agent(tmp_path, node, etcd.endpoint, etcd_prefix, slots=1)
+    diag = lambda: agent_log(tmp_path, "a") + agent_log(tmp_path, "b")
+    wait_for(lambda: node_registered(etcd_client, "a") and node_registered(etcd_client, "b"), 60, "nodes", diag=diag)
+    assert main(["submit", str(spec)]) == 0
+    job = capsys.readouterr().out.strip().splitlines()[-1]
+    wait_for(lambda: all(_progress(tmp_path, n, job).get("participants") == 2
+                         and _progress(tmp_path, n, job).get("step", 0) >= 20 for n in ("a", "b")),
+             180, "both groups stepping together", diag=diag)
+
+    assert main(["status", job, "--json"]) == 0
+    ft = json.loads(capsys.readouterr().out)["jobs"][0]["torchft"]
+    assert sorted(g["node"] for g in ft["groups"]) == ["a", "b"] and ft["lighthouse"]["node"] in ("a", "b")
+    assert main(["status", job]) == 0
+    assert "torchft replica groups" in capsys.readouterr().out
+
+    out = subprocess.run([sys.executable, "chaos/kill_random_rank.py", "--job", job, "--seed", "3"],
+                         cwd=REPO_ROOT, env=base_env({"MARIND_ETCD": etcd.endpoint, "MARIND_PREFIX": etcd_prefix}),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    action = json.loads(out.stdout.strip().splitlines()[-1])
+    victim = action["node"]
+    other = "b" if victim == "a" else "a"
+    before = _progress(tmp_path, other, job)["step"]
+    # the killed group is back (a new worker pid that has committed a step) ...
+    wait_for(lambda: (p := _progress(tmp_path, victim, job)).get("pid") != action["pid"] and p.get("step", 0) > 0,
+             120, "the killed group back", diag=diag)
+    wait_for(lambda: job_state(etcd_client, job).get("state") == "SUCCEEDED", 240, "job SUCCEEDED", diag=diag)
+    pa, pb = _progress(tmp_path, "a", job), _progress(tmp_path, "b", job)
+    assert pa["step"] == pb["step"] == 400
+    assert pa["param_digest"] == pb["param_digest"]
+    log = (tmp_path / f"state-{victim}" / "jobs" / job / "logs" / "torchrun.log").read_text()
+    assert "healed_from_peer" in log
+    # ... while the other kept stepping (its log shows steps with one participant)
+    other_log = (tmp_path / f"state-{other}" / "jobs" / job / "logs" / "torchrun.log").read_text()
+    alone = [json.loads(line)["step"] for line in other_log.splitlines()
+             if line.startswith("{") and '"event": "step"' in line and '"participants": 1' in line]
+    assert alone and max(alone) > before, f"the surviving group did not step alone (from {before})"

@@ -1,0 +1,130 @@
+"""torchft replica groups as real processes: a killed group heals from a live peer while the
+others keep stepping; losing the lighthouse's node elects a new lighthouse and training goes on.
+
+Pass conditions as torchft's own fault tests have them: the survivors' step counter advances
+during the failure, the killed group is back within a bound, and every group ends with the
+same parameters (sha256 over each rank's local shards, written in its final progress record).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("torchft")
+
+from marind.agent.lighthouse import FTCoordinator, LighthouseProcess  # noqa: E402
+from tests.torchft.groups import ft_spec, logs, progress, start_group, wait_for  # noqa: E402
+
+REJOIN_BOUND_S = 60.0     # kill -> the restarted group has committed a step (CPU, 2 cores, loaded)
+FAULT = {"min_replicas": 1, "join_timeout": 0.5, "heartbeat_timeout": 2.0}
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture
+def lighthouse(tmp_path):
+    lh = LighthouseProcess(FAULT, tmp_path / "lighthouse.log", "127.0.0.1")
+    lh.start()
+    yield lh
+    lh.stop()
+
+
+def _stepping(tmp, g, above):
+    return lambda: progress(tmp, g).get("step", 0) > above and progress(tmp, g)
+
+
+def test_killed_group_heals_from_peer_while_the_other_keeps_stepping(tmp_path, lighthouse):
+    spec = ft_spec(tmp_path, steps=400)
+    for g in (0, 1):
+        start_group(tmp_path, g, spec, lighthouse=lighthouse.address)
+    wait_for(lambda: progress(tmp_path, 0).get("participants") == 2 and progress(tmp_path, 1).get("step", 0) >= 30,
+             120, "both groups stepping together", tmp_path)
+    victim = progress(tmp_path, 1)
+    os.kill(victim["pid"], signal.SIGKILL)
+    killed_at, step_at_kill = time.monotonic(), progress(tmp_path, 0)["step"]
+
+    # group 1 is back when a new worker has reported a step after the kill
+    back = lambda: (p := progress(tmp_path, 1)).get("pid") != victim["pid"] and p.get("step", 0) > victim["step"] and p
+    survivor_steps = []
+    while not back():
+        survivor_steps.append(progress(tmp_path, 0).get("step", 0))
+        assert time.monotonic() - killed_at < REJOIN_BOUND_S, f"group 1 not back in {REJOIN_BOUND_S}s\n{logs(tmp_path)}"
+        time.sleep(0.1)
+    rejoin_s = time.monotonic() - killed_at
+    assert max(survivor_steps) >= step_at_kill + 5, \
+        f"group 0 stalled while group 1 was down: {step_at_kill} -> {max(survivor_steps)}"
+    healed = back()["step"]
+    assert healed > victim["step"] + 1, "the restarted group did not take the live step from its peer"
+
+    done = lambda: all(progress(tmp_path, g).get("phase") == "done" for g in (0, 1))
+    wait_for(done, 150, "both groups done", tmp_path)
+    p0, p1 = progress(tmp_path, 0), progress(tmp_path, 1)
+    assert p0["step"] == p1["step"] == 400
+    assert p0["param_digest"] == p1["param_digest"], "groups ended with different parameters"
+    assert "healed_from_peer" in (tmp_path / "rg1.log").read_text()
+    print(f"rejoin_s={rejoin_s:.1f} survivor advanced {max(survivor_steps) - step_at_kill} steps while down")
+
+
+class _Node:
+    """One node's agent as far as torchft goes: a coordinator ticking on its own lease."""
+
+    def __init__(self, client, name, tmp, group):
+        self.client, self.name = client, name
+        self.lease = client.lease(30)
+        spec = {"fault": {"mode": "torchft", "replica_groups": 2, **FAULT}}
+        self.ft = FTCoordinator(client, "ftjob", name, "127.0.0.1", spec, tmp / f"rg{group}", lease=lambda: self.lease)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self):
+        while not self.stop.wait(0.3):
+            self.client.refresh_lease(self.lease)      # the agent's registry keeps its lease alive
+            self.ft.tick()
+
+    def die(self):
+        self.stop.set()
+        self.thread.join(5)
+        proc = self.ft.proc.proc if self.ft.proc else None
+        if proc is not None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(5)
+        self.client.revoke_lease(self.lease)
+
+
+def test_losing_the_lighthouse_node_elects_a_new_one_and_training_resumes(tmp_path, etcd_client):
+    spec = ft_spec(tmp_path, steps=150)
+    a, b = _Node(etcd_client, "na", tmp_path, 0), _Node(etcd_client, "nb", tmp_path, 1)
+    a.ft.tick()
+    b.ft.tick()
+    assert a.ft.holds_lighthouse and (a.ft.slot, b.ft.slot) == (0, 1)
+    a.thread.start()
+    b.thread.start()
+    try:
+        group_a = start_group(tmp_path, 0, spec)       # the address comes from ft/lighthouse.json
+        start_group(tmp_path, 1, spec)
+        wait_for(lambda: progress(tmp_path, 1).get("participants") == 2 and progress(tmp_path, 1).get("step", 0) >= 30,
+                 120, "both groups stepping together", tmp_path)
+        old_epoch = b.ft.published[1]
+        # node A goes: its group and its lighthouse die, its lease expires
+        os.killpg(group_a.pid, signal.SIGKILL)
+        a.die()
+        lost_at, step_at_loss = time.monotonic(), progress(tmp_path, 1)["step"]
+        wait_for(lambda: b.ft.holds_lighthouse, 15, "node B elected", tmp_path)
+        assert b.ft.published[1] > old_epoch
+        p = wait_for(lambda: (q := progress(tmp_path, 1)).get("lighthouse_epoch") == b.ft.published[1]
+                     and q.get("step", 0) > step_at_loss + 5 and q, 60, "group 1 stepping on the new lighthouse",
+                     tmp_path)
+        resumed_s = time.monotonic() - lost_at
+        assert p["manager_rebuilds"] >= 1 and p["participants"] == 1
+        wait_for(lambda: progress(tmp_path, 1).get("phase") == "done", 120, "group 1 done", tmp_path)
+        assert progress(tmp_path, 1)["step"] == 150
+        print(f"training resumed {resumed_s:.1f}s after the lighthouse node was lost")
+    finally:
+        b.stop.set()
+        b.ft.stop(release=False)
+        a.ft.stop(release=False)
