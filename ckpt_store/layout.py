@@ -55,7 +55,8 @@ def full_box(shape: tuple[int, ...]) -> Box:
     return Box((0,) * len(shape), tuple(shape))
 
 
-def _spec(p) -> tuple:
+def placement_spec(p) -> tuple:
+    """A hashable (kind, dim, split_factor) of a DTensor placement."""
     from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
     if isinstance(p, _StridedShard):
@@ -114,7 +115,13 @@ def rank_pieces(shape: tuple[int, ...], ranks: list[int], mesh_shape: tuple[int,
     the same dim) gives one piece per contiguous run of global rows. Cached:
     a save or load of many same-shaped tensors computes each layout once.
     """
-    specs = tuple(_spec(p) for p in placements)
+    specs = tuple(placement_spec(p) for p in placements)
+    return pieces_from_specs(shape, ranks, mesh_shape, specs)
+
+
+def pieces_from_specs(shape: tuple[int, ...], ranks, mesh_shape: tuple[int, ...],
+                      specs: tuple[tuple, ...]) -> dict[int, list[Piece]]:
+    """``rank_pieces`` with placements given as ``placement_spec`` tuples."""
     cached = _rank_pieces(tuple(shape), tuple(int(r) for r in ranks), tuple(mesh_shape), specs)
     return {r: list(ps) for r, ps in cached.items()}
 

@@ -4,14 +4,14 @@
   a tree of JSON values.
 * ``plan_array(name, tensor, ...)`` gives the array's Zarr spec, this rank's
   pieces (contiguous global regions) and local tensor, and the chunks it writes.
-* ``snapshot(plans)`` copies the owned regions to host memory (pinned on
-  CUDA, reused across saves): the only part of a save the caller waits for.
+* ``snapshot.take(plans, arena)`` (another module) copies the owned chunks to host memory.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -91,23 +91,38 @@ def plan_array(name: str, t: torch.Tensor, rank: int, world: int, salt: int,
         _check_placements(t)
         mesh = t.device_mesh
         ranks, mesh_shape = mesh_ranks(mesh)
-        pieces = layout.rank_pieces(shape, ranks, mesh_shape, t.placements)
-        how = {"mesh_shape": list(mesh_shape), "mesh_dim_names": list(mesh.mesh_dim_names or []),
-               "placements": [str(p) for p in t.placements]}
+        where = (ranks, mesh_shape, tuple(layout.placement_spec(p) for p in t.placements),
+                 tuple(mesh.mesh_dim_names or ()), tuple(str(p) for p in t.placements))
         local = t._local_tensor
+    else:
+        where = None
+        local = t
+    spec, mine, owned, how = _static_plan(name, shape, dtype, t.element_size(), rank, world, salt,
+                                          inner_bytes, where)
+    return ArrayPlan(spec, mine, local, owned, how)
+
+
+@lru_cache(maxsize=65536)
+def _static_plan(name, shape, dtype, itemsize, rank, world, salt, inner_bytes, where):
+    """The part of a plan that depends only on shapes and layout (cached: every save of a
+    training run asks for the same ones)."""
+    if where is not None:
+        ranks, mesh_shape, specs, dim_names, placement_names = where
+        pieces = layout.pieces_from_specs(shape, ranks, mesh_shape, specs)
+        how = {"mesh_shape": list(mesh_shape), "mesh_dim_names": list(dim_names),
+               "placements": list(placement_names)}
     else:
         pieces = layout.replicated_pieces(shape, world)
         how = {"replicated": True}
-        local = t
-    mine = pieces.get(rank, [])
+    mine = tuple(pieces.get(rank, []))
     chunks = layout.chunk_grid(shape, pieces)
     rows = None
     if shape and all(s > 0 for s in shape):
-        r = layout.inner_rows(chunks, t.element_size(), inner_bytes)
+        r = layout.inner_rows(chunks, itemsize, inner_bytes)
         rows = r if r < chunks[0] else None
     spec = ArraySpec(name, shape, dtype, chunks, rows)
     owned = tuple(layout.owned_cells(shape, chunks, pieces, rank, salt))
-    return ArrayPlan(spec, tuple(mine), local, owned, how)
+    return spec, mine, owned, how
 
 
 def _check_placements(t: DTensor) -> None:
@@ -115,33 +130,3 @@ def _check_placements(t: DTensor) -> None:
         if p.is_partial():
             raise ValueError("cannot checkpoint a DTensor with Partial placement; "
                              "reduce it (redistribute to Replicate/Shard) first")
-
-
-class Snapshotter:
-    """Copies owned chunks to host memory; on CUDA into pinned buffers reused across saves."""
-
-    def __init__(self):
-        self._pinned: dict[tuple, torch.Tensor] = {}
-
-    def take(self, plans: list[ArrayPlan]) -> list[tuple[str, ArraySpec, torch.Tensor]]:
-        out = []
-        cuda = False
-        for plan in plans:
-            for cell, piece in plan.owned:
-                cbox = layout.cell_box(cell, plan.spec.chunks, plan.spec.shape)
-                src = plan.local[tuple(slice(l + o - b, l + o - b + s) for l, o, b, s in
-                                       zip(piece.local, cbox.offset, piece.box.offset, cbox.shape))]
-                key = chunk_key(plan.spec.name, cell)
-                if src.device.type == "cuda":
-                    cuda = True
-                    buf = self._pinned.get((key, cbox.shape, src.dtype))
-                    if buf is None:
-                        buf = torch.empty(cbox.shape, dtype=src.dtype, pin_memory=True)
-                        self._pinned[(key, cbox.shape, src.dtype)] = buf
-                    buf.copy_(src, non_blocking=True)
-                else:
-                    buf = src.detach().clone(memory_format=torch.contiguous_format)
-                out.append((key, plan.spec, buf))
-        if cuda:
-            torch.cuda.synchronize()
-        return out

@@ -4,10 +4,12 @@ Save protocol, per step (the background part uses no torch collectives):
 
 0. in the caller's thread: refuse an already committed step; rank 0 removes leftovers of
    an earlier failed attempt at this step, then one barrier on the default group;
-1. every rank snapshots the chunks it owns to host memory (the caller waits only for this);
-2. in the background each rank encodes and writes its chunk objects and its JSON
-   values, then a done marker ``.marind/rank-R.json`` listing its objects
-   (size, crc32c) — or ``.marind/error-R.json`` if it failed;
+1. every rank snapshots the chunks it owns into reused host memory shared with its
+   writer process (the caller waits only for this; ``snapshot.py``);
+2. in the background (the writer process, ``executors.py``) each rank encodes and
+   writes its chunk objects and its JSON values, then a done marker
+   ``.marind/rank-R.json`` listing its objects (size, crc32c) — or
+   ``.marind/error-R.json`` if it failed;
 3. rank 0 polls for every rank's marker, writes the Zarr metadata and finally
    ``manifest.json`` (the commit), then applies retention;
 4. the other ranks' saves complete when the manifest (or rank 0's abort marker) appears.
@@ -18,35 +20,28 @@ A step without ``manifest.json`` does not exist for readers.
 from __future__ import annotations
 
 import datetime
+import json
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from ckpt_store import retention
+from ckpt_store import snapshot
 from ckpt_store.errors import (CheckpointCorrupt, CheckpointError, CheckpointNotFound,
                                CheckpointSaveFailed)
+from ckpt_store.executors import ProcessWriter, ThreadWriter
 from ckpt_store.loader import load_step, read_manifest
-from ckpt_store.plan import Snapshotter, flatten, plan_array
+from ckpt_store.plan import flatten, plan_array
+from ckpt_store.steps import all_step_dirs, apply_retention, committed_steps, parse_step_dir, step_dir
 from ckpt_store.storage import Storage
-from ckpt_store.writer import commit, wait_for_commit, write_rank_part
 from marind.log import get_logger
 
 log = get_logger(__name__)
 FORMAT = 1
-
-
-def step_dir(step: int) -> str:
-    return f"step-{step:010d}"
-
-
-def parse_step_dir(name: str) -> int | None:
-    if name.startswith("step-") and name[5:].isdigit() and len(name) == 15:
-        return int(name[5:])
-    return None
 
 
 @dataclass
@@ -67,8 +62,13 @@ class PendingSave:
         self._error: BaseException | None = None
         self.observed = False
         self.timings: dict[str, float] = {}
+        self.finished_at: float | None = None   # time.perf_counter() when it committed or failed
 
-    def _finish(self, error: BaseException | None) -> None:
+    def _finish(self, error: BaseException | None, timings: dict | None = None) -> None:
+        if self._done.is_set():
+            return
+        self.timings.update(timings or {})
+        self.finished_at = time.perf_counter()
         self._error = error
         self._done.set()
 
@@ -88,15 +88,22 @@ class CheckpointStore:
     def __init__(self, url: str, storage_options: dict | None = None, *, keep_last: int | None = None,
                  keep_every: int | None = None, commit_timeout_s: float = 600.0,
                  io_threads: int = 4, inner_chunk_bytes: int = 1 << 20,
-                 io_rate_limit: float | None = None):
-        """``io_rate_limit``: cap background writes at this many bytes/s (None: no cap)."""
+                 io_rate_limit: float | None = None, writer: str = "auto", writer_nice: int = 0):
+        """``io_rate_limit``: cap background writes at this many bytes/s (None: no cap).
+        ``writer``: where uploads run: "process" (a writer process per store, the default
+        for file:// and s3://), "thread" (in this process; memory:// needs it), or "auto".
+        ``writer_nice``: niceness added to the writer process (yields CPU to training)."""
         self.url = url
         self.storage = Storage(url, storage_options, io_threads=io_threads, rate_limit=io_rate_limit)
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.commit_timeout_s = commit_timeout_s
         self.inner_chunk_bytes = inner_chunk_bytes
-        self._snap = Snapshotter()
+        self._writer_kind = _writer_kind(writer, self.storage, storage_options)
+        self._writer_config = {"url": self.storage.url, "storage_options": storage_options,
+                               "io_threads": io_threads, "rate_limit": io_rate_limit, "nice": writer_nice}
+        self._arena: snapshot.HostArena | None = None
+        self._writer = None
         self._pending: PendingSave | None = None
         self.last_load_stats: dict = {}
 
@@ -115,17 +122,35 @@ class CheckpointStore:
         self._prepare_step_dir(step, rank, world)
         plans = [plan_array(name, tensors[name], rank, world, salt=i, inner_bytes=self.inner_chunk_bytes)
                  for i, name in enumerate(sorted(tensors))]
-        chunks = self._snap.take(plans)
+        writer = self._ensure_writer()
+        slots = snapshot.take(plans, self._arena)
+        job = {"step": step, "dir": step_dir(step), "rank": rank, "world": world, "fmt": FORMAT,
+               "commit_timeout_s": self.commit_timeout_s, "keep_last": self.keep_last,
+               "keep_every": self.keep_every, "arena_size": self._arena.size, "values": values,
+               "saved_layout": {"world_size": world, "saved_at": _now()}, "slots": slots,
+               "arrays": {p.spec.name: {**p.spec.to_json(), "layout": p.layout} for p in plans}}
         pending = PendingSave(step)
         pending.timings["blocked_s"] = time.perf_counter() - t0
-        job = _SaveJob(self, step, rank, world, plans, chunks, values, pending)
         self._pending = pending
-        if async_:
-            threading.Thread(target=job.run, name=f"ckpt-save-{step}", daemon=True).start()
-        else:
-            job.run()
+        writer.submit(job, pending)
+        if not async_:
             pending.wait()
         return pending
+
+    def _ensure_writer(self):
+        if self._writer is None:
+            self._arena = snapshot.HostArena()
+            if self._writer_kind == "process":
+                self._writer = ProcessWriter(self.storage, self._arena, self._writer_config)
+            else:
+                self._writer = ThreadWriter(self.storage, self._arena)
+            weakref.finalize(self, _close_writer, self._writer, self._arena)
+        return self._writer
+
+    @property
+    def writer_pid(self) -> int | None:
+        """The writer process's pid (None before the first save, or with a thread writer)."""
+        return getattr(self._writer, "pid", None)
 
     def _prepare_step_dir(self, step: int, rank: int, world: int) -> None:
         """Refuse a committed step; rank 0 clears leftovers of an earlier failed attempt.
@@ -150,10 +175,10 @@ class CheckpointStore:
 
     # -- read side -------------------------------------------------------------------------
     def _all_step_dirs(self) -> list[int]:
-        return sorted(s for s in map(parse_step_dir, self.storage.list_dir("")) if s is not None)
+        return all_step_dirs(self.storage)
 
     def steps(self) -> list[int]:
-        return [s for s in self._all_step_dirs() if self.storage.exists(f"{step_dir(s)}/manifest.json")]
+        return committed_steps(self.storage)
 
     def latest(self) -> int | None:
         for s in reversed(self.steps()):
@@ -224,54 +249,37 @@ class CheckpointStore:
 
     # -- retention -------------------------------------------------------------------------
     def apply_retention(self, in_flight: set[int] | None = None) -> list[int]:
-        committed = self.steps()
-        doomed = retention.steps_to_delete(committed, self.keep_last, self.keep_every)
-        doomed += retention.leftovers_to_delete(self._all_step_dirs(), committed, in_flight or set())
-        for s in doomed:
-            d = step_dir(s)
-            if self.storage.exists(f"{d}/manifest.json"):
-                self.storage.delete_prefix(f"{d}/manifest.json")  # uncommit first
-            self.storage.delete_prefix(d)
-            log.info("ckpt_deleted", step=s)
-        return sorted(doomed)
+        return apply_retention(self.storage, self.keep_last, self.keep_every, in_flight)
 
     def close(self) -> None:
         if self._pending is not None:
             self._pending._done.wait()
+        if self._writer is not None:
+            _close_writer(self._writer, self._arena)
+            self._writer = None
         self.storage.close()
 
 
-class _SaveJob:
-    def __init__(self, store, step, rank, world, plans, chunks, values, pending):
-        self.store, self.step, self.rank, self.world = store, step, rank, world
-        self.plans, self.chunks, self.values, self.pending = plans, chunks, values, pending
+def _close_writer(writer, arena) -> None:
+    writer.close()
+    arena.close()
 
-    def run(self) -> None:
-        st = self.store.storage
-        d = step_dir(self.step)
-        t0 = time.perf_counter()
+
+def _writer_kind(writer: str, storage: Storage, storage_options) -> str:
+    if writer not in ("auto", "process", "thread"):
+        raise ValueError(f"writer={writer!r}: use 'auto', 'process' or 'thread'")
+    protocols = storage.fs.protocol if isinstance(storage.fs.protocol, tuple) else (storage.fs.protocol,)
+    if "memory" in protocols:
+        if writer == "process":
+            raise ValueError("writer='process' cannot write a memory:// store (it lives in this process)")
+        return "thread"
+    if writer == "auto":
         try:
-            write_rank_part(st, d, self.rank, self.chunks, self.values)
-            self.chunks = None  # free host buffers early
-            self.pending.timings["write_s"] = time.perf_counter() - t0
-            if self.rank == 0:
-                layout = {"world_size": self.world, "saved_at": _now()}
-                commit(st, d, self.step, self.world, [p.spec for p in self.plans],
-                       {p.spec.name: p.layout for p in self.plans}, layout,
-                       timeout_s=self.store.commit_timeout_s, fmt=FORMAT)
-                try:
-                    self.store.apply_retention(in_flight=set())
-                except Exception as exc:  # noqa: BLE001 - retention never fails a committed save
-                    log.warning("ckpt_retention_failed", error=str(exc))
-            else:
-                wait_for_commit(st, d, timeout_s=self.store.commit_timeout_s)
-            self.pending.timings["commit_s"] = time.perf_counter() - t0
-            log.info("ckpt_committed", step=self.step, rank=self.rank,
-                     seconds=round(time.perf_counter() - t0, 3))
-            self.pending._finish(None)
-        except BaseException as exc:  # noqa: BLE001 - recorded, surfaced at wait()/next save()
-            log.warning("ckpt_save_failed", step=self.step, rank=self.rank, error=str(exc))
-            self.pending._finish(exc)
+            json.dumps(storage_options)
+        except (TypeError, ValueError):
+            return "thread"
+        return "process"
+    return writer
 
 
 def _rank_world() -> tuple[int, int]:

@@ -1,18 +1,23 @@
 """The write side of the commit protocol: rank parts, done markers, metadata, manifest.
 
-Only storage operations, never torch collectives: this runs in a background
-thread next to training. Rank 0 learns that the others are done from their
-marker objects (``{step}/.marind/rank-R.json``), written after all their
-chunk objects; it writes ``manifest.json`` last.
+Only storage operations, never torch collectives, and no torch import: this
+runs in the writer process (or a thread) next to training. ``run_save``
+takes a JSON job (built by ``CheckpointStore.save``) and the snapshot
+memory. Rank 0 learns that the others are done from their marker objects
+(``{step}/.marind/rank-R.json``), written after all their chunk objects; it
+writes ``manifest.json`` last, then applies retention.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from concurrent.futures import wait
 
 import crc32c
 
 from ckpt_store.errors import CheckpointSaveFailed
+from ckpt_store.steps import apply_retention
 from ckpt_store.zarr_format import ArraySpec, array_metadata, encode_chunk, group_metadata
 from marind.log import get_logger
 
@@ -29,20 +34,49 @@ def values_key(d: str, rank: int) -> str:
     return f"{d}/values/rank-{rank:05d}.json"
 
 
-def write_rank_part(st, d: str, rank: int, chunks: list, values: dict) -> dict:
-    """Encode + write this rank's chunks and JSON values, then its done marker."""
-    import json
+def run_save(st, job: dict, arena: memoryview, on_commit) -> None:
+    """Write this rank's part of ``job``; rank 0 commits, then applies retention.
+    ``on_commit(timings)`` is called at the end; failures raise."""
+    t0 = time.perf_counter()
+    d, rank = job["dir"], job["rank"]
+    specs = {name: ArraySpec.from_json(name, meta) for name, meta in job["arrays"].items()}
+    chunks = [(s["key"], specs[s["array"]], arena[s["offset"]:s["offset"] + s["nbytes"]], s["valid_rows"])
+              for s in job["slots"]]
+    write_rank_part(st, d, rank, chunks, job["values"])
+    del chunks
+    timings = {"write_s": time.perf_counter() - t0}
+    if rank == 0:
+        commit(st, d, job["step"], job["world"], list(specs.values()),
+               {n: m["layout"] for n, m in job["arrays"].items()}, job["saved_layout"],
+               timeout_s=job["commit_timeout_s"], fmt=job["fmt"])
+    else:
+        wait_for_commit(st, d, timeout_s=job["commit_timeout_s"])
+    timings["commit_s"] = time.perf_counter() - t0
+    log.info("ckpt_committed", step=job["step"], rank=rank, seconds=round(timings["commit_s"], 3))
+    if rank == 0:
+        try:
+            apply_retention(st, job.get("keep_last"), job.get("keep_every"), in_flight=set())
+        except Exception as exc:  # noqa: BLE001 - retention never fails a committed save
+            log.warning("ckpt_retention_failed", error=str(exc))
+    on_commit(timings)
 
+
+def write_rank_part(st, d: str, rank: int, chunks: list, values: dict) -> dict:
+    """Encode + write this rank's chunks ``(key, spec, buffer, valid_rows)`` and JSON values,
+    then its done marker (or, on failure, its error marker)."""
     objects: dict[str, dict] = {}
 
     def one(item):
-        key, spec, buf = item
-        pieces, size, crc = encode_chunk(buf, spec)
+        key, spec, buf, valid_rows = item
+        pieces, size, crc = encode_chunk(buf, spec, valid_rows)
         st.write(f"{d}/{key}", pieces)
         return key, size, crc
 
     try:
-        for key, size, crc in st._pool.map(one, chunks):
+        futures = [st._pool.submit(one, c) for c in chunks]
+        wait(futures)  # all writes are over before this returns or raises: the snapshot is free
+        for fut in futures:
+            key, size, crc = fut.result()
             objects[key] = {"size": size, "crc32c": crc}
         data = json.dumps(values, sort_keys=True).encode()
         vkey = values_key(d, rank)
@@ -50,12 +84,25 @@ def write_rank_part(st, d: str, rank: int, chunks: list, values: dict) -> dict:
         objects[vkey[len(d) + 1:]] = {"size": len(data), "crc32c": crc32c.crc32c(data)}
         st.write_json_atomic(_marker(d, "rank", rank), {"rank": rank, "objects": objects})
     except BaseException as exc:
-        try:
-            st.write_json_atomic(_marker(d, "error", rank), {"rank": rank, "error": str(exc)})
-        except Exception:  # noqa: BLE001 - storage may be down; rank 0 then times out
-            pass
+        write_error_marker(st, d, rank, str(exc))
         raise
     return objects
+
+
+def write_error_marker(st, d: str, rank: int, error: str) -> None:
+    """Tell rank 0 this rank's part failed (so the commit aborts now, not at its timeout)."""
+    try:
+        st.write_json_atomic(_marker(d, "error", rank), {"rank": rank, "error": error})
+    except Exception:  # noqa: BLE001 - storage may be down; rank 0 then times out
+        pass
+
+
+def write_abort_marker(st, d: str, error: str) -> None:
+    """Rank 0: tell the other ranks this step will not commit."""
+    try:
+        st.write_json_atomic(f"{d}/{MARKERS}/abort.json", {"error": error})
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def commit(st, d: str, step: int, world: int, specs: list[ArraySpec], layouts: dict,
@@ -73,7 +120,6 @@ def commit(st, d: str, step: int, world: int, specs: list[ArraySpec], layouts: d
                                  "created_at": saved_layout.get("saved_at")}}
         for g in groups:
             meta[f"{g}/zarr.json" if g else "zarr.json"] = group_metadata(root_attrs if not g else None)
-        import json
         items = []
         for key, obj in meta.items():
             data = json.dumps(obj, indent=1).encode()
@@ -86,10 +132,7 @@ def commit(st, d: str, step: int, world: int, specs: list[ArraySpec], layouts: d
         st.write_json_atomic(f"{d}/manifest.json", manifest)
         return manifest
     except BaseException as exc:
-        try:
-            st.write_json_atomic(f"{d}/{MARKERS}/abort.json", {"error": str(exc)})
-        except Exception:  # noqa: BLE001
-            pass
+        write_abort_marker(st, d, str(exc))
         raise
 
 

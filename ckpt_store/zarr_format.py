@@ -11,27 +11,48 @@ Every array uses codecs that zarr-python and tensorstore both read:
 bfloat16 is stored as Zarr data type ``"bfloat16"`` (tensorstore reads it
 natively; zarr-python 3.1 reads it once ``ckpt_store.zarr_bf16`` registered
 the type).
+
+Importing this module does not import torch (the writer process encodes from
+shared memory without it); the torch dtype maps load on first use.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 
 import crc32c
 import numpy as np
-import torch
 
 from ckpt_store.errors import CheckpointCorrupt
 
-DTYPES: dict[torch.dtype, str] = {
-    torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
-    torch.bfloat16: "bfloat16", torch.int8: "int8", torch.int16: "int16", torch.int32: "int32",
-    torch.int64: "int64", torch.uint8: "uint8", torch.uint16: "uint16", torch.uint32: "uint32",
-    torch.uint64: "uint64", torch.bool: "bool",
-}
-TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
+ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "int16": 2,
+            "int32": 4, "int64": 8, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1}
+
+
+_TORCH: dict = {}
+
+
+def _torch_maps() -> dict:
+    if not _TORCH:
+        import torch
+
+        dtypes = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
+                  torch.bfloat16: "bfloat16", torch.int8: "int8", torch.int16: "int16",
+                  torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8",
+                  torch.uint16: "uint16", torch.uint32: "uint32", torch.uint64: "uint64",
+                  torch.bool: "bool"}
+        _TORCH.update(DTYPES=dtypes, TORCH_DTYPES={v: k for k, v in dtypes.items()})
+    return _TORCH
+
+
+def __getattr__(name: str):
+    """``DTYPES`` (torch dtype -> Zarr name) and ``TORCH_DTYPES`` (the reverse), built on first use."""
+    if name in ("DTYPES", "TORCH_DTYPES"):
+        return _torch_maps()[name]
+    raise AttributeError(name)
+
+
 EMPTY = (1 << 64) - 1
 _BYTES_LE = {"name": "bytes", "configuration": {"endian": "little"}}
 _CRC = {"name": "crc32c"}
@@ -49,7 +70,7 @@ class ArraySpec:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=TORCH_DTYPES[self.dtype]).element_size()
+        return ITEMSIZE[self.dtype]
 
     @property
     def n_inner(self) -> int:
@@ -70,10 +91,10 @@ class ArraySpec:
 
 def dtype_name(dtype: torch.dtype) -> str:
     try:
-        return DTYPES[dtype]
+        return _torch_maps()["DTYPES"][dtype]
     except KeyError:
         raise ValueError(f"cannot checkpoint tensors of dtype {dtype}; "
-                         f"supported: {', '.join(sorted(DTYPES.values()))}") from None
+                         f"supported: {', '.join(sorted(ITEMSIZE))}") from None
 
 
 def chunk_key(name: str, cell: tuple[int, ...]) -> str:
@@ -105,38 +126,38 @@ def _crc_bytes(buf) -> bytes:
     return crc32c.crc32c(buf).to_bytes(4, "little")
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
+def tensor_bytes(t) -> memoryview:
     """Raw little-endian bytes of a contiguous CPU tensor, without a copy."""
+    import torch
+
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def _padded(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    out = torch.zeros(shape, dtype=t.dtype)
-    out[tuple(slice(0, s) for s in t.shape)] = t
-    return out
+def slot_nbytes(spec: ArraySpec) -> int:
+    """Bytes of one whole (padded) chunk in memory."""
+    return math.prod(spec.chunks) * spec.itemsize
 
 
-def encode_chunk(buf: torch.Tensor, spec: ArraySpec) -> tuple[list, int, int]:
-    """Encode one chunk (``buf`` = its in-bounds region) -> (pieces, size, crc32c of the object)."""
-    buf = buf.contiguous()
+def encode_chunk(buf, spec: ArraySpec, valid_rows: int) -> tuple[list, int, int]:
+    """Encode one chunk -> (pieces, size, crc32c of the object).
+
+    ``buf``: the whole chunk, C order, zero-padded past the array's edge (as
+    Zarr stores edge chunks); ``valid_rows``: rows (dim 0) inside the array.
+    Sharded chunks skip inner chunks wholly past the edge (index: EMPTY).
+    """
+    buf = memoryview(buf).cast("B")
     pieces: list = []
     if not spec.inner_rows:
-        data = buf if tuple(buf.shape) == spec.chunks else _padded(buf, spec.chunks)
-        raw = tensor_bytes(data)
-        pieces = [raw, _crc_bytes(raw)]
+        pieces = [buf, _crc_bytes(buf)]
     else:
-        rows, valid_rows = spec.inner_rows, buf.shape[0]
-        full_other = tuple(buf.shape[1:]) == spec.chunks[1:]
+        rows = spec.inner_rows
+        inner = buf.nbytes // spec.n_inner
         index = np.full((spec.n_inner, 2), EMPTY, dtype="<u8")
         offset = 0
         for k in range(spec.n_inner):
-            start = k * rows
-            if start >= valid_rows:
+            if k * rows >= valid_rows:
                 continue
-            part = buf[start:min(start + rows, valid_rows)]
-            if part.shape[0] != rows or not full_other:
-                part = _padded(part, spec.inner_shape)
-            raw = tensor_bytes(part)
+            raw = buf[k * inner:(k + 1) * inner]
             pieces += [raw, _crc_bytes(raw)]
             index[k] = (offset, raw.nbytes + 4)
             offset += raw.nbytes + 4
@@ -167,18 +188,3 @@ def decode_index(key: str, raw: bytes, spec: ArraySpec) -> np.ndarray:
         raise CheckpointCorrupt(key, f"shard index truncated ({len(raw)} of {index_nbytes(spec)} bytes)")
     body = _check_crc(key, memoryview(raw), "shard index")
     return np.frombuffer(body, dtype="<u8").reshape(spec.n_inner, 2)
-
-
-def decode_block(key: str, raw, shape: tuple[int, ...], spec: ArraySpec, what: str,
-                 checked: bool = False) -> torch.Tensor:
-    """Decode raw bytes + crc32c of a (plain or inner) chunk into a CPU tensor of ``shape``."""
-    raw = memoryview(raw)
-    want = math.prod(shape) * spec.itemsize + 4
-    if len(raw) != want:
-        raise CheckpointCorrupt(key, f"{what} has {len(raw)} bytes, expected {want}")
-    # ``checked``: the whole object already matched the manifest's crc32c
-    body = raw[:-4] if checked else _check_crc(key, raw, what)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only read from it
-        flat = torch.frombuffer(body, dtype=torch.uint8) if len(body) else torch.empty(0, dtype=torch.uint8)
-    return flat.view(TORCH_DTYPES[spec.dtype]).reshape(shape)

@@ -1,0 +1,92 @@
+"""The snapshot: copy the chunks this rank writes into reused host memory.
+
+This copy is the only part of a save the caller waits for. The memory is
+one ``memfd`` (anonymous shared memory, not limited by /dev/shm's size)
+that grows as needed and is reused by every save, so no page is allocated
+or faulted in after the first save; the writer process maps the same fd
+and encodes and uploads straight from it. Each owned chunk gets a whole
+chunk-shaped slot (C order, zero padding past the array's edge, as Zarr
+stores edge chunks), so the writer never reshapes or pads.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import torch
+
+from ckpt_store import layout
+from ckpt_store.zarr_format import chunk_key, slot_nbytes
+
+ALIGN = 64
+
+
+class HostArena:
+    """A growable memfd-backed byte buffer shared with the writer process."""
+
+    def __init__(self):
+        self.fd = os.memfd_create("marind-ckpt-snapshot", 0)
+        self.size = 0
+        self._mm: mmap.mmap | None = None
+        self.buf: torch.Tensor | None = None
+
+    def ensure(self, nbytes: int) -> None:
+        if nbytes <= self.size:
+            return
+        size = max(nbytes, 1) + (1 << 20)
+        os.ftruncate(self.fd, size)
+        self._mm = mmap.mmap(self.fd, size)
+        self.buf = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.size = size
+        self._pinned = False
+
+    def pin_for_cuda(self) -> None:
+        """Page-lock the arena once so device-to-host copies run at full speed."""
+        if getattr(self, "_pinned", False) or self.buf is None:
+            return
+        err = torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), self.size, 0)
+        self._pinned = int(err) == 0
+
+    def view(self) -> memoryview:
+        return memoryview(self._mm) if self._mm is not None else memoryview(b"")
+
+    def close(self) -> None:
+        self.buf = None
+        self._mm = None  # the mapping goes when the last view of it does
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def take(plans: list, arena: HostArena) -> list[dict]:
+    """Copy every owned chunk of ``plans`` into ``arena``; returns the slots for the writer:
+    ``{"key", "array", "offset", "nbytes", "valid_rows"}``."""
+    items, total = [], 0
+    for plan in plans:
+        spec = plan.spec
+        for cell, piece in plan.owned:
+            nbytes = slot_nbytes(spec)
+            items.append((plan, cell, piece, total, nbytes))
+            total += -(-nbytes // ALIGN) * ALIGN
+    arena.ensure(total)
+    cuda = False
+    slots = []
+    for plan, cell, piece, offset, nbytes in items:
+        spec = plan.spec
+        cbox = layout.cell_box(cell, spec.chunks, spec.shape)
+        src = plan.local[tuple(slice(l + o - b, l + o - b + s) for l, o, b, s in
+                               zip(piece.local, cbox.offset, piece.box.offset, cbox.shape))]
+        if src.device.type == "cuda" and not cuda:
+            cuda = True
+            arena.pin_for_cuda()
+        dst = arena.buf[offset:offset + nbytes].view(src.dtype).view(spec.chunks)
+        if tuple(cbox.shape) != tuple(spec.chunks):
+            dst.zero_()
+            dst = dst[tuple(slice(0, s) for s in cbox.shape)]
+        dst.copy_(src, non_blocking=cuda)
+        slots.append({"key": chunk_key(spec.name, cell), "array": spec.name, "offset": offset,
+                      "nbytes": nbytes, "valid_rows": cbox.shape[0] if cbox.shape else 1})
+    if cuda:
+        torch.cuda.synchronize()
+    return slots

@@ -1,0 +1,88 @@
+"""The writer process: runs each rank's background save part outside the training process.
+
+Started by ``ckpt_store.executors.ProcessWriter`` as ``python -m
+ckpt_store.writer_proc``. It imports no torch. Protocol (JSON lines):
+
+* stdin, first line: config ``{parent, arena_fd, reply_fd, url, storage_options,
+  io_threads, rate_limit, nice}``; then ``{"op": "save", "job": {...}}`` per save
+  and ``{"op": "exit"}`` to finish the queued saves and exit;
+* the reply fd: ``{"step", "ok": true, "timings"}`` once a save committed, or
+  ``{"step", "ok": false, "error"}``.
+
+It reads the snapshot from the parent's memfd (``arena_fd``). It dies with its
+parent (PR_SET_PDEATHSIG, and stdin EOF ends it at once): a save whose trainer
+is gone never completes, so it never commits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import queue
+import signal
+import sys
+import threading
+
+from ckpt_store.storage import Storage
+from ckpt_store.writer import run_save
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:   # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _work(st: Storage, arena_fd: int, jobs: queue.Queue, reply) -> None:
+    mm, size = None, 0
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        if job["arena_size"] != size:
+            mm, size = mmap.mmap(arena_fd, job["arena_size"], prot=mmap.PROT_READ), job["arena_size"]
+        sent = []
+
+        def on_commit(timings, step=job["step"]):
+            reply.write(json.dumps({"step": step, "ok": True, "timings": timings}) + "\n")
+            sent.append(True)
+
+        try:
+            run_save(st, job, memoryview(mm), on_commit)
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            if not sent:
+                reply.write(json.dumps({"step": job["step"], "ok": False,
+                                        "error": f"{type(exc).__name__}: {exc}"}) + "\n")
+
+
+def main() -> int:
+    cfg = json.loads(sys.stdin.readline())
+    _die_with_parent(cfg["parent"])
+    if cfg.get("nice"):
+        os.nice(cfg["nice"])
+    st = Storage(cfg["url"], cfg.get("storage_options"), io_threads=cfg["io_threads"],
+                 rate_limit=cfg.get("rate_limit"))
+    reply = os.fdopen(cfg["reply_fd"], "w", buffering=1)
+    jobs: queue.Queue = queue.Queue()
+    worker = threading.Thread(target=_work, args=(st, cfg["arena_fd"], jobs, reply), daemon=True)
+    worker.start()
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if msg["op"] == "exit":
+            jobs.put(None)
+            worker.join()
+            reply.flush()
+            os._exit(0)
+        jobs.put(msg["job"])
+    os._exit(1)  # stdin closed: the trainer is gone; never finish (never commit) its save
+
+
+if __name__ == "__main__":
+    sys.exit(main())
