@@ -95,6 +95,7 @@ class JobsClient:
         if not view.state.state.is_terminal() and not force:
             raise ValueError(f"job {job} is {view.state.state.value}: `marind cancel {job}` first, or pass --force")
         self.client.delete_prefix(self.client.key("jobs", job) + "/")
+        J.mark_jobs_changed(self.client)
 
     def events(self, job: str) -> list[dict]:
         return list_events(self.client, job)

@@ -31,6 +31,7 @@ from marind.agent.config import AgentConfig, endpoint_file
 from marind.agent.events import append_event
 from marind.agent.hang import HangDetector
 from marind.agent.jobs import JobView, list_job_ids, read_job, update_state
+from marind.agent.jobwatch import JobWatch
 from marind.agent.jobstate import JobEvent, JobState
 from marind.agent.lighthouse import FTCoordinator, is_torchft
 from marind.agent.membership import Membership
@@ -86,6 +87,7 @@ class Agent:
         self._outbox: list[tuple[str, Callable[[], None]]] = []
         self._warned_too_big: set[str] = set()
         self.client: EtcdClient | None = None
+        self.jobwatch: JobWatch | None = None
         self.registry: NodeRegistry | None = None
         self.etcd_server = None
         self.metrics_server: MetricsServer | None = None
@@ -165,6 +167,7 @@ class Agent:
         c = self.config
         self.client = EtcdClient(self.endpoint, prefix=c.prefix, user=c.etcd_user,
                                  password=c.etcd_password, tls=c.tls)
+        self.jobwatch = JobWatch(self.client)
         self.registry = NodeRegistry(self.client, self.node, slots=self.slots, labels=dict(c.labels),
                                      ttl=c.lease_ttl, on_keepalive_failure=self._keepalive_failed)
         last_log = 0.0
@@ -204,6 +207,8 @@ class Agent:
             self._emit(job, "node_left", {"reason": "agent stopping"})
         self.runs.clear()
         self._flush_outbox()
+        if self.jobwatch is not None:
+            self.jobwatch.stop()
         if self.registry is not None:
             self.registry.stop(revoke=True)
         if self.client is not None:
@@ -225,8 +230,10 @@ class Agent:
                 self.log.error("embedded_etcd_restart_failed", error=str(exc))
         views = None
         try:
-            views = self._read_jobs()
-            self.etcd_ok = True
+            if not self.etcd_ok or self.jobwatch.due():
+                self.jobwatch.begin_read()
+                views = self._read_jobs()
+                self.etcd_ok = True
             if now - self._last_nodes_count >= self.config.report_interval:
                 self.metrics.set("marind_nodes", self.client.count_prefix(self.client.key("nodes") + "/"))
                 self._last_nodes_count = now
@@ -234,10 +241,13 @@ class Agent:
             if self.etcd_ok:
                 self.log.warning("etcd_unreachable", error=str(exc), action="supervising on")
             self.etcd_ok = False
+            self.jobwatch.poke()
         self.metrics.set("marind_etcd_up", 1 if self.etcd_ok else 0)
         if views is not None:
             for view in views:
                 self._reconcile(view, now)
+                if self._waiting_on(view):
+                    self.jobwatch.poke()    # slots, a torchft slot, a grace period: look again next tick
         for run in list(self.runs.values()):
             self._supervise(run, now)
         if self.etcd_ok:
@@ -281,6 +291,13 @@ class Agent:
         if run is None and view.id not in self.finished:
             self._maybe_start(view)
 
+    def _waiting_on(self, view: JobView) -> bool:
+        """Does this node still have to act on ``view`` on a later tick?"""
+        run = self.runs.get(view.id)
+        if run is None:
+            return view.id not in self.finished and not view.state.state.is_terminal()
+        return run.terminal_since is not None
+
     def _maybe_start(self, view: JobView) -> None:
         used = sum(r.nproc for r in self.runs.values())
         if view.nproc_per_node > self.slots:
@@ -319,6 +336,7 @@ class Agent:
             run.ft.stop()
         self.runs.pop(run.job, None)
         self.finished.add(run.job)
+        self.jobwatch.poke()         # slots are free again
         self._leave(run, why)
         key = self.client.key("jobs", run.job, "nodes", self.node)
         self._queue(run.job, lambda: self.client.delete(key))
@@ -411,6 +429,7 @@ class Agent:
 
     def _torchrun_exited(self, run: JobRun, rc: int) -> None:
         self.runs.pop(run.job, None)
+        self.jobwatch.poke()
         run.sup.stop(5)   # reap anything left, clear pids.json
         if run.ft is not None:
             run.ft.stop()

@@ -73,6 +73,15 @@ def read_job(client: EtcdClient, job: str) -> JobView:
     return JobView(id=job, spec=spec, state=state, state_rev=rev, cancel=cancel, submitted_rev=spec_rev)
 
 
+def changed_key(client: EtcdClient) -> str:
+    """The key every agent watches to know when to read the jobs again (``marind.agent.jobwatch``)."""
+    return client.key("jobs_changed")
+
+
+def mark_jobs_changed(client: EtcdClient) -> None:
+    client.put(changed_key(client), repr(time.time()))
+
+
 def create_job(client: EtcdClient, job: str, spec: dict, now: float | None = None) -> bool:
     """Write spec (only if absent) and the initial PENDING state; False when the id exists."""
     now = time.time() if now is None else now
@@ -80,6 +89,7 @@ def create_job(client: EtcdClient, job: str, spec: dict, now: float | None = Non
         return False
     client.put_json(state_key(client, job),
                     StateRecord(JobState.PENDING, reason="submitted", updated_at=now).to_dict())
+    mark_jobs_changed(client)
     return True
 
 
@@ -95,6 +105,8 @@ def update_state(client: EtcdClient, job: str, event: JobEvent, *, reason: str =
             return None
         ok, _ = client.compare_and_swap(key, json.dumps(new.to_dict(), sort_keys=True), rev)
         if ok:
+            if new.state != current.state:
+                mark_jobs_changed(client)
             return new
     raise RuntimeError(f"could not update the state of job {job} (contention)")
 
