@@ -271,9 +271,12 @@ def train_ft(spec: RunSpec, device: torch.device, *, stop: StopFlag | None = Non
 
     losses, skipped, loss_val, stopped, first, failures = [], [], None, False, True, 0
     stop_at = int(os.environ.get("MARIND_TEST_STOP_AT_STEP", "0") or 0)
-    t_last = time.perf_counter()
     progress.update(phase="training")
+    parent = os.getppid()
     while True:
+        if os.getppid() != parent:          # torchrun is gone: a lone worker would keep a group slot alive
+            raise RuntimeError(f"parent process {parent} (torchrun) is gone; stopping this worker")
+        t_attempt = time.perf_counter()     # step_s: this attempt only (a failed one is not a step)
         manager = ft.manager
         try:
             ft.start_quorum()               # synchronous: a healing group holds the peer's state now
@@ -324,8 +327,7 @@ def train_ft(spec: RunSpec, device: torch.device, *, stop: StopFlag | None = Non
         flags = torch.stack([loss_acc.float(), torch.tensor(float(stop.requested or step == stop_at), device=device)])
         dist.all_reduce(flags)              # inside the group only
         loss_val = float(flags[0]) / world
-        now = time.perf_counter()
-        dt, t_last = now - t_last, now
+        dt = time.perf_counter() - t_attempt
         if committed:
             losses.append(loss_val)
         if rank == 0 and committed and (step % t.log_every == 0 or step == t.steps):
@@ -338,11 +340,13 @@ def train_ft(spec: RunSpec, device: torch.device, *, stop: StopFlag | None = Non
             break
         if committed and step < t.steps and ckpt.due(step) and manager.participating_rank() == 0:
             progress.update(phase="checkpointing")
+            log.info("durable_checkpoint", step=step) if rank == 0 else None
             ckpt.save(step, step * d.global_batch * f.replica_groups)
             progress.update(phase="training", last_checkpoint_step=ckpt.last_step)
 
     step = ft.manager.current_step()
     if not stopped and ckpt.enabled and ft.manager.participating_rank() == 0 and ckpt.last_step != step:
+        log.info("durable_checkpoint", step=step) if rank == 0 else None
         ckpt.save(step, step * d.global_batch * f.replica_groups, wait=True)
     ckpt.wait()
     ft.manager.shutdown(wait=False)

@@ -13,7 +13,11 @@ import sys
 import time
 from pathlib import Path
 
-from tests.support.procs import spawn
+import psutil
+
+from tests.support.procs import kill_group, spawn
+
+_torchruns: list[subprocess.Popen] = []
 
 
 def ft_spec(tmp: Path, *, steps: int, groups: int = 2, min_replicas: int = 1, ckpt: str = "",
@@ -73,7 +77,32 @@ def start_group(tmp: Path, group: int, spec: Path, *, lighthouse: str | None = N
            "--monitor-interval=0.5", f"--nproc-per-node={nproc}", "-m", "trainer", str(spec)]
     proc = spawn(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     log.close()
+    _torchruns.append(proc)
     return proc
+
+
+def kill_torchrun(proc: subprocess.Popen) -> None:
+    """SIGKILL a group: torchrun's session and its workers (torchrun gives each worker its own session)."""
+    try:
+        workers = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        workers = []
+    kill_group(proc)
+    for w in workers:
+        try:
+            w.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(workers, timeout=5)
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def kill_all_groups() -> None:
+    while _torchruns:
+        kill_torchrun(_torchruns.pop())
 
 
 def progress(tmp: Path, group: int, rank: int = 0) -> dict:

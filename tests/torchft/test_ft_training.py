@@ -8,6 +8,7 @@ same parameters (sha256 over each rank's local shards, written in its final prog
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -18,7 +19,7 @@ import pytest
 pytest.importorskip("torchft")
 
 from marind.agent.lighthouse import FTCoordinator, LighthouseProcess  # noqa: E402
-from tests.torchft.groups import ft_spec, logs, progress, start_group, wait_for  # noqa: E402
+from tests.torchft.groups import ft_spec, kill_torchrun, logs, progress, start_group, wait_for  # noqa: E402
 
 REJOIN_BOUND_S = 60.0     # kill -> the restarted group has committed a step (CPU, 2 cores, loaded)
 FAULT = {"min_replicas": 1, "join_timeout": 0.5, "heartbeat_timeout": 2.0}
@@ -39,7 +40,8 @@ def _stepping(tmp, g, above):
 
 
 def test_killed_group_heals_from_peer_while_the_other_keeps_stepping(tmp_path, lighthouse):
-    spec = ft_spec(tmp_path, steps=400)
+    ckpt = tmp_path / "ckpt"
+    spec = ft_spec(tmp_path, steps=400, ckpt=f"file://{ckpt}", every_steps=100)
     for g in (0, 1):
         start_group(tmp_path, g, spec, lighthouse=lighthouse.address)
     wait_for(lambda: progress(tmp_path, 0).get("participants") == 2 and progress(tmp_path, 1).get("step", 0) >= 30,
@@ -67,6 +69,12 @@ def test_killed_group_heals_from_peer_while_the_other_keeps_stepping(tmp_path, l
     assert p0["step"] == p1["step"] == 400
     assert p0["param_digest"] == p1["param_digest"], "groups ended with different parameters"
     assert "healed_from_peer" in (tmp_path / "rg1.log").read_text()
+    # durable checkpoints went on, each step written by one group only (replica rank 0 of its quorum)
+    from ckpt_store import CheckpointStore
+    assert CheckpointStore(f"file://{ckpt}").latest() == 400
+    saved = [json.loads(line)["step"] for g in (0, 1) for line in (tmp_path / f"rg{g}.log").read_text().splitlines()
+             if line.startswith("{") and '"durable_checkpoint"' in line]
+    assert sorted(saved) == [100, 200, 300, 400], saved
     print(f"rejoin_s={rejoin_s:.1f} survivor advanced {max(survivor_steps) - step_at_kill} steps while down")
 
 
@@ -111,7 +119,7 @@ def test_losing_the_lighthouse_node_elects_a_new_one_and_training_resumes(tmp_pa
                  120, "both groups stepping together", tmp_path)
         old_epoch = b.ft.published[1]
         # node A goes: its group and its lighthouse die, its lease expires
-        os.killpg(group_a.pid, signal.SIGKILL)
+        kill_torchrun(group_a)
         a.die()
         lost_at, step_at_loss = time.monotonic(), progress(tmp_path, 1)["step"]
         wait_for(lambda: b.ft.holds_lighthouse, 15, "node B elected", tmp_path)
@@ -128,3 +136,22 @@ def test_losing_the_lighthouse_node_elects_a_new_one_and_training_resumes(tmp_pa
         b.stop.set()
         b.ft.stop(release=False)
         a.ft.stop(release=False)
+
+
+@pytest.mark.slow
+def test_fresh_groups_restore_the_durable_checkpoint(tmp_path, lighthouse):
+    ckpt = tmp_path / "ckpt"
+    spec = ft_spec(tmp_path, steps=40, ckpt=f"file://{ckpt}", every_steps=20)
+    for g in (0, 1):
+        start_group(tmp_path, g, spec, lighthouse=lighthouse.address)
+    wait_for(lambda: all(progress(tmp_path, g).get("phase") == "done" for g in (0, 1)), 150, "first run", tmp_path)
+    spec.write_text(spec.read_text().replace("steps = 40", "steps = 60"))
+    for g in (0, 1):
+        (tmp_path / f"rg{g}" / "progress" / "rank-0.json").unlink()
+        start_group(tmp_path, g, spec, lighthouse=lighthouse.address)
+    wait_for(lambda: all(progress(tmp_path, g).get("phase") == "done" for g in (0, 1)), 150, "second run", tmp_path)
+    p0, p1 = progress(tmp_path, 0), progress(tmp_path, 1)
+    assert p0["step"] == p1["step"] == 60 and p0["param_digest"] == p1["param_digest"]
+    restored = [json.loads(line)["step"] for g in (0, 1) for line in (tmp_path / f"rg{g}.log").read_text().splitlines()
+                if line.startswith("{") and '"event": "restored"' in line]
+    assert restored and set(restored) == {40}, restored
