@@ -312,6 +312,8 @@ def main() -> int:
     parser.add_argument("--min-gap", type=float, default=20.0,
                         help="at least this many seconds between failures (default 20)")
     parser.add_argument("--quick", action="store_true", help="1 node, 90 s, one failure at 50 s (shape test)")
+    parser.add_argument("--mode", choices=("elastic", "torchft", "both"), default="elastic",
+                        help="elastic restart (default), torchft replica groups (bench/goodput_torchft.py), or both")
     args = parser.parse_args()
     if args.quick:
         args.wall, args.nodes, args.every, args.fixed = 90.0, 1, 50.0, True
@@ -323,9 +325,19 @@ def main() -> int:
         data = make_data(root)
         kw = dict(nodes=args.nodes, nproc=args.nproc, wall=args.wall, every_steps=args.ckpt_every)
         baseline = run_job(root, etcd, data, name="baseline", draws=[], **kw)
-        elastic = run_job(root, etcd, data, name="elastic", draws=draws, **kw)
+        elastic = run_job(root, etcd, data, name="elastic", draws=draws, **kw) if args.mode != "torchft" else None
+        torchft = None
+        if args.mode != "elastic":
+            from bench.goodput_torchft import run_torchft, summarize_torchft
+            torchft = run_torchft(root, etcd, data, name="torchft", draws=draws, **{**kw, "nodes": max(2, args.nodes)})
+            torchft["summary"] = summarize_torchft(torchft)
     finally:
         etcd.stop()
+    if elastic is None:
+        print(json.dumps({"bench": "goodput", "mode": "torchft", "baseline": baseline, "torchft": torchft,
+                          "ratios": {"torchft_goodput_over_baseline":
+                                     round(torchft["goodput"] / max(1e-9, baseline["goodput"]), 4)}}))
+        return 0
     elastic["summary"] = summarize(elastic)
     p50 = elastic["summary"]["recovery_s"]["total"]["p50"]
     result = {
@@ -340,6 +352,11 @@ def main() -> int:
                    "goodput_steady_met": elastic["goodput_steady"] >= FLOORS["goodput_min"],
                    "recovery_p50_met": p50 is not None and p50 <= FLOORS["recovery_p50_max_s"]},
     }
+    if torchft is not None:
+        result["torchft"] = torchft
+        result["ratios"]["torchft_goodput_over_elastic"] = round(torchft["goodput"] / max(1e-9, elastic["goodput"]), 4)
+        result["floors"]["torchft_goodput_above_elastic"] = torchft["goodput"] > elastic["goodput"]
+        result["floors"]["torchft_survivors_lose_no_steps"] = all(f["lost_steps"] == 0 for f in torchft["failures"])
     print(json.dumps(result))
     return 0
 

@@ -53,6 +53,7 @@ from trainer.train import Result, StopFlag, build
 
 MOVED_GRACE_S = 2.0          # a quorum waiting this long is abandoned if the lighthouse moved
 LIGHTHOUSE_WAIT_S = 30.0     # after a failed quorum: wait this long for a new lighthouse address
+BUILD_RETRY_S = 120.0        # rank 0 retries a Manager whose lighthouse is unreachable (< the group PG timeout)
 MAX_QUORUM_FAILURES = 20     # in a row, then the worker fails (torchrun restarts the group)
 
 
@@ -150,14 +151,20 @@ class FTGroup:
         self.build()
 
     def build(self, state: dict | None = None) -> None:
+        """Make this rank's Manager (collective within the group).
+
+        Rank 0 runs the group's ManagerServer, which must reach the lighthouse: it retries (re-reading
+        the address) for ``BUILD_RETRY_S`` while a new lighthouse is elected, then publishes the
+        manager address in the group's store and broadcasts the lighthouse (address, epoch), so every
+        rank of the group configures its process groups under the same epoch. The others make theirs
+        after the broadcast: the store outlives a torchrun restart, so an earlier read could be stale.
+        """
         from torchft import Manager
 
         f = self.spec.fault
-        address, self.epoch = read_lighthouse()
-        self.pg.epoch = self.epoch
         job = os.environ.get("MARIND_JOB_ID", self.spec.job.name)
 
-        def make():
+        def make(address: str):
             m = Manager(pg=self.pg, load_state_dict=self.live.load_state_dict, state_dict=self.live.state_dict,
                         min_replica_size=f.min_replicas, use_async_quorum=False, init_sync=False,
                         timeout=self.timeout, quorum_timeout=timedelta(seconds=f.quorum_timeout),
@@ -167,14 +174,27 @@ class FTGroup:
                 m.load_state_dict(state)
             return m
 
-        # rank 0 publishes the manager address in the group's store; the others read it after the
-        # barrier (the store outlives a torchrun restart, so an earlier read could be stale)
         if self.rank == 0:
-            self.manager = make()
-            dist.barrier()
+            deadline = time.monotonic() + BUILD_RETRY_S
+            while True:
+                address, epoch = read_lighthouse()
+                try:
+                    self.manager = make(address)
+                    break
+                except Exception as exc:  # noqa: BLE001 - lighthouse unreachable: wait for a new one
+                    if time.monotonic() > deadline:
+                        raise
+                    get_logger("trainer").warning("ft_lighthouse_unreachable", address=address,
+                                                  error=str(exc).splitlines()[0][:200])
+                    time.sleep(1.0)
+            box = [address, epoch]
+            dist.broadcast_object_list(box, src=0)
         else:
-            dist.barrier()
-            self.manager = make()
+            box = [None, None]
+            dist.broadcast_object_list(box, src=0)
+            self.manager = make(box[0])
+        self.epoch = int(box[1])
+        self.pg.epoch = self.epoch
 
     def rebuild(self, log, why: str) -> None:
         old = self.manager

@@ -21,7 +21,7 @@ _torchruns: list[subprocess.Popen] = []
 
 
 def ft_spec(tmp: Path, *, steps: int, groups: int = 2, min_replicas: int = 1, ckpt: str = "",
-            every_steps: int = 0) -> Path:
+            every_steps: int = 0, nproc: int = 1) -> Path:
     from trainer.corpus import write_example_dataset
 
     data = tmp / "data"
@@ -32,14 +32,14 @@ def ft_spec(tmp: Path, *, steps: int, groups: int = 2, min_replicas: int = 1, ck
 [job]
 name = "ftjob"
 nodes = "1:{groups}"
-nproc_per_node = 1
+nproc_per_node = {nproc}
 max_restarts = 3
 [model]
 preset = "tiny"
 [data]
 path = "{data}"
 seq_len = 32
-global_batch = 2
+global_batch = {2 * nproc}
 micro_batch = 2
 [optim]
 lr = 3e-3

@@ -39,11 +39,13 @@ def _stepping(tmp, g, above):
     return lambda: progress(tmp, g).get("step", 0) > above and progress(tmp, g)
 
 
-def test_killed_group_heals_from_peer_while_the_other_keeps_stepping(tmp_path, lighthouse):
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_killed_group_heals_from_peer_while_the_other_keeps_stepping(tmp_path, lighthouse, nproc):
+    """nproc = 2: FSDP over the group's 2 ranks; each rank heals from the same rank of the peer."""
     ckpt = tmp_path / "ckpt"
-    spec = ft_spec(tmp_path, steps=400, ckpt=f"file://{ckpt}", every_steps=100)
+    spec = ft_spec(tmp_path, steps=400, ckpt=f"file://{ckpt}", every_steps=100, nproc=nproc)
     for g in (0, 1):
-        start_group(tmp_path, g, spec, lighthouse=lighthouse.address)
+        start_group(tmp_path, g, spec, lighthouse=lighthouse.address, nproc=nproc)
     wait_for(lambda: progress(tmp_path, 0).get("participants") == 2 and progress(tmp_path, 1).get("step", 0) >= 30,
              120, "both groups stepping together", tmp_path)
     victim = progress(tmp_path, 1)
@@ -67,7 +69,9 @@ def test_killed_group_heals_from_peer_while_the_other_keeps_stepping(tmp_path, l
     wait_for(done, 150, "both groups done", tmp_path)
     p0, p1 = progress(tmp_path, 0), progress(tmp_path, 1)
     assert p0["step"] == p1["step"] == 400
-    assert p0["param_digest"] == p1["param_digest"], "groups ended with different parameters"
+    for rank in range(nproc):
+        assert progress(tmp_path, 0, rank)["param_digest"] == progress(tmp_path, 1, rank)["param_digest"], \
+            f"groups ended with different parameters (rank {rank})"
     assert "healed_from_peer" in (tmp_path / "rg1.log").read_text()
     # durable checkpoints went on, each step written by one group only (replica rank 0 of its quorum)
     from ckpt_store import CheckpointStore

@@ -1,0 +1,195 @@
+"""The torchft mode of the goodput benchmark; ONE JSON object as the last stdout line when run alone.
+
+    python bench/goodput_torchft.py [--wall 300] [--every 60] [--seed 7] [--nodes 2] [--nproc 2] [--quick]
+
+``run_torchft(root, etcd, data, name=..., nodes=..., nproc=..., wall=..., every_steps=..., draws=...)``
+runs the example job of ``bench/goodput.py`` under ``[fault] mode = "torchft"`` (each agent one
+replica group, ``data.global_batch`` split over the groups so a step is the same work) with a
+``chaos/kill_random_rank.py`` kill at each draw, and returns the fields of goodput.py's runs
+(``goodput``, ``goodput_steady``, ``steps_kept``, ...) so that ``goodput.py --mode torchft`` can put
+it next to the elastic run. Per failure:
+
+* ``lost_steps``: the job's step before the kill minus the lowest step any live group committed
+  after it (torchft never rolls back: 0 unless something is wrong);
+* ``survivor_steps``: steps the other groups committed between the kill and the killed group's
+  return, and ``survivor_max_gap_s``, their longest pause between two commits in that window;
+* ``rejoin_s``: kill -> the killed group's new worker has committed a step (healed from a peer).
+
+Steps are counted once per step number (every group runs every committed step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench._cluster import make_data, marind, start_agent, stop_agent, submit  # noqa: E402
+from bench.goodput import SPEC, Job, kept_step_seconds, kill_one, percentile  # noqa: E402
+from chaos.schedule import draw_schedule  # noqa: E402
+from marind.etcd_client import EtcdClient  # noqa: E402
+from marind.local_etcd import LocalEtcd  # noqa: E402
+
+FAULT = """
+[fault]
+mode = "torchft"
+replica_groups = {groups}
+min_replicas = 1
+timeout = "15s"
+quorum_timeout = "30s"
+join_timeout = "500ms"
+heartbeat_timeout = "2s"
+"""
+
+
+def torchft_spec(name: str, nodes: int, nproc: int, data: str, ckpt: Path, every: int) -> str:
+    text = SPEC.format(name=name, nodes=f"1:{nodes}", nproc=nproc, data=data, ckpt=ckpt, every=every)
+    per_group = max(nproc * 2, 16 // nodes)            # global_batch is per group under torchft
+    return text.replace("global_batch = 16", f"global_batch = {per_group}") + FAULT.format(groups=nodes)
+
+
+def _group_records(job: Job) -> dict[str, dict]:
+    """Rank 0's progress record of each node's group."""
+    out = {}
+    for node, run_dir in zip(job.nodes, job.run_dirs()):
+        try:
+            out[node] = json.loads((run_dir / "progress" / "rank-0.json").read_text())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _step_times(job: Job, node: str) -> list[tuple[float, int]]:
+    from bench.goodput import parse_step_lines
+    run_dir = job.root / f"state-{node}" / "jobs" / job.id
+    try:
+        lines = parse_step_lines((run_dir / "logs" / "torchrun.log").read_text(errors="replace"))
+    except OSError:
+        return []
+    return sorted((ln.at, ln.step) for ln in lines)
+
+
+def watch_failure(job: Job, action: dict, t_kill: float, step_before: int, timeout: float) -> dict:
+    victim = action.get("node")
+    survivors = [n for n in job.nodes if n != victim]
+    low, deadline, back_at = step_before, t_kill + timeout, None
+    while time.time() < deadline:
+        recs = _group_records(job)
+        live = [int(recs[n].get("step") or 0) for n in survivors if n in recs]
+        low = min([low, *live])
+        v = recs.get(victim, {})
+        if v.get("pid") != action.get("pid") and int(v.get("step") or 0) > 0 and v.get("phase") == "training":
+            back_at = time.time()
+            break
+        time.sleep(0.05)
+    end = back_at or time.time()
+    survivor_steps, gaps = 0, []
+    for n in survivors:
+        times = [(at, s) for at, s in _step_times(job, n) if t_kill <= at <= end]
+        if times:
+            survivor_steps = max(survivor_steps, times[-1][1] - times[0][1] + 1)
+            edges = [t_kill] + [at for at, _ in times] + [end]
+            gaps.append(max(b - a for a, b in zip(edges, edges[1:])))
+        else:
+            gaps.append(end - t_kill)
+    return {"victim": victim, "step_before": step_before, "lost_steps": max(0, step_before - low),
+            "survivor_steps": survivor_steps, "survivor_max_gap_s": round(max(gaps, default=0.0), 3),
+            "rejoin_s": round(back_at - t_kill, 3) if back_at else None}
+
+
+def run_torchft(root: Path, etcd: LocalEtcd, data: str, *, name: str, nodes: int, nproc: int, wall: float,
+                every_steps: int, draws: list) -> dict:
+    prefix = f"/goodput-{name}"
+    node_names = [f"{name}-{i}" for i in range(nodes)]
+    agents = [start_agent(root, n, etcd.endpoint, prefix) for n in node_names]
+    client = EtcdClient(etcd.endpoint, prefix=prefix)
+    failures: list[dict] = []
+    try:
+        deadline = time.time() + 60
+        while len(client.get_prefix_keys(client.key("nodes") + "/")) < nodes:
+            if time.time() > deadline:
+                raise RuntimeError("the agents did not register within 60 s")
+            time.sleep(0.2)
+        spec = root / f"{name}.toml"
+        spec.write_text(torchft_spec(name, nodes, nproc, data, root / f"ckpt-{name}", every_steps))
+        t0 = time.time()
+        job = Job(submit(spec, etcd.endpoint, prefix, wait=False), root, node_names, nodes * nproc, t0)
+        end = t0 + wall
+        for draw in draws:
+            if t0 + draw.at >= end:
+                break
+            time.sleep(max(0.0, t0 + draw.at - time.time()))
+            while time.time() < end and len(job.workers()) < job.world:
+                time.sleep(0.1)
+            step_before = max([int(r.get("step") or 0) for r in _group_records(job).values()] + [0])
+            t_kill = time.time()
+            action = kill_one(job, etcd.endpoint, prefix, draw.seed)
+            failures.append(dict(watch_failure(job, action, t_kill, step_before,
+                                               timeout=max(5.0, min(180.0, end - time.time()))),
+                                 draw_s=round(draw.at, 2)))
+        time.sleep(max(0.0, end - time.time()))
+        lines = job.step_lines()
+        marind(["cancel", job.id], etcd.endpoint, prefix, timeout=60)
+    finally:
+        for agent in agents:
+            stop_agent(agent)
+        client.close()
+    first = min((ln.at - ln.step_s for ln in lines), default=end)
+    kept_s, kept_n = kept_step_seconds(lines, t0, end)
+    return {"wall_s": round(end - t0, 2), "startup_s": round(first - t0, 2), "steps_kept": kept_n,
+            "kept_step_s": round(kept_s, 2), "goodput": round(kept_s / (end - t0), 4),
+            "goodput_steady": round(kept_s / max(1e-9, end - first), 4), "failures": failures}
+
+
+def summarize_torchft(run: dict) -> dict:
+    fs = run["failures"]
+    rejoin = [f["rejoin_s"] for f in fs if f["rejoin_s"] is not None]
+    return {"failures": len(fs), "rejoined": len(rejoin),
+            "lost_steps_per_failure": round(statistics.mean(f["lost_steps"] for f in fs), 2) if fs else None,
+            "survivor_steps_per_failure": round(statistics.mean(f["survivor_steps"] for f in fs), 2) if fs else None,
+            "survivor_max_gap_s": {"p50": percentile([f["survivor_max_gap_s"] for f in fs], 0.5),
+                                   "p95": percentile([f["survivor_max_gap_s"] for f in fs], 0.95)},
+            "rejoin_s": {"p50": percentile(rejoin, 0.5), "p95": percentile(rejoin, 0.95)}}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--wall", type=float, default=300.0)
+    parser.add_argument("--every", type=float, default=60.0)
+    parser.add_argument("--fixed", action="store_true")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--ckpt-every", type=int, default=5)
+    parser.add_argument("--min-gap", type=float, default=20.0)
+    parser.add_argument("--quick", action="store_true", help="2 groups of 1 rank, 90 s, one failure at 50 s")
+    args = parser.parse_args()
+    if args.quick:
+        args.wall, args.nproc, args.every, args.fixed = 90.0, 1, 50.0, True
+    draws = draw_schedule(args.seed, args.every, args.wall, fixed=args.fixed, min_gap=args.min_gap,
+                          max_actions=1 if args.quick else None)
+    root = Path(tempfile.mkdtemp(prefix="marind-goodput-torchft-"))
+    etcd = LocalEtcd(root / "etcd").start()
+    try:
+        run = run_torchft(root, etcd, make_data(root), name="torchft", nodes=args.nodes, nproc=args.nproc,
+                          wall=args.wall, every_steps=args.ckpt_every, draws=draws)
+    finally:
+        etcd.stop()
+    run["summary"] = summarize_torchft(run)
+    print(json.dumps({"bench": "goodput", "mode": "torchft", "quick": args.quick,
+                      "config": {"wall_s": args.wall, "every_s": args.every, "seed": args.seed, "nodes": args.nodes,
+                                 "nproc": args.nproc, "draws_s": [round(d.at, 2) for d in draws]},
+                      "torchft": run,
+                      "floors": {"surviving_groups_lose_no_steps": all(f["lost_steps"] == 0 for f in run["failures"])}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
