@@ -72,3 +72,37 @@ def test_torchft_job_under_two_agents_survives_a_killed_rank(tmp_path, etcd, etc
     alone = [json.loads(line)["step"] for line in other_log.splitlines()
              if line.startswith("{") and '"event": "step"' in line and '"participants": 1' in line]
     assert alone and max(alone) > before, f"the surviving group did not step alone (from {before})"
+
+
+def test_losing_the_lighthouse_node_under_agents(tmp_path, etcd, etcd_client, etcd_prefix, capsys, monkeypatch):
+    """chaos/kill_node.py on the lighthouse's node: its lease expires, the other agent elects itself,
+    its group follows the new lighthouse without a restart and the job succeeds."""
+    spec = ft_spec(tmp_path, steps=300)
+    monkeypatch.setenv("MARIND_ETCD", etcd.endpoint)
+    monkeypatch.setenv("MARIND_PREFIX", etcd_prefix)
+    for node in ("a", "b"):
+        start_agent(tmp_path, node, etcd.endpoint, etcd_prefix, slots=1)
+    diag = lambda: agent_log(tmp_path, "a") + agent_log(tmp_path, "b")
+    wait_for(lambda: node_registered(etcd_client, "a") and node_registered(etcd_client, "b"), 60, "nodes", diag=diag)
+    assert main(["submit", str(spec)]) == 0
+    job = capsys.readouterr().out.strip().splitlines()[-1]
+    wait_for(lambda: all(_progress(tmp_path, n, job).get("participants") == 2
+                         and _progress(tmp_path, n, job).get("step", 0) >= 20 for n in ("a", "b")),
+             180, "both groups stepping together", diag=diag)
+    assert main(["status", job, "--json"]) == 0
+    lh = json.loads(capsys.readouterr().out)["jobs"][0]["torchft"]["lighthouse"]
+    holder, other = lh["node"], ("b" if lh["node"] == "a" else "a")
+    worker_pid = _progress(tmp_path, other, job)["pid"]
+
+    out = subprocess.run([sys.executable, "chaos/kill_node.py", "--job", job, "--node", holder],
+                         cwd=REPO_ROOT, env=base_env({"MARIND_ETCD": etcd.endpoint, "MARIND_PREFIX": etcd_prefix}),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    step_at_loss = _progress(tmp_path, other, job)["step"]
+    p = wait_for(lambda: (q := _progress(tmp_path, other, job)).get("lighthouse_epoch", 0) > lh["epoch"]
+                 and q.get("step", 0) > step_at_loss + 5 and q, 90, "the survivor stepping on a new lighthouse",
+                 diag=diag)
+    assert p["pid"] == worker_pid, "the surviving group was restarted instead of following the lighthouse"
+    assert main(["status", job, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["jobs"][0]["torchft"]["lighthouse"]["node"] == other
+    wait_for(lambda: job_state(etcd_client, job).get("state") == "SUCCEEDED", 240, "job SUCCEEDED", diag=diag)
