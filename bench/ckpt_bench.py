@@ -5,7 +5,8 @@ full mode), saved to a local dir and to a SeaweedFS S3 server started here.
 Measured in the same run: sync save, async blocked time, async time to
 commit (from the save call to the moment it completed, as seen by rank 0; the
 training loop only polls between steps), training step time while a
-background save runs vs without,
+background save runs vs the steps just before it (a shared machine's load
+drifts),
 same-layout load, reshard load 4 -> 2 ranks, bytes read per byte needed,
 and the disk's raw sequential write rate. Medians over ``--repeats``.
 
@@ -99,6 +100,7 @@ def _steps_while(done, model, optim, dim: int, limit: int = 200) -> list[float]:
     return times
 
 
+QUIET_STEPS = 2   # steps without a save right before each async save: the slowdown's baseline
 _GROUP = []
 
 
@@ -143,12 +145,15 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
                          keep_last=1)
     res: dict = {"marind": {}, "dcp": {}}
     step = 0
-    sync, blocked, commit, during = [], [], [], []
+    sync, blocked, commit, during, phases, quiet = [], [], [], [], [], []
     for _ in range(repeats):
         step += 1
         state = _state(model, optim)
-        sync.append(_timed(lambda: mk.save(step, state, async_=False)))
+        done: list = []
+        sync.append(_timed(lambda: done.append(mk.save(step, state, async_=False))))
+        phases.append(done[0].timings)
         step += 1
+        quiet += [_train_step(model, optim, dim) for _ in range(QUIET_STEPS)]
         dist.barrier()
         t0 = time.perf_counter()
         pending = mk.save(step, state, async_=True)
@@ -160,7 +165,10 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
     res["marind"].update(sync_save_s=statistics.median(sync), async_blocked_s=statistics.median(blocked),
                          async_commit_s=statistics.median(commit),
                          step_during_save_s=statistics.median(during) if during else None,
-                         steps_during_save=len(during))
+                         steps_during_save=len(during),
+                         step_before_save_s=statistics.median(quiet),
+                         sync_phases_s={k: round(statistics.median(p.get(k, 0.0) for p in phases), 3)
+                                        for k in ("blocked_s", "write_s", "commit_s")})
     loads = []
     for _ in range(repeats):
         target = _state(model, optim)
@@ -171,7 +179,7 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
     res["marind"]["step"] = mk.latest()
 
     dpath = f"{url}/dcp"
-    sync, blocked, commit, during = [], [], [], []
+    sync, blocked, commit, during, quiet = [], [], [], [], []
     for i in range(repeats):
         state = _state(model, optim)
         if local:
@@ -182,6 +190,7 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
         if local:
             _rm(dpath)
         ckpt_id = f"{dpath}/a{i}" if not local else dpath
+        quiet += [_train_step(model, optim, dim) for _ in range(QUIET_STEPS)]
         dist.barrier()
         t0 = time.perf_counter()
         fut = dcp.async_save(state, checkpoint_id=_cid(ckpt_id), storage_writer=_dcp_writer(ckpt_id, opts),
@@ -196,7 +205,7 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
     res["dcp"].update(sync_save_s=statistics.median(sync), async_blocked_s=statistics.median(blocked),
                       async_commit_s=statistics.median(commit),
                       step_during_save_s=statistics.median(during) if during else None,
-                      steps_during_save=len(during))
+                      steps_during_save=len(during), step_before_save_s=statistics.median(quiet))
     loads = []
     for _ in range(repeats):
         target = _state(model, optim)
@@ -358,8 +367,8 @@ def _ratios(res: dict) -> dict:
             "load_vs_dcp": _ratio(m["load_s"], d["load_s"]),
             "async_blocked_vs_own_sync": _ratio(m["async_blocked_s"], m["sync_save_s"]),
             "async_commit_vs_own_sync": _ratio(m["async_commit_s"], m["sync_save_s"]),
-            "step_slowdown_during_save": _ratio(m["step_during_save_s"], res["step_s"]),
-            "dcp_step_slowdown_during_save": _ratio(d["step_during_save_s"], res["step_s"]),
+            "step_slowdown_during_save": _ratio(m["step_during_save_s"], m["step_before_save_s"]),
+            "dcp_step_slowdown_during_save": _ratio(d["step_during_save_s"], d["step_before_save_s"]),
             "sync_save_vs_torch_save": _ratio(m["sync_save_s"], res["torch_save_s"]) if target == "local" else None,
         }
     rs = res.get("reshard_4_to_2_local") or {}

@@ -30,6 +30,7 @@ class HostArena:
         self.size = 0
         self._mm: mmap.mmap | None = None
         self.buf: torch.Tensor | None = None
+        self._pinned = False
 
     def ensure(self, nbytes: int) -> None:
         if nbytes <= self.size:
@@ -43,10 +44,13 @@ class HostArena:
 
     def pin_for_cuda(self) -> None:
         """Page-lock the arena once so device-to-host copies run at full speed."""
-        if getattr(self, "_pinned", False) or self.buf is None:
+        if self._pinned or self.buf is None:
             return
-        err = torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), self.size, 0)
-        self._pinned = int(err) == 0
+        try:
+            err = torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), self.size, 0)
+            self._pinned = int(err) == 0
+        except Exception:  # noqa: BLE001 - unpinned copies are slower, still correct
+            self._pinned = False
 
     def view(self) -> memoryview:
         return memoryview(self._mm) if self._mm is not None else memoryview(b"")

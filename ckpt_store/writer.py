@@ -18,7 +18,7 @@ import crc32c
 
 from ckpt_store.errors import CheckpointSaveFailed
 from ckpt_store.steps import apply_retention
-from ckpt_store.zarr_format import ArraySpec, array_metadata, encode_chunk, group_metadata
+from ckpt_store.zarr_format import ArraySpec, array_metadata, chunk_key, encode_chunk, group_metadata
 from marind.log import get_logger
 
 log = get_logger(__name__)
@@ -42,7 +42,11 @@ def run_save(st, job: dict, arena: memoryview, on_commit) -> None:
     specs = {name: ArraySpec.from_json(name, meta) for name, meta in job["arrays"].items()}
     chunks = [(s["key"], specs[s["array"]], arena[s["offset"]:s["offset"] + s["nbytes"]], s["valid_rows"])
               for s in job["slots"]]
-    write_rank_part(st, d, rank, chunks, job["values"])
+    # the writer of an array's first chunk writes its zarr.json too (rank 0 fills any gap)
+    firsts = {chunk_key(n, (0,) * len(spec.shape)): spec for n, spec in specs.items()}
+    meta = [(f"{spec.name}/zarr.json", _json_bytes(array_metadata(spec, {"marind": job["arrays"][spec.name]["layout"]})))
+            for spec in (firsts.get(s["key"]) for s in job["slots"]) if spec is not None]
+    write_rank_part(st, d, rank, chunks, job["values"], meta)
     del chunks
     timings = {"write_s": time.perf_counter() - t0}
     if rank == 0:
@@ -61,9 +65,13 @@ def run_save(st, job: dict, arena: memoryview, on_commit) -> None:
     on_commit(timings)
 
 
-def write_rank_part(st, d: str, rank: int, chunks: list, values: dict) -> dict:
-    """Encode + write this rank's chunks ``(key, spec, buffer, valid_rows)`` and JSON values,
-    then its done marker (or, on failure, its error marker)."""
+def _json_bytes(obj) -> bytes:
+    return json.dumps(obj, indent=1).encode()
+
+
+def write_rank_part(st, d: str, rank: int, chunks: list, values: dict, meta: list = ()) -> dict:
+    """Encode + write this rank's chunks ``(key, spec, buffer, valid_rows)``, metadata objects
+    ``(key, bytes)`` and JSON values, then its done marker (or, on failure, its error marker)."""
     objects: dict[str, dict] = {}
 
     def one(item):
@@ -72,8 +80,13 @@ def write_rank_part(st, d: str, rank: int, chunks: list, values: dict) -> dict:
         st.write(f"{d}/{key}", pieces)
         return key, size, crc
 
+    def small(item):
+        key, data = item
+        st.write(f"{d}/{key}", [data])
+        return key, len(data), crc32c.crc32c(data)
+
     try:
-        futures = [st._pool.submit(one, c) for c in chunks]
+        futures = [st._pool.submit(one, c) for c in chunks] + [st._pool.submit(small, m) for m in meta]
         wait(futures)  # all writes are over before this returns or raises: the snapshot is free
         for fut in futures:
             key, size, crc = fut.result()
@@ -107,13 +120,15 @@ def write_abort_marker(st, d: str, error: str) -> None:
 
 def commit(st, d: str, step: int, world: int, specs: list[ArraySpec], layouts: dict,
            saved_layout: dict, timeout_s: float, fmt: int) -> dict:
-    """Rank 0: wait for every rank's marker, write Zarr metadata, then manifest.json."""
+    """Rank 0: wait for every rank's marker, write the group (and any missing array) metadata,
+    then manifest.json."""
     try:
         objects = _collect(st, d, world, timeout_s)
         meta: dict[str, dict] = {}
         groups = {""}
         for spec in specs:
-            meta[f"{spec.name}/zarr.json"] = array_metadata(spec, {"marind": layouts[spec.name]})
+            if f"{spec.name}/zarr.json" not in objects:   # no rank wrote it (an array without chunks)
+                meta[f"{spec.name}/zarr.json"] = array_metadata(spec, {"marind": layouts[spec.name]})
             parts = spec.name.split("/")
             groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
         root_attrs = {"marind": {"format": fmt, "step": step, "saved_layout": saved_layout,
@@ -122,7 +137,7 @@ def commit(st, d: str, step: int, world: int, specs: list[ArraySpec], layouts: d
             meta[f"{g}/zarr.json" if g else "zarr.json"] = group_metadata(root_attrs if not g else None)
         items = []
         for key, obj in meta.items():
-            data = json.dumps(obj, indent=1).encode()
+            data = _json_bytes(obj)
             items.append((f"{d}/{key}", [data]))
             objects[key] = {"size": len(data), "crc32c": crc32c.crc32c(data)}
         st.write_many(items)
