@@ -35,51 +35,49 @@ def lighthouse(tmp_path):
     lh.stop()
 
 
-def _stepping(tmp, g, above):
-    return lambda: progress(tmp, g).get("step", 0) > above and progress(tmp, g)
-
-
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_killed_group_heals_from_peer_while_the_other_keeps_stepping(tmp_path, lighthouse, nproc):
-    """nproc = 2: FSDP over the group's 2 ranks; each rank heals from the same rank of the peer."""
+@pytest.mark.parametrize("groups, nproc", [(2, 1), pytest.param(2, 2, marks=pytest.mark.slow),
+                                            pytest.param(3, 1, marks=pytest.mark.slow)])
+def test_killed_group_heals_from_peer_while_the_others_keep_stepping(tmp_path, lighthouse, groups, nproc):
+    """nproc = 2: FSDP over the group's 2 ranks; each rank heals from the same rank of a peer."""
     ckpt = tmp_path / "ckpt"
-    spec = ft_spec(tmp_path, steps=400, ckpt=f"file://{ckpt}", every_steps=100, nproc=nproc)
-    for g in (0, 1):
+    spec = ft_spec(tmp_path, steps=400, ckpt=f"file://{ckpt}", every_steps=100, nproc=nproc, groups=groups)
+    everyone, survivors = range(groups), [g for g in range(groups) if g != 1]
+    for g in everyone:
         start_group(tmp_path, g, spec, lighthouse=lighthouse.address, nproc=nproc)
-    wait_for(lambda: progress(tmp_path, 0).get("participants") == 2 and progress(tmp_path, 1).get("step", 0) >= 30,
-             120, "both groups stepping together", tmp_path)
+    wait_for(lambda: progress(tmp_path, 0).get("participants") == groups and progress(tmp_path, 1).get("step", 0) >= 30,
+             180, "all groups stepping together", tmp_path)
     victim = progress(tmp_path, 1)
     os.kill(victim["pid"], signal.SIGKILL)
-    killed_at, step_at_kill = time.monotonic(), progress(tmp_path, 0)["step"]
+    killed_at, at_kill = time.monotonic(), {g: progress(tmp_path, g)["step"] for g in survivors}
 
     # group 1 is back when a new worker has reported a step after the kill
     back = lambda: (p := progress(tmp_path, 1)).get("pid") != victim["pid"] and p.get("step", 0) > victim["step"] and p
-    survivor_steps = []
+    seen = {g: at_kill[g] for g in survivors}
     while not back():
-        survivor_steps.append(progress(tmp_path, 0).get("step", 0))
+        for g in survivors:
+            seen[g] = max(seen[g], progress(tmp_path, g).get("step", 0))
         assert time.monotonic() - killed_at < REJOIN_BOUND_S, f"group 1 not back in {REJOIN_BOUND_S}s\n{logs(tmp_path)}"
         time.sleep(0.1)
     rejoin_s = time.monotonic() - killed_at
-    assert max(survivor_steps) >= step_at_kill + 5, \
-        f"group 0 stalled while group 1 was down: {step_at_kill} -> {max(survivor_steps)}"
+    for g in survivors:
+        assert seen[g] >= at_kill[g] + 5, f"group {g} stalled while group 1 was down: {at_kill[g]} -> {seen[g]}"
     healed = back()["step"]
     assert healed > victim["step"] + 1, "the restarted group did not take the live step from its peer"
 
-    done = lambda: all(progress(tmp_path, g).get("phase") == "done" for g in (0, 1))
-    wait_for(done, 150, "both groups done", tmp_path)
-    p0, p1 = progress(tmp_path, 0), progress(tmp_path, 1)
-    assert p0["step"] == p1["step"] == 400
+    done = lambda: all(progress(tmp_path, g).get("phase") == "done" for g in everyone)
+    wait_for(done, 150, "all groups done", tmp_path)
+    assert {progress(tmp_path, g)["step"] for g in everyone} == {400}
     for rank in range(nproc):
-        assert progress(tmp_path, 0, rank)["param_digest"] == progress(tmp_path, 1, rank)["param_digest"], \
-            f"groups ended with different parameters (rank {rank})"
+        digests = {progress(tmp_path, g, rank)["param_digest"] for g in everyone}
+        assert len(digests) == 1, f"groups ended with different parameters (rank {rank})"
     assert "healed_from_peer" in (tmp_path / "rg1.log").read_text()
     # durable checkpoints went on, each step written by one group only (replica rank 0 of its quorum)
     from ckpt_store import CheckpointStore
     assert CheckpointStore(f"file://{ckpt}").latest() == 400
-    saved = [json.loads(line)["step"] for g in (0, 1) for line in (tmp_path / f"rg{g}.log").read_text().splitlines()
+    saved = [json.loads(line)["step"] for g in everyone for line in (tmp_path / f"rg{g}.log").read_text().splitlines()
              if line.startswith("{") and '"durable_checkpoint"' in line]
     assert sorted(saved) == [100, 200, 300, 400], saved
-    print(f"rejoin_s={rejoin_s:.1f} survivor advanced {max(survivor_steps) - step_at_kill} steps while down")
+    print(f"rejoin_s={rejoin_s:.1f} survivors advanced {({g: seen[g] - at_kill[g] for g in survivors})} steps while down")
 
 
 class _Node:
