@@ -254,7 +254,7 @@ def _safe_epoch() -> int:
 
 def _allreduce_grads(manager, params: list) -> None:
     """Average the local gradient shards across replica groups in one flat all-reduce."""
-    grads = [_local(p.grad) for p in params]
+    grads = [_local(p.grad) for p in params if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
     manager.allreduce(flat).wait()
     offset = 0
@@ -316,9 +316,10 @@ def train_ft(spec: RunSpec, device: torch.device, *, stop: StopFlag | None = Non
                 restored, _ = ckpt.restore()
                 manager.load_state_dict({"step": restored, "batches_committed": 0})
                 step = restored
-                log.info("restored", step=step, url=ckpt.store.url) if rank == 0 else None
-            elif step > 0:
-                log.info("healed_from_peer", step=step) if rank == 0 else None
+                if rank == 0:
+                    log.info("restored", step=step, url=ckpt.store.url)
+            elif step > 0 and rank == 0:
+                log.info("healed_from_peer", step=step)
             progress.update(phase="training", step=step, last_checkpoint_step=ckpt.last_step, **ft.status())
         if step >= t.steps:
             break
@@ -360,13 +361,15 @@ def train_ft(spec: RunSpec, device: torch.device, *, stop: StopFlag | None = Non
             break
         if committed and step < t.steps and ckpt.due(step) and manager.participating_rank() == 0:
             progress.update(phase="checkpointing")
-            log.info("durable_checkpoint", step=step) if rank == 0 else None
+            if rank == 0:
+                log.info("durable_checkpoint", step=step)
             ckpt.save(step, step * d.global_batch * f.replica_groups)
             progress.update(phase="training", last_checkpoint_step=ckpt.last_step)
 
     step = ft.manager.current_step()
     if not stopped and ckpt.enabled and ft.manager.participating_rank() == 0 and ckpt.last_step != step:
-        log.info("durable_checkpoint", step=step) if rank == 0 else None
+        if rank == 0:
+            log.info("durable_checkpoint", step=step)
         ckpt.save(step, step * d.global_batch * f.replica_groups, wait=True)
     ckpt.wait()
     ft.manager.shutdown(wait=False)

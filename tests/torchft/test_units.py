@@ -58,7 +58,7 @@ def test_elastic_default_unchanged():
 
 
 def test_group_slices_are_disjoint_and_cover_each_step():
-    torch = pytest.importorskip("torch")  # noqa: F841 - trainer.ft imports torch
+    pytest.importorskip("torch")      # trainer.ft imports torch
     from trainer.ft import sample_indices
     s = spec(groups=3, nodes=3)           # global_batch 8 per group, micro 2, 2 ranks -> accum 2
     for step in (0, 1, 7):
