@@ -163,6 +163,7 @@ class JobSpec:
     max_restarts: int = _f(3, "int")
     hang_timeout: float = _f(300.0, "duration")
     entrypoint: str = _f("trainer", "str")
+    warm_start: bool = _f(True, "bool")       # fork workers from a zygote with torch loaded (marind/zygote.py)
     env: tuple[tuple[str, str], ...] = _f((), "env")
 
 

@@ -377,14 +377,14 @@ class Agent:
             self._torchrun_exited(run, rc)
             return
         workers = run.sup.workers()
-        pids = frozenset(w.pid for w in workers)
-        if pids and not pids <= run.gen_pids:
-            if not run.gen_pids or pids.isdisjoint(run.gen_pids):
+        launched = frozenset(w.launched_by for w in workers)   # stable while a generation lives
+        if launched and not launched <= run.gen_pids:
+            if not run.gen_pids or launched.isdisjoint(run.gen_pids):
                 self._new_generation(run, now)
-                run.gen_pids = pids
+                run.gen_pids = launched
             else:
-                run.gen_pids = run.gen_pids | pids       # workers of this round still spawning
-        records = prog.current(prog.read_records(run.sup.run_dir), set(pids))
+                run.gen_pids = run.gen_pids | launched   # workers of this round still spawning
+        records = prog.current(prog.read_records(run.sup.run_dir), {w.pid for w in workers})
         if run.awaiting_running_since is not None and (
                 any(r.phase in ("training", "checkpointing", "done") for r in records)
                 or now - run.awaiting_running_since > RESTART_RUNNING_FALLBACK_S):

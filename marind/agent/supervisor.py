@@ -28,6 +28,7 @@ from pathlib import Path
 import psutil
 
 from marind.log import get_logger
+from marind.zygote import read_pid_map
 
 PR_SET_PDEATHSIG = 1
 
@@ -43,6 +44,12 @@ _PDEATHSIG_SHIM = (
     "    pass\n"
     "if os.getppid() != int(sys.argv[1]):\n"
     "    sys.exit(143)  # the agent is already gone\n"
+    "z = os.environ.get('MARIND_ZYGOTE_SOCKET')\n"
+    "if z:  # warm starts: the zygote becomes torchrun's child (marind/zygote.py)\n"
+    "    me = os.getpid()\n"
+    "    if os.fork() == 0:\n"
+    "        os.execv(sys.executable, [sys.executable, '-m', 'marind.zygote', z,\n"
+    "                 os.environ['MARIND_ZYGOTE_PIDS'], os.environ['MARIND_ZYGOTE_ENTRYPOINT'], str(me)])\n"
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
 
@@ -96,7 +103,8 @@ def torchrun_command(*, python: str, job: str, spec: dict, endpoint: str, prefix
     return [python, "-m", "torch.distributed.run", *rdzv,
             f"--nproc-per-node={int(j.get('nproc_per_node', 1))}",
             f"--max-restarts={int(j.get('max_restarts', 3))}", "--monitor-interval=0.5",
-            "-m", str(j.get("entrypoint", "trainer")), str(run_toml)]
+            *(["-m", "marind.zygote_stub"] if j.get("warm_start", True) else ["-m"]),
+            str(j.get("entrypoint", "trainer")), str(run_toml)]
 
 
 def worker_env(base: dict, *, job: str, node: str, run_dir: Path, spec: dict,
@@ -112,9 +120,18 @@ def worker_env(base: dict, *, job: str, node: str, run_dir: Path, spec: dict,
         env["MARIND_ETCD_USER"] = etcd_user
     if etcd_password:
         env["MARIND_ETCD_PASSWORD"] = etcd_password
+    if spec.get("job", {}).get("warm_start", True):
+        env.update(zygote_env(job, run_dir, str(spec.get("job", {}).get("entrypoint", "trainer"))))
     for key, value in (spec.get("job", {}).get("env") or {}).items():
         env[str(key)] = str(value)
     return env
+
+
+def zygote_env(job: str, run_dir: Path, entrypoint: str) -> dict:
+    """Where torchrun's zygote listens (an abstract socket of this agent and job) and what it loads."""
+    return {"MARIND_ZYGOTE_SOCKET": f"@marind-zygote-{os.getpid()}-{job}",
+            "MARIND_ZYGOTE_PIDS": str(run_dir / "zygote.pids.json"),
+            "MARIND_ZYGOTE_ENTRYPOINT": entrypoint}
 
 
 def prepare_run_dir(run_dir: Path, spec: dict) -> Path:
@@ -129,9 +146,14 @@ def prepare_run_dir(run_dir: Path, spec: dict) -> Path:
 
 @dataclass(frozen=True)
 class WorkerProc:
-    pid: int
+    pid: int                      # the worker itself (signal this one)
     rank: int | None
     local_rank: int | None
+    launcher: int | None = None   # torchrun's child: the worker, or its zygote stub (one per generation)
+
+    @property
+    def launched_by(self) -> int:
+        return self.launcher if self.launcher is not None else self.pid
 
 
 def _rank_env(proc: psutil.Process) -> tuple[int | None, int | None]:
@@ -158,6 +180,7 @@ class TorchrunSupervisor:
     stopping: bool = False
     started_at: float = 0.0
     _workers: dict[int, WorkerProc] = field(default_factory=dict)
+    _stubs: dict[int, WorkerProc] = field(default_factory=dict)     # torchrun's children, by pid
 
     def __post_init__(self):
         self.log = get_logger(__name__, job=self.job)
@@ -192,14 +215,20 @@ class TorchrunSupervisor:
         except psutil.Error:
             return []
         out = []
+        forked = read_pid_map(self.env["MARIND_ZYGOTE_PIDS"]) if "MARIND_ZYGOTE_PIDS" in self.env else {}
         for child in children:
-            known = self._workers.get(child.pid)
+            known = self._stubs.get(child.pid)
             if known is None or known.rank is None:
                 rank, local_rank = _rank_env(child)
-                if rank is None:       # not a worker (no RANK in its environment)
+                if rank is None:       # not a worker (no RANK in its environment): the zygote
                     continue
                 known = WorkerProc(child.pid, rank, local_rank)
+                self._stubs[child.pid] = known
+            if child.pid in forked:    # a warm start: the worker is the zygote's child
+                known = WorkerProc(forked[child.pid], known.rank, known.local_rank, launcher=child.pid)
             out.append(known)
+        alive = {c.pid for c in children}
+        self._stubs = {pid: w for pid, w in self._stubs.items() if pid in alive}
         if {w.pid for w in out} != set(self._workers):
             self._workers = {w.pid: w for w in out}
             self._save_pids()
@@ -220,7 +249,8 @@ class TorchrunSupervisor:
         self.stopping = True
         if self.proc is None:
             return None
-        worker_pids = set(self._workers) | {w.pid for w in self.workers()}
+        procs = [*self._workers.values(), *self.workers()]
+        worker_pids = {w.pid for w in procs} | {w.launched_by for w in procs}   # workers and their stubs
         if self.proc.poll() is None:
             _killpg(self.proc.pid, signal.SIGTERM)
         for pid in worker_pids:

@@ -1,0 +1,272 @@
+"""Warm starts: a per-job fork server that has torch imported already.
+
+A restart of a job is mostly spent importing: each new worker loads torch,
+torch.distributed and the trainer again (seconds of CPU per rank, paid by
+every rank of every node at once). With ``[job] warm_start = true`` (the
+default) each node's torchrun gets one *zygote* beside it: a process that
+imports the entrypoint's modules once and then forks a ready worker for
+each request. torchrun still launches and supervises ordinary processes:
+``python -m marind.zygote_stub MODULE ARGS`` (``marind/zygote_stub.py``),
+which hands its argv, environment, cwd and stdio to the zygote, forwards
+signals to the forked worker and exits with the worker's status, so
+torchrun's elastic restarts work exactly as with cold processes.
+
+Process tree (one node, one job)::
+
+    agent ─ torchrun ─┬ zygote_stub (RANK=0) ·····> worker rank 0 (forked by the zygote)
+                      ├ zygote_stub (RANK=1) ·····> worker rank 1
+                      └ zygote ─┬ worker rank 0
+                                └ worker rank 1
+
+The zygote is forked by the PDEATHSIG shim just before it execs torchrun,
+so it is torchrun's child, in torchrun's process group, and dies with it;
+each worker is tied to its stub by a pipe (the *lifeline*): when the stub
+dies, even by SIGKILL, the worker kills itself. ``pids.json`` in the
+run directory maps each stub to its worker so that the agent, hang
+detection and the chaos injectors act on the real worker.
+
+Forking after ``import torch`` is what torch's own DataLoader does with
+the fork start method; the zygote never initialises CUDA or a process
+group, so each child starts clean. Modules to import up front are the
+entrypoint, torch.distributed and whatever the entrypoint package lists in
+``MARIND_PRELOAD``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+SOCKET_ENV = "MARIND_ZYGOTE_SOCKET"
+MAX_HEADER = 4 << 20
+
+
+def _set_pdeathsig(sig: int) -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    except OSError:
+        pass
+
+
+PIDS_ENV = "MARIND_ZYGOTE_PIDS"
+ENTRYPOINT_ENV = "MARIND_ZYGOTE_ENTRYPOINT"
+
+
+def address(name: str) -> str:
+    """``@name`` is a Linux abstract socket (no file, no path-length trouble); else a path."""
+    return "\0" + name[1:] if name.startswith("@") else name
+
+
+def read_pid_map(path: str | Path) -> dict[int, int]:
+    """``{stub_pid: worker_pid}`` as the zygote last wrote it."""
+    try:
+        return {int(k): int(v) for k, v in json.loads(Path(path).read_text()).items()}
+    except (OSError, ValueError):
+        return {}
+
+
+def preload(entrypoint: str) -> list[str]:
+    """Import what every worker of ``entrypoint`` will import; returns the module names."""
+    names = ["torch", "torch.distributed", entrypoint]
+    loaded = []
+    for name in names:
+        module = importlib.import_module(name)
+        loaded.append(name)
+        if name == entrypoint:
+            for extra in getattr(module, "MARIND_PRELOAD", ()):
+                importlib.import_module(extra)
+                loaded.append(extra)
+    return loaded
+
+
+# -- the wire: one JSON header + fds from the stub, JSON lines back ---------------------------------
+def recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    data, fds, _flags, _addr = socket.recv_fds(conn, MAX_HEADER, 8)
+    while not data.endswith(b"\n"):
+        more = conn.recv(MAX_HEADER)
+        if not more:
+            raise ConnectionError("the stub hung up mid-request")
+        data += more
+    return json.loads(data), list(fds)
+
+
+def send_line(conn: socket.socket, doc: dict) -> None:
+    try:
+        conn.sendall(json.dumps(doc).encode() + b"\n")
+    except OSError:
+        pass          # the stub is gone; its worker dies by the lifeline
+
+
+# -- the forked worker --------------------------------------------------------------------------------
+def _watch_lifeline(fd: int) -> None:
+    try:
+        while os.read(fd, 1):
+            pass
+    except OSError:
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _run_worker(request: dict, fds: list[int]) -> None:
+    """In the forked child: become the worker the stub asked for. Never returns."""
+    code = 1
+    try:
+        _set_pdeathsig(signal.SIGKILL)
+        stdin, stdout, stderr, lifeline = fds
+        for src, dst in ((stdin, 0), (stdout, 1), (stderr, 2)):
+            os.dup2(src, dst)
+            os.close(src)
+        threading.Thread(target=_watch_lifeline, args=(lifeline,), daemon=True, name="lifeline").start()
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        import marind.log
+        marind.log._configured = False          # log as the worker's environment says
+        import runpy
+        sys.argv = [request["module"], *request["args"]]
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            sys.stderr.write(f"{exc.code}\n")
+    except BaseException:  # noqa: BLE001 - the worker's own failure: print it like python would
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
+# -- the server ---------------------------------------------------------------------------------------
+class Zygote:
+    def __init__(self, socket_name: str, pid_map: str, entrypoint: str):
+        self.name, self.pid_map, self.entrypoint = socket_name, Path(pid_map), entrypoint
+        self.sel = selectors.DefaultSelector()
+        self.children: dict[int, tuple[socket.socket, int]] = {}     # worker pid -> (conn, stub pid)
+        self.listener: socket.socket | None = None
+        self.stopping = False
+
+    def listen(self) -> None:
+        """Bind only now that the modules are loaded: a stub that can connect gets a warm worker."""
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if not self.name.startswith("@"):
+            Path(self.name).unlink(missing_ok=True)
+        self.listener.bind(address(self.name))
+        self.listener.listen(64)
+        self.sel.register(self.listener, selectors.EVENT_READ)
+
+    def _spawn(self, conn: socket.socket) -> None:
+        try:
+            request, fds = recv_request(conn)
+            if len(fds) != 4:
+                raise ValueError(f"expected 4 fds (stdin, stdout, stderr, lifeline), got {len(fds)}")
+        except (OSError, ValueError, ConnectionError) as exc:
+            sys.stderr.write(f"marind.zygote: bad request: {exc}\n")
+            conn.close()
+            return
+        pid = os.fork()
+        if pid == 0:
+            self.sel.close()
+            self.listener.close()
+            for other, _ in self.children.values():
+                other.close()
+            conn.close()
+            _run_worker(request, fds)
+        for fd in fds:
+            os.close(fd)
+        self.children[pid] = (conn, int(request.get("stub_pid", 0)))
+        self._save_pid_map()
+        send_line(conn, {"pid": pid})
+
+    def _reap(self) -> None:
+        changed = False
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                break
+            entry = self.children.pop(pid, None)
+            if entry is None:
+                continue
+            conn, _ = entry
+            if os.WIFSIGNALED(status):
+                send_line(conn, {"signal": os.WTERMSIG(status)})
+            else:
+                send_line(conn, {"exit": os.WEXITSTATUS(status)})
+            conn.close()
+            changed = True
+        if changed:
+            self._save_pid_map()
+
+    def _save_pid_map(self) -> None:
+        path = self.pid_map
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({str(stub): pid for pid, (_, stub) in self.children.items()}))
+        os.replace(tmp, path)
+
+    def serve(self, parent_pid: int) -> None:
+        """Fork workers on request until told to stop (SIGTERM) or torchrun is gone, then outlive
+        the workers (they stop on their own SIGTERM; they die with the zygote)."""
+        while not (self.stopping and not self.children):
+            if os.getppid() != parent_pid:
+                self.stopping = True
+            for key, _ in self.sel.select(timeout=0.05):
+                conn, _ = key.fileobj.accept()
+                if self.stopping:
+                    conn.close()               # the stub starts its worker cold
+                else:
+                    self._spawn(conn)
+            self._reap()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m marind.zygote SOCKET PID_MAP ENTRYPOINT PARENT_PID`` (started by the agent's shim)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 4:
+        sys.stderr.write("usage: python -m marind.zygote SOCKET PID_MAP ENTRYPOINT PARENT_PID\n")
+        return 2
+    name, pid_map, entrypoint, parent = argv[0], argv[1], argv[2], int(argv[3])
+    _set_pdeathsig(signal.SIGTERM)
+    if os.getppid() != parent:
+        return 0                                  # torchrun is already gone
+    stop_early = lambda *_: os._exit(0)          # noqa: E731 - nothing forked yet
+    signal.signal(signal.SIGTERM, stop_early)
+    try:
+        preload(entrypoint)
+    except Exception as exc:  # noqa: BLE001 - stubs fall back to cold starts; say why once
+        sys.stderr.write(f"marind.zygote: preloading {entrypoint} failed ({type(exc).__name__}: {exc}); "
+                         f"workers start cold\n")
+        return 0
+    zygote = Zygote(name, pid_map, entrypoint)
+
+    def stop(*_):
+        zygote.stopping = True
+    signal.signal(signal.SIGTERM, stop)
+    zygote.listen()
+    zygote.serve(parent)
+    if not name.startswith("@"):
+        Path(name).unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Warm starts: the zygote forks workers for stubs; the stub is the worker as torchrun sees it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+
+from marind.zygote import read_pid_map
+from tests.agent.helpers import wait_for
+from tests.support.procs import base_env, spawn
+
+WORKER = "tests.agent.zygote_worker"
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    """One zygote for the module (it imports torch once, as on a node); stopped at the end."""
+    name = f"@marind-zygote-test-{uuid.uuid4().hex[:8]}"
+    pids = tmp_path_factory.mktemp("zygote") / "zygote.pids.json"
+    proc = subprocess.Popen([sys.executable, "-m", "marind.zygote", name, str(pids), "tests.agent", str(os.getpid())],
+                            env=base_env())
+    env = base_env({"MARIND_ZYGOTE_SOCKET": name, "MARIND_ZYGOTE_WAIT": "60", "RANK": "3"})
+    yield proc, env, pids
+    proc.kill()
+    proc.wait(10)
+
+
+def _stub(env, *args, **kw):
+    return spawn([sys.executable, "-m", "marind.zygote_stub", WORKER, *args], env=env,
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _pid_of(line: str) -> int:
+    return int(line.split()[0].removeprefix("pid="))
+
+
+def test_a_forked_worker_gets_the_stubs_env_cwd_stdio_and_exit_code(zygote, tmp_path):
+    proc, env, pids = zygote
+    stub = _stub(env, "exit", "7", cwd=tmp_path)
+    out, err = stub.communicate(timeout=120)
+    assert stub.returncode == 7, err
+    line = out.splitlines()[0]
+    assert _pid_of(line) != stub.pid, "the worker must be the zygote's fork, not the stub"
+    assert f"rank=3 cwd={tmp_path}" in line
+    assert psutil.Process(proc.pid).is_running()
+
+
+def test_an_uncaught_exception_is_printed_and_exits_1(zygote):
+    _, env, _ = zygote
+    stub = _stub(env, "raise")
+    _, err = stub.communicate(timeout=120)
+    assert stub.returncode == 1 and "RuntimeError: boom from the worker" in err
+
+
+def test_signals_are_forwarded_and_a_killed_worker_kills_its_stub(zygote):
+    _, env, pids = zygote
+    stub = _stub(env, "sleep")
+    worker = _pid_of(stub.stdout.readline())
+    assert wait_for(lambda: read_pid_map(pids).get(stub.pid) == worker, 30, "the pid map")
+    stub.send_signal(signal.SIGTERM)                 # as torchrun stops its workers
+    assert stub.stdout.readline().strip() == "term"
+    assert stub.wait(30) == 143
+
+    stub = _stub(env, "sleep")
+    worker = _pid_of(stub.stdout.readline())
+    os.kill(worker, signal.SIGKILL)                  # a chaos injector kills the real worker
+    assert stub.wait(30) == -signal.SIGKILL, "torchrun must see the worker's death by SIGKILL"
+    assert wait_for(lambda: stub.pid not in read_pid_map(pids), 30, "the pid map to drop it")
+
+
+def test_a_killed_stub_takes_its_worker_down(zygote):
+    _, env, _ = zygote
+    stub = _stub(env, "sleep")
+    worker = psutil.Process(_pid_of(stub.stdout.readline()))
+    stub.kill()
+    stub.wait(10)
+    worker.wait(10)                                  # the lifeline broke: the worker killed itself
+    assert not worker.is_running()
+
+
+def test_no_zygote_means_a_cold_start(tmp_path):
+    env = base_env({"MARIND_ZYGOTE_SOCKET": f"@nobody-{uuid.uuid4().hex[:8]}", "MARIND_ZYGOTE_WAIT": "0.2"})
+    stub = _stub(env, "exit", "5")
+    out, err = stub.communicate(timeout=120)
+    assert stub.returncode == 5 and "cold start" in err
+    assert _pid_of(out.splitlines()[0]) == stub.pid, "cold: the stub execs into the worker"
+
+
+def test_the_zygote_leaves_when_its_parent_does(tmp_path):
+    name = f"@marind-zygote-test-{uuid.uuid4().hex[:8]}"
+    code = (f"import subprocess, sys, os; p = subprocess.Popen([sys.executable, '-m', 'marind.zygote', "
+            f"'{name}', '{tmp_path}/p.json', 'tests.agent', str(os.getpid())]); print(p.pid, flush=True); "
+            f"import time; time.sleep(60)")
+    parent = spawn([sys.executable, "-c", code], env=base_env(), stdout=subprocess.PIPE, text=True)
+    zyg = psutil.Process(int(parent.stdout.readline()))
+    time.sleep(0.5)
+    parent.kill()
+    parent.wait(10)
+    zyg.wait(30)
