@@ -2,7 +2,7 @@
 
 FSDP2/TP work inside the group as in ``trainer.train``; across groups the
 gradients are averaged through a torchft ``Manager`` and its reconfigurable
-gloo process group, so when a group dies the others keep stepping (their
+process group (gloo on CPU, NCCL on CUDA), so when a group dies the others keep stepping (their
 quorum shrinks), and a restarted group joins the next quorum and receives
 the live parameters and optimizer state from a healthy peer (torchft's HTTP
 checkpoint transport), not from the durable store.
@@ -133,9 +133,12 @@ class FTGroup:
     """The torchft Manager of this replica group, rebuilt (collectively) when its quorum fails."""
 
     def __init__(self, spec: RunSpec, live: LiveState, rank: int, world: int, group: int):
-        from torchft.process_group import ProcessGroupGloo
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-        class _EpochGloo(ProcessGroupGloo):
+        # gloo on CPU; NCCL when the model is on CUDA (not exercised by the CPU test suite)
+        base = ProcessGroupNCCL if torch.cuda.is_available() else ProcessGroupGloo
+
+        class _EpochPG(base):
             """Store keys under the lighthouse epoch: a new lighthouse restarts quorum ids."""
             epoch = 0
 
@@ -144,7 +147,7 @@ class FTGroup:
 
         self.spec, self.live, self.rank, self.world, self.group = spec, live, rank, world, group
         self.timeout = timedelta(seconds=spec.fault.timeout)
-        self.pg = _EpochGloo(timeout=self.timeout)
+        self.pg = _EpochPG(timeout=self.timeout)
         self.manager = None
         self.epoch = -1
         self.rebuilds = 0
