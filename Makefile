@@ -41,6 +41,7 @@ bench: setup
 	$(PY) bench/ckpt_bench.py
 	$(PY) bench/train_bench.py
 	$(PY) bench/daemon_bench.py
+	$(PY) bench/goodput.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
