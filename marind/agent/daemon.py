@@ -99,6 +99,7 @@ class Agent:
         self._last_nodes_count = 0.0
         self._cp_restarts: dict[str, int] = {}
         self._ft_pending: dict[str, FTCoordinator] = {}
+        self._ft_warned: set[str] = set()
 
     @property
     def jobs_dir(self) -> Path:
@@ -359,6 +360,11 @@ class Agent:
         try:
             ft.tick()
         except ControlPlaneUnavailable:
+            return False
+        except Exception as exc:  # noqa: BLE001 - e.g. torchft not installed here; retried next tick
+            if view.id not in self._ft_warned:
+                self.log.error("ft_not_ready", job=view.id, error=f"{type(exc).__name__}: {exc}")
+                self._ft_warned.add(view.id)
             return False
         if not ft.ready:
             return False
