@@ -25,6 +25,13 @@ keys so that a new lighthouse's restarted quorum ids never meet stale keys.
 Durable checkpoints (ckpt_store) are written by the group that is replica
 rank 0 of the step's quorum only. A group whose first quorum finds no live
 peer ahead of step 0 restores the latest durable checkpoint.
+
+Not (yet) here: replica groups spanning several nodes (a group is one
+node's torchrun); the non-finite-step rollback and ``nan_at_step`` of
+``trainer.train`` (a non-finite step is reported to the Manager and not
+committed, by every group alike); overlapping the quorum with the forward
+pass (torchft's async quorum). If the lighthouse moves while the ranks of
+one group disagree about it, that group fails and torchrun restarts it.
 """
 
 from __future__ import annotations
