@@ -160,15 +160,20 @@ class Job:
         return out
 
     def workers(self) -> set[int]:
-        """Live worker pids: the children of every node's torchrun."""
+        """Live workers as torchrun sees them: its children with a RANK (a worker, or its zygote stub)."""
         pids = set()
         for run_dir in self.run_dirs():
             try:
                 torchrun = json.loads((run_dir / "pids.json").read_text())["torchrun_pid"]
-                pids |= {c.pid for c in psutil.Process(torchrun).children()
-                         if c.status() != psutil.STATUS_ZOMBIE}
+                children = psutil.Process(torchrun).children()
             except (OSError, ValueError, KeyError, psutil.Error):
                 continue
+            for c in children:
+                try:
+                    if c.status() != psutil.STATUS_ZOMBIE and "RANK" in c.environ():
+                        pids.add(c.pid)
+                except psutil.Error:
+                    continue
         return pids
 
     def step_lines(self) -> list[StepLine]:
@@ -197,8 +202,12 @@ class Failure:
                 "recovery_s": split}
 
 
-def watch_recovery(job: Job, failure: Failure, old: set[int], timeout: float) -> None:
-    """Fill ``failure.marks`` with the time each recovery phase ended, polling at ~20 Hz."""
+def watch_recovery(job: Job, failure: Failure, old: set[int], old_records: set[int], timeout: float) -> None:
+    """Fill ``failure.marks`` with the time each recovery phase ended, polling at ~20 Hz.
+
+    ``old``: torchrun's worker children at the kill; ``old_records``: the pids in the progress
+    records then (with warm starts the worker is the zygote's child, not torchrun's).
+    """
     marks, deadline = failure.marks, time.time() + timeout
     new: set[int] = set()
     while time.time() < deadline and "first_step" not in marks:
@@ -210,7 +219,8 @@ def watch_recovery(job: Job, failure: Failure, old: set[int], timeout: float) ->
             new |= alive - old
             if "rendezvous" not in marks and len(new) >= job.world:
                 marks["rendezvous"] = now
-        recs = [r for r in job.records() if r.get("pid") in new]
+        recs = [r for r in job.records()
+                if r.get("pid") not in old_records and float(r.get("updated_at") or 0) >= failure.at]
         if "rendezvous" in marks and len(recs) >= job.world:
             if "restart" not in marks:
                 marks["restart"] = now
@@ -266,11 +276,12 @@ def run_job(root: Path, etcd: LocalEtcd, data: str, *, name: str, nodes: int, np
                 while time.time() < end and len(job.workers()) < job.world:
                     time.sleep(0.1)
                 old = job.workers()
+            old_records = {r.get("pid") for r in job.records()}
             failure = Failure(at=time.time(), draw=draw.at, step_before=current_step(job))
             kill_one(job, etcd.endpoint, prefix, draw.seed)
             failure.step_before = max(failure.step_before, current_step(job))
             failures.append(failure)
-            watch_recovery(job, failure, old, timeout=max(5.0, min(180.0, end - time.time())))
+            watch_recovery(job, failure, old, old_records, timeout=max(5.0, min(180.0, end - time.time())))
         time.sleep(max(0.0, end - time.time()))
         lines = job.step_lines()
         marind(["cancel", job.id], etcd.endpoint, prefix, timeout=60)
