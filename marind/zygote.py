@@ -89,6 +89,14 @@ def preload(entrypoint: str) -> list[str]:
     return loaded
 
 
+def fork_unsafe_reason() -> str | None:
+    """Why forking workers from this process would be unsafe (CUDA initialised by an import), if so."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "an import initialised CUDA, which a forked child cannot use"
+    return None
+
+
 # -- the wire: one JSON header + fds from the stub, JSON lines back ---------------------------------
 def recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
     data, fds, _flags, _addr = socket.recv_fds(conn, MAX_HEADER, 8)
@@ -255,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - stubs fall back to cold starts; say why once
         sys.stderr.write(f"marind.zygote: preloading {entrypoint} failed ({type(exc).__name__}: {exc}); "
                          f"workers start cold\n")
+        return 0
+    if fork_unsafe_reason():
+        sys.stderr.write(f"marind.zygote: {fork_unsafe_reason()}; workers start cold\n")
         return 0
     zygote = Zygote(name, pid_map, entrypoint)
 
