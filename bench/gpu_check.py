@@ -1,0 +1,138 @@
+"""The CUDA/nccl path in one short run, for a machine with GPUs; ONE JSON object as the last line.
+
+    python bench/gpu_check.py [--steps 20] [--nproc N]
+
+Needs no etcd and no S3 (a lent GPU machine has neither). Checks, each
+reported as ``{"ok": bool, ...}``:
+
+* ``backend``: the device and backend the workers pick (cuda/nccl expected).
+* ``train_warm``: the tiny trainer under ``torchrun --standalone`` with N ranks
+  (default: every GPU, at most 2) on nccl, launched the way the agent does
+  (the PDEATHSIG shim forks the zygote; torchrun runs ``marind.zygote_stub``),
+  so the workers are forked from a process that imported torch and then use
+  CUDA; async checkpoints to a local directory.
+* ``resume``: the same spec run again with more steps resumes from the
+  checkpoint (step count and a finite loss).
+* ``ckpt_roundtrip``: ckpt_store saves CUDA tensors (pinned snapshot) and
+  loads them back bit-exact into CUDA tensors.
+* ``zygote_cuda_clean``: preloading the trainer does not initialise CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SPEC = """
+[job]
+name = "gpu-check"
+nodes = "1"
+nproc_per_node = {nproc}
+entrypoint = "trainer"
+[model]
+preset = "tiny"
+[data]
+path = "{data}"
+seq_len = 128
+global_batch = 16
+micro_batch = 2
+[train]
+steps = {steps}
+log_every = 1
+[checkpoint]
+url = "file://{ckpt}"
+every_steps = 5
+async = true
+"""
+
+
+def _steps_in(text: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        if '"event": "step"' in line and "{" in line:
+            try:
+                out.append(json.loads(line[line.index("{"):]))
+            except ValueError:
+                pass
+    return out
+
+
+def run_trainer(root: Path, nproc: int, steps: int, data: str) -> dict:
+    from marind.agent.supervisor import _PDEATHSIG_SHIM, zygote_env
+    spec = root / f"spec-{steps}.toml"
+    spec.write_text(SPEC.format(nproc=nproc, data=data, steps=steps, ckpt=root / "ckpt"))
+    env = dict(os.environ, PYTHONPATH=str(REPO), MARIND_LOG_JSON="1", OMP_NUM_THREADS="1",
+               **zygote_env("gpu-check", root, "trainer"))
+    t0 = time.time()
+    res = subprocess.run([sys.executable, "-c", _PDEATHSIG_SHIM, str(os.getpid()),
+                          sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          f"--nproc-per-node={nproc}", "-m", "marind.zygote_stub", "trainer", str(spec)],
+                         env=env, capture_output=True, text=True, timeout=900, cwd=root)
+    text = res.stdout + res.stderr
+    steps_seen = _steps_in(text)
+    return {"rc": res.returncode, "wall_s": round(time.time() - t0, 1), "last_step": steps_seen[-1]["step"] if steps_seen else None,
+            "last_loss": steps_seen[-1]["loss"] if steps_seen else None,
+            "cold_starts": text.count("cold start"), "restored": '"event": "restored"' in text,
+            "tail": text[-1500:] if res.returncode else ""}
+
+
+def ckpt_roundtrip(root: Path) -> dict:
+    import torch
+    from ckpt_store import CheckpointStore
+    dev = torch.device("cuda", 0)
+    state = {"model": {"w": torch.randn(513, 77, device=dev), "b": torch.randn(3, device=dev).to(torch.bfloat16)},
+             "extra": {"note": "gpu"}}
+    store = CheckpointStore(f"file://{root}/rt")
+    store.save(1, state, async_=True).wait()
+    target = {"model": {"w": torch.zeros(513, 77, device=dev), "b": torch.zeros(3, device=dev, dtype=torch.bfloat16)},
+              "extra": {}}
+    store.load(target, step=1)
+    same = all(torch.equal(state["model"][k], target["model"][k]) for k in ("w", "b"))
+    return {"ok": same and target["model"]["w"].device.type == "cuda" and store.verify(1).ok}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--nproc", type=int, default=0, help="ranks (default: GPUs, at most 2)")
+    args = parser.parse_args()
+    import torch
+    from marind.distributed import backend_for, device_for_local_rank
+    result: dict = {"bench": "gpu_check", "torch": torch.__version__, "cuda": torch.version.cuda,
+                    "gpus": torch.cuda.device_count()}
+    dev = device_for_local_rank()
+    result["backend"] = {"ok": dev.type == "cuda" and backend_for(dev) == "nccl", "device": str(dev),
+                         "backend": backend_for(dev)}
+    import marind.zygote as zygote
+    zygote.preload("trainer")
+    result["zygote_cuda_clean"] = {"ok": zygote.fork_unsafe_reason() is None}
+    root = Path(tempfile.mkdtemp(prefix="marind-gpu-check-"))
+    from trainer import corpus
+    corpus.write_example_dataset(root / "corpus", 60)
+    nproc = args.nproc or max(1, min(2, torch.cuda.device_count()))
+    first = run_trainer(root, nproc, args.steps, str(root / "corpus"))
+    result["train_warm"] = {"ok": first["rc"] == 0 and first["last_step"] == args.steps and first["cold_starts"] == 0,
+                            "nproc": nproc, **first}
+    again = run_trainer(root, nproc, args.steps + 10, str(root / "corpus"))
+    result["resume"] = {"ok": again["rc"] == 0 and again["restored"] and again["last_step"] == args.steps + 10,
+                        **again}
+    try:
+        result["ckpt_roundtrip"] = ckpt_roundtrip(root)
+    except Exception as exc:  # noqa: BLE001 - report it with the rest
+        result["ckpt_roundtrip"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    result["ok"] = all(v.get("ok") for v in result.values() if isinstance(v, dict))
+    print(json.dumps(result))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
