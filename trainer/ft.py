@@ -68,6 +68,10 @@ class LighthouseMoved(RuntimeError):
     pass
 
 
+class StopRequested(Exception):
+    """SIGTERM/SIGINT while waiting on a quorum or a lighthouse: stop now (torchrun is restarting us)."""
+
+
 def lighthouse_file() -> Path | None:
     run_dir = os.environ.get("MARIND_RUN_DIR")
     return Path(run_dir) / "ft" / "lighthouse.json" if run_dir else None
@@ -139,7 +143,8 @@ class LiveState:
 class FTGroup:
     """The torchft Manager of this replica group, rebuilt (collectively) when its quorum fails."""
 
-    def __init__(self, spec: RunSpec, live: LiveState, rank: int, world: int, group: int):
+    def __init__(self, spec: RunSpec, live: LiveState, rank: int, world: int, group: int,
+                 stop: StopFlag | None = None):
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         # gloo on CPU; NCCL when the model is on CUDA (not exercised by the CPU test suite)
@@ -153,6 +158,7 @@ class FTGroup:
                 super().configure(f"{store_addr}/lh{self.epoch}", *args, **kwargs)
 
         self.spec, self.live, self.rank, self.world, self.group = spec, live, rank, world, group
+        self.stop = stop or StopFlag()
         self.timeout = timedelta(seconds=spec.fault.timeout)
         self.pg = _EpochPG(timeout=self.timeout)
         self.manager = None
@@ -196,7 +202,7 @@ class FTGroup:
                         raise
                     get_logger("trainer").warning("ft_lighthouse_unreachable", address=address,
                                                   error=str(exc).splitlines()[0][:200])
-                    time.sleep(1.0)
+                    self._sleep(1.0)
             box = [address, epoch]
             dist.broadcast_object_list(box, src=0)
         else:
@@ -216,7 +222,7 @@ class FTGroup:
                 log.warning("ft_manager_shutdown_failed", error=str(exc))
         deadline = time.monotonic() + LIGHTHOUSE_WAIT_S
         while time.monotonic() < deadline and _safe_epoch() == self.epoch:
-            time.sleep(0.2)
+            self._sleep(0.2)
         self.rebuilds += 1
         self.build(state)
         log.warning("ft_manager_rebuilt", reason=why, epoch=self.epoch, rebuilds=self.rebuilds,
@@ -243,10 +249,17 @@ class FTGroup:
         threading.Thread(target=run, name="ft-quorum", daemon=True).start()
         started = time.monotonic()
         while not done.wait(0.2):
+            if self.stop.requested:
+                raise StopRequested()
             if time.monotonic() - started > MOVED_GRACE_S and _safe_epoch() not in (self.epoch, -1):
                 raise LighthouseMoved(f"lighthouse epoch {self.epoch} -> {_safe_epoch()} during a quorum")
         if "error" in box:
             raise box["error"]
+
+    def _sleep(self, seconds: float) -> None:
+        if self.stop.requested:
+            raise StopRequested()
+        time.sleep(seconds)
 
     def status(self) -> dict:
         m = self.manager
@@ -293,7 +306,7 @@ def train_ft(spec: RunSpec, device: torch.device, *, stop: StopFlag | None = Non
     ckpt = Checkpointer(spec, model, optimizer, rank=rank, world_size=world, layout=layout.as_dict())
     accum = grad_accum_steps(spec, layout.dp_size)
     params = [p for p in model.parameters()]
-    ft = FTGroup(spec, LiveState(model, optimizer), rank, world, group)
+    ft = FTGroup(spec, LiveState(model, optimizer), rank, world, group, stop)
     if rank == 0:
         log.info("train_start", mode="torchft", replica_group=group, replica_groups=f.replica_groups,
                  world_size=world, layout=layout.as_dict(), grad_accum=accum, steps=t.steps,
@@ -309,15 +322,21 @@ def train_ft(spec: RunSpec, device: torch.device, *, stop: StopFlag | None = Non
         t_attempt = time.perf_counter()     # step_s: this attempt only (a failed one is not a step)
         manager = ft.manager
         try:
-            ft.start_quorum()               # synchronous: a healing group holds the peer's state now
-        except Exception as exc:  # noqa: BLE001 - lighthouse lost or peers gone: rebuild and retry
-            failures += 1
-            if failures > MAX_QUORUM_FAILURES:
+            try:
+                ft.start_quorum()           # synchronous: a healing group holds the peer's state now
+            except StopRequested:
                 raise
-            log.warning("ft_quorum_failed", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
-                        failures=failures)
-            ft.rebuild(log, "quorum failed")
-            continue
+            except Exception as exc:  # noqa: BLE001 - lighthouse lost or peers gone: rebuild and retry
+                failures += 1
+                if failures > MAX_QUORUM_FAILURES:
+                    raise
+                log.warning("ft_quorum_failed", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
+                            failures=failures)
+                ft.rebuild(log, "quorum failed")
+                continue
+        except StopRequested:
+            stopped = True
+            break
         step = manager.current_step()
         if first:
             first = False
