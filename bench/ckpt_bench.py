@@ -132,7 +132,8 @@ def _dcp_reader(url: str, opts: dict | None):
     return None
 
 
-def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: int) -> dict:
+def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: int,
+                  store_kwargs: dict | None = None) -> dict:
     """marind and DCP against one target (a local dir or an S3 prefix)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -142,7 +143,7 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
     rank = dist.get_rank()
     local = not url.startswith("s3://")
     mk = CheckpointStore(f"{url}/marind" if not local else f"file://{url}/marind", storage_options=opts,
-                         keep_last=1)
+                         keep_last=1, **(store_kwargs or {}))
     res: dict = {"marind": {}, "dcp": {}}
     step = 0
     sync, blocked, commit, during, phases, quiet = [], [], [], [], [], []
@@ -217,7 +218,7 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
 
 
 def worker(dim: int, layers: int, repeats: int, local_dir: str, s3_url: str | None,
-           s3_opts: dict | None) -> dict:
+           s3_opts: dict | None, local: bool = True, store_kwargs: dict | None = None) -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -233,10 +234,14 @@ def worker(dim: int, layers: int, repeats: int, local_dir: str, s3_url: str | No
     dist.all_reduce(nbytes)
     base = [_train_step(model, optim, dim) for _ in range(max(5, repeats * 3))]
     out = {"world": world, "state_bytes": int(nbytes.item()), "step_s": statistics.median(base)}
-    out["local"] = _bench_target("local", local_dir, None, model, optim, dim, repeats)
+    if local:
+        out["local"] = _bench_target("local", local_dir, None, model, optim, dim, repeats, store_kwargs)
     if s3_url:
-        out["s3"] = _bench_target("s3", s3_url, s3_opts, model, optim, dim, repeats)
+        out["s3"] = _bench_target("s3", s3_url, s3_opts, model, optim, dim, repeats, store_kwargs)
+    if dist.get_rank() == 0:
+        print(json.dumps({"partial": {k: out.get(k) for k in ("local", "s3")}}), file=sys.stderr, flush=True)
     # torch.save of the full (gathered) state by rank 0
+    os.makedirs(local_dir, exist_ok=True)
     full_path = f"{local_dir}/torch_save.pt"
 
     def full_save():
@@ -316,6 +321,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny state, one repeat (checks the JSON shape)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--no-s3", action="store_true")
+    ap.add_argument("--no-local", action="store_true", help="S3 only (no local target, no reshard)")
+    ap.add_argument("--store-options", default=None, help="JSON of extra CheckpointStore keywords "
+                    '(e.g. \'{"writer_nice": 10}\')')
     ap.add_argument("--dir", default=None, help="local checkpoint dir (default: a temp dir)")
     args = ap.parse_args(argv)
     from tests.support.procs import kill_all, run_torch_workers
@@ -326,7 +334,8 @@ def main(argv=None) -> int:
     root = Path(args.dir or tempfile.mkdtemp(prefix="marind-ckpt-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     s3 = None
-    result: dict = {"bench": "ckpt", "quick": args.quick, "repeats": repeats}
+    store_kwargs = json.loads(args.store_options) if args.store_options else {}
+    result: dict = {"bench": "ckpt", "quick": args.quick, "repeats": repeats, "store_options": store_kwargs}
     try:
         result["disk_write_MBps"] = round(disk_write_rate(str(root), 64 if args.quick else 512), 1)
         s3_url = s3_opts = None
@@ -336,14 +345,14 @@ def main(argv=None) -> int:
         env = {"OMP_NUM_THREADS": "1", "MARIND_LOG_LEVEL": "WARNING"}
         r = run_torch_workers("bench.ckpt_bench:worker", 4, timeout=3000, env=env, dim=dim, layers=layers,
                               repeats=repeats, local_dir=str(root / "local"), s3_url=s3_url,
-                              s3_opts=s3_opts)[0]
+                              s3_opts=s3_opts, local=not args.no_local, store_kwargs=store_kwargs)[0]
         result.update({k: r[k] for k in ("world", "state_bytes", "step_s", "torch_save_s")})
-        result["local"], result["s3"] = r["local"], r.get("s3")
-        reshard = run_torch_workers("bench.ckpt_bench:reshard_worker", 2, timeout=3000, env=env, dim=dim,
-                                    layers=layers, repeats=repeats,
-                                    marind_url=f"file://{root}/local/marind",
-                                    dcp_id=r["local"]["dcp"]["checkpoint_id"], opts=None)[0]
-        result["reshard_4_to_2_local"] = reshard
+        result["local"], result["s3"] = r.get("local"), r.get("s3")
+        if not args.no_local:
+            result["reshard_4_to_2_local"] = run_torch_workers(
+                "bench.ckpt_bench:reshard_worker", 2, timeout=3000, env=env, dim=dim, layers=layers,
+                repeats=repeats, marind_url=f"file://{root}/local/marind",
+                dcp_id=r["local"]["dcp"]["checkpoint_id"], opts=None)[0]
         result["ratios"] = _ratios(result)
     finally:
         kill_all()

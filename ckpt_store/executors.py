@@ -30,6 +30,7 @@ from marind.log import get_logger
 log = get_logger(__name__)
 _ROOT = str(Path(__file__).resolve().parents[1])   # holds the ckpt_store and marind packages
 CLOSE_TIMEOUT_S = 30.0
+START_TIMEOUT_S = 60.0
 
 
 class ThreadWriter:
@@ -82,7 +83,9 @@ class _Child:
         self.proc: subprocess.Popen | None = None
         self.start_error: BaseException | None = None
         threading.Thread(target=self._run, name="ckpt-writer-proc", daemon=True).start()
-        self._started.wait()
+        if not self._started.wait(START_TIMEOUT_S):
+            self.dead = True
+            raise CheckpointSaveFailed(f"the checkpoint writer process did not start within {START_TIMEOUT_S}s")
         if self.start_error is not None:
             raise CheckpointSaveFailed(f"cannot start the checkpoint writer process: "
                                        f"{self.start_error}") from self.start_error
@@ -176,9 +179,14 @@ class ProcessWriter:
         return self._child.proc.pid if self._child and self._child.proc else None
 
     def submit(self, job: dict, pending) -> None:
+        """Queue ``job``; a writer that cannot start fails ``pending`` (raised at wait())."""
         for _ in range(2):
             if self._child is None or self._child.dead:
-                self._child = _Child(self._st, self._arena, self._config)
+                try:
+                    self._child = _Child(self._st, self._arena, self._config)
+                except CheckpointSaveFailed as exc:
+                    pending._finish(exc)
+                    return
             if self._child.submit(job, pending):
                 return
         pending._finish(CheckpointSaveFailed("the checkpoint writer process keeps dying at start"))

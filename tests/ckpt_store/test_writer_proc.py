@@ -114,3 +114,17 @@ def test_writer_dies_with_its_trainer_and_never_commits(tmp_path):
     assert _gone(writer), "the writer process outlived its trainer"
     store = CheckpointStore(f"file://{root}")
     assert store.steps() == [1] and not (root / "step-0000000002" / "manifest.json").exists()
+
+
+def test_a_writer_that_cannot_start_fails_the_save_at_wait(tmp_path, monkeypatch):
+    from ckpt_store import executors
+
+    store = CheckpointStore(f"file://{tmp_path}/ckpt")
+    monkeypatch.setattr(executors.sys, "executable", str(tmp_path / "no-such-python"))
+    pending = store.save(1, _state(1.0))
+    with pytest.raises(CheckpointSaveFailed, match="cannot start the checkpoint writer"):
+        pending.wait(timeout=60)
+    monkeypatch.undo()
+    store.save(2, _state(2.0)).wait(timeout=60)   # the next save starts a writer
+    assert store.steps() == [2] and _loads(store, 2.0)
+    store.close()
