@@ -333,6 +333,7 @@ class Agent:
     def _end_run(self, run: JobRun, why: str) -> None:
         self.log.info("job_stopping", job=run.job, reason=why)
         run.sup.stop(self.config.stop_timeout)
+        self._final_progress(run)
         if run.ft is not None:
             run.ft.stop()
         self.runs.pop(run.job, None)
@@ -341,6 +342,15 @@ class Agent:
         self._leave(run, why)
         key = self.client.key("jobs", run.job, "nodes", self.node)
         self._queue(run.job, lambda: self.client.delete(key))
+
+    def _final_progress(self, run: JobRun) -> None:
+        """Where global rank 0 ran: the job's progress with the last steps since the previous report."""
+        final = [r for r in prog.read_records(run.sup.run_dir) if r.updated_at >= run.sup.started_at]
+        summary = prog.job_summary(final)
+        if summary is not None:
+            run.step = max(run.step, summary["step"])
+            key = self.client.key("jobs", run.job, "progress")
+            self._queue(run.job, lambda: self.client.put_json(key, summary))
 
     def _leave(self, run: JobRun, why: str) -> None:
         """Mark this node's departure as clean before its record goes (no node_lost for it)."""
@@ -457,12 +467,7 @@ class Agent:
             reason = (f"torchrun exited {rc} on {self.node} (restarts exhausted or the entrypoint "
                       f"failed); see `marind logs {run.job}`")
         self.log.info("torchrun_exited", job=run.job, rc=rc)
-        final = [r for r in prog.read_records(run.sup.run_dir) if r.updated_at >= run.sup.started_at]
-        summary = prog.job_summary(final)
-        if summary is not None:   # the last steps since the previous report
-            run.step = max(run.step, summary["step"])
-            key_p = self.client.key("jobs", run.job, "progress")
-            self._queue(run.job, lambda: self.client.put_json(key_p, summary))
+        self._final_progress(run)
         self._queue(run.job, lambda: update_state(self.client, run.job, event, reason=reason,
                                                   restarts=run.restarts))
         self._emit(run.job, kind, {"rc": rc, "step": run.step})
