@@ -5,11 +5,14 @@ Torch-free (the writer process applies retention after it commits).
 
 from __future__ import annotations
 
+import uuid
+
 from ckpt_store import retention
 from marind.log import get_logger
 
 log = get_logger(__name__)
 MANIFEST = "manifest.json"
+TRASH = ".deleted-"   # a deleted step renamed out of sight, its files removed right after
 
 
 def step_dir(step: int) -> str:
@@ -31,15 +34,28 @@ def committed_steps(st) -> list[int]:
 
 
 def apply_retention(st, keep_last: int | None, keep_every: int | None,
-                    in_flight: set[int] | None = None) -> list[int]:
-    """Delete steps past ``keep_last``/``keep_every`` and uncommitted leftovers; returns them."""
+                    in_flight: set[int] | None = None, trash: list | None = None) -> list[int]:
+    """Delete steps past ``keep_last``/``keep_every`` and uncommitted leftovers; returns them.
+
+    With ``trash`` (a list) on a local disk, a doomed step is only renamed to
+    ``.deleted-...`` (instant) and its key appended: the caller removes it later
+    (also any such names a crash left behind).
+    """
     committed = committed_steps(st)
     doomed = retention.steps_to_delete(committed, keep_last, keep_every)
     doomed += retention.leftovers_to_delete(all_step_dirs(st), committed, in_flight or set())
+    defer = trash is not None and st.local
     for s in doomed:
         d = step_dir(s)
         if st.exists(f"{d}/{MANIFEST}"):
             st.delete_prefix(f"{d}/{MANIFEST}")  # uncommit first
-        st.delete_prefix(d)
+        if defer:
+            gone = f"{TRASH}{d}-{uuid.uuid4().hex[:8]}"
+            st.rename(d, gone)
+            trash.append(gone)
+        else:
+            st.delete_prefix(d)
         log.info("ckpt_deleted", step=s)
+    if defer:
+        trash.extend(n for n in st.list_dir("") if n.startswith(TRASH) and n not in trash)
     return sorted(doomed)

@@ -180,6 +180,13 @@ class Storage:
             return []
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
+    def rename(self, key: str, new_key: str) -> None:
+        """Rename a file or directory (atomic on a local disk; a copy on object stores)."""
+        if self.local:
+            os.rename(self.path(key), self.path(new_key))
+        else:
+            self.fs.mv(self.path(key), self.path(new_key), recursive=True)
+
     def delete_prefix(self, key: str) -> None:
         path = self.path(key)
         try:

@@ -23,7 +23,8 @@ from marind.log import get_logger
 
 log = get_logger(__name__)
 MARKERS = ".marind"
-POLL_S = 0.05
+POLL_S = 0.05         # polling object stores (each poll is a request)
+POLL_LOCAL_S = 0.01   # polling a local disk (each poll is a stat)
 
 
 def _marker(d: str, kind: str, rank: int) -> str:
@@ -57,12 +58,18 @@ def run_save(st, job: dict, arena: memoryview, on_commit) -> None:
         wait_for_commit(st, d, timeout_s=job["commit_timeout_s"])
     timings["commit_s"] = time.perf_counter() - t0
     log.info("ckpt_committed", step=job["step"], rank=rank, seconds=round(timings["commit_s"], 3))
+    trash: list[str] = []
     if rank == 0:
         try:
-            apply_retention(st, job.get("keep_last"), job.get("keep_every"), in_flight=set())
+            apply_retention(st, job.get("keep_last"), job.get("keep_every"), in_flight=set(), trash=trash)
         except Exception as exc:  # noqa: BLE001 - retention never fails a committed save
             log.warning("ckpt_retention_failed", error=str(exc))
     on_commit(timings)
+    for key in trash:   # deleted steps, already renamed out of sight: free their space now
+        try:
+            st.delete_prefix(key)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("ckpt_trash_delete_failed", key=key, error=str(exc))
 
 
 def _json_bytes(obj) -> bytes:
@@ -167,8 +174,12 @@ def _collect(st, d: str, world: int, timeout_s: float) -> dict:
             if time.monotonic() > deadline:
                 raise CheckpointSaveFailed(f"ranks {sorted(waiting)} did not finish their part "
                                            f"within {timeout_s}s (crashed or storage unreachable)")
-            time.sleep(POLL_S)
+            time.sleep(_poll(st))
     return objects
+
+
+def _poll(st) -> float:
+    return POLL_LOCAL_S if getattr(st, "local", False) else POLL_S
 
 
 def wait_for_commit(st, d: str, timeout_s: float) -> None:
@@ -179,4 +190,4 @@ def wait_for_commit(st, d: str, timeout_s: float) -> None:
             raise CheckpointSaveFailed(f"rank 0 aborted the commit: {err}")
         if time.monotonic() > deadline:
             raise CheckpointSaveFailed(f"no commit within {timeout_s}s (rank 0 crashed or storage down)")
-        time.sleep(POLL_S)
+        time.sleep(_poll(st))

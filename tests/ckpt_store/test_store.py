@@ -193,3 +193,14 @@ def test_interop_zarr_python_and_tensorstore(tmp_path):
             assert got.shape == want.shape and np.array_equal(got, want), name
     meta = json.loads(open(f"{d}/model/layers.0.wq.weight/zarr.json").read())
     assert meta["codecs"][0]["name"] == "sharding_indexed"
+
+
+def test_deleted_steps_leave_no_trash(tmp_path):
+    root = tmp_path / "ckpt"
+    (root / ".deleted-step-0000000001-0badf00d" / "model").mkdir(parents=True)   # left by a crash
+    store = CheckpointStore(f"file://{root}", keep_last=1)
+    for step in (1, 2, 3):
+        store.save(step, _state(step)).wait()
+        assert store.steps() == [step]
+    store.close()   # the writer finishes removing what it renamed away
+    assert sorted(os.listdir(root)) == ["step-0000000003"]
