@@ -144,6 +144,7 @@ def _run_worker(request: dict, fds: list[int]) -> None:
         marind.log._configured = False          # log as the worker's environment says
         import runpy
         sys.argv = [request["module"], *request["args"]]
+        sys.modules.pop(request["module"], None)   # preloaded as a module; it runs afresh as __main__
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:

@@ -57,6 +57,7 @@ class JobRun:
     sup: TorchrunSupervisor
     hang: HangDetector
     gen_pids: frozenset = frozenset()
+    worker_pids: frozenset = frozenset()     # the latest generation's workers (their progress records count)
     generations: int = 0
     restarts: int = 0
     awaiting_running_since: float | None = None
@@ -345,8 +346,13 @@ class Agent:
 
     def _final_progress(self, run: JobRun) -> None:
         """Where global rank 0 ran: the job's progress with the last steps since the previous report."""
-        final = [r for r in prog.read_records(run.sup.run_dir) if r.updated_at >= run.sup.started_at]
+        # only the last generation's records: a rank file left by an earlier generation (when this
+        # node held global rank 0) would set the job's progress back
+        records = prog.read_records(run.sup.run_dir)
+        final = prog.current(records, set(run.worker_pids))
         summary = prog.job_summary(final)
+        self.log.info("final_progress", job=run.job, step=summary and summary["step"],
+                      workers=sorted(run.worker_pids), records={r.rank: r.pid for r in records})
         if summary is not None:
             run.step = max(run.step, summary["step"])
             key = self.client.key("jobs", run.job, "progress")
@@ -400,6 +406,8 @@ class Agent:
                 run.gen_pids = launched
             else:
                 run.gen_pids = run.gen_pids | launched   # workers of this round still spawning
+        if workers:
+            run.worker_pids = frozenset(w.pid for w in workers)
         records = prog.current(prog.read_records(run.sup.run_dir), {w.pid for w in workers})
         if run.awaiting_running_since is not None and (
                 any(r.phase in ("training", "checkpointing", "done") for r in records)

@@ -226,6 +226,9 @@ class TorchrunSupervisor:
                 self._stubs[child.pid] = known
             if child.pid in forked:    # a warm start: the worker is the zygote's child
                 known = WorkerProc(forked[child.pid], known.rank, known.local_rank, launcher=child.pid)
+                self._stubs[child.pid] = known
+            elif known.launcher is not None:
+                continue               # its forked worker has ended; the stub is on its way out
             out.append(known)
         alive = {c.pid for c in children}
         self._stubs = {pid: w for pid, w in self._stubs.items() if pid in alive}
