@@ -50,6 +50,23 @@ def start_agent(root: Path, node: str, etcd: str, prefix: str, *, fast: bool = T
         log.close()
 
 
+def start_nodes(root: Path, names: list[str], etcd: str, prefix: str, timeout: float = 60.0
+                ) -> list[subprocess.Popen]:
+    """One agent per node name; returns once every one has registered in etcd."""
+    import time
+    from marind.etcd_client import EtcdClient
+    agents = [start_agent(root, n, etcd, prefix) for n in names]
+    with EtcdClient(etcd, prefix=prefix) as client:
+        deadline = time.time() + timeout
+        while len(client.get_prefix_keys(client.key("nodes") + "/")) < len(names):
+            if time.time() > deadline:
+                for agent in agents:
+                    stop_agent(agent)
+                raise RuntimeError(f"the agents did not register within {timeout:.0f} s")
+            time.sleep(0.2)
+    return agents
+
+
 def marind(args: list[str], etcd: str, prefix: str, timeout: float = 900) -> str:
     """Run ``marind ARGS`` against this etcd; its stdout, or RuntimeError with its stderr."""
     res = subprocess.run([sys.executable, "-m", "marind", *args],

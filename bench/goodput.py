@@ -44,9 +44,8 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench._cluster import env, make_data, marind, start_agent, stop_agent, submit  # noqa: E402
+from bench._cluster import env, make_data, marind, start_nodes, stop_agent, submit  # noqa: E402
 from chaos.schedule import draw_schedule  # noqa: E402
-from marind.etcd_client import EtcdClient  # noqa: E402
 from marind.local_etcd import LocalEtcd  # noqa: E402
 
 SPEC = """
@@ -252,15 +251,9 @@ def run_job(root: Path, etcd: LocalEtcd, data: str, *, name: str, nodes: int, np
     """One run of ``wall`` seconds, with a kill at each draw; goodput and per-failure figures."""
     prefix = f"/goodput-{name}"
     node_names = [f"{name}-{i}" for i in range(nodes)]
-    agents = [start_agent(root, n, etcd.endpoint, prefix) for n in node_names]
-    client = EtcdClient(etcd.endpoint, prefix=prefix)
+    agents = start_nodes(root, node_names, etcd.endpoint, prefix)
     failures: list[Failure] = []
     try:
-        deadline = time.time() + 60
-        while len(client.get_prefix_keys(client.key("nodes") + "/")) < nodes:
-            if time.time() > deadline:
-                raise RuntimeError("the agents did not register within 60 s")
-            time.sleep(0.2)
         spec = root / f"{name}.toml"
         spec.write_text(SPEC.format(name=name, nodes=f"1:{nodes}", nproc=nproc, data=data,
                                     ckpt=root / f"ckpt-{name}", every=every_steps))
@@ -288,7 +281,6 @@ def run_job(root: Path, etcd: LocalEtcd, data: str, *, name: str, nodes: int, np
     finally:
         for agent in agents:
             stop_agent(agent)
-        client.close()
     first = min((ln.at - ln.step_s for ln in lines), default=end)
     kept_s, kept_n = kept_step_seconds(lines, t0, end)
     runs = sum(1 for ln in lines if t0 <= ln.at <= end)

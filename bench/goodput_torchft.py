@@ -31,10 +31,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench._cluster import make_data, marind, start_agent, stop_agent, submit  # noqa: E402
+from bench._cluster import make_data, marind, start_nodes, stop_agent, submit  # noqa: E402
 from bench.goodput import SPEC, Job, kept_step_seconds, kill_one, percentile  # noqa: E402
 from chaos.schedule import draw_schedule  # noqa: E402
-from marind.etcd_client import EtcdClient  # noqa: E402
 from marind.local_etcd import LocalEtcd  # noqa: E402
 
 FAULT = """
@@ -108,15 +107,9 @@ def run_torchft(root: Path, etcd: LocalEtcd, data: str, *, name: str, nodes: int
                 every_steps: int, draws: list) -> dict:
     prefix = f"/goodput-{name}"
     node_names = [f"{name}-{i}" for i in range(nodes)]
-    agents = [start_agent(root, n, etcd.endpoint, prefix) for n in node_names]
-    client = EtcdClient(etcd.endpoint, prefix=prefix)
+    agents = start_nodes(root, node_names, etcd.endpoint, prefix)
     failures: list[dict] = []
     try:
-        deadline = time.time() + 60
-        while len(client.get_prefix_keys(client.key("nodes") + "/")) < nodes:
-            if time.time() > deadline:
-                raise RuntimeError("the agents did not register within 60 s")
-            time.sleep(0.2)
         spec = root / f"{name}.toml"
         spec.write_text(torchft_spec(name, nodes, nproc, data, root / f"ckpt-{name}", every_steps))
         t0 = time.time()
@@ -140,7 +133,6 @@ def run_torchft(root: Path, etcd: LocalEtcd, data: str, *, name: str, nodes: int
     finally:
         for agent in agents:
             stop_agent(agent)
-        client.close()
     first = min((ln.at - ln.step_s for ln in lines), default=end)
     kept_s, kept_n = kept_step_seconds(lines, t0, end)
     return {"wall_s": round(end - t0, 2), "startup_s": round(first - t0, 2), "steps_kept": kept_n,
