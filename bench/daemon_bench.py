@@ -121,6 +121,10 @@ def bench_node_death(root: Path, etcd: LocalEtcd, data: str) -> dict:
         rec = client.get_json(client.key("jobs", job, "nodes", "a"))
         old = {w["pid"] for w in rec["workers"]}
         progress_dir = root / "state-a" / "jobs" / job / "progress"
+        try:
+            stubs_at_kill = {c.pid for c in psutil.Process(rec["torchrun_pid"]).children()}
+        except psutil.Error:
+            stubs_at_kill = set()
         t0 = time.time()
         _kill_tree(b)
         marks: dict[str, float] = {}
@@ -128,11 +132,11 @@ def bench_node_death(root: Path, etcd: LocalEtcd, data: str) -> dict:
         while time.time() - t0 < 300 and "first_step" not in marks:
             if "old_gone" not in marks and not any(psutil.pid_exists(p) for p in old):
                 marks["old_gone"] = time.time()
-            try:
-                kids = {c.pid for c in psutil.Process(rec["torchrun_pid"]).children()}
+            try:   # torchrun's worker children (a worker or its zygote stub: it has a RANK), not the zygote
+                kids = {c.pid for c in psutil.Process(rec["torchrun_pid"]).children() if "RANK" in c.environ()}
             except psutil.Error:
                 kids = set()
-            if "old_gone" in marks and "spawned" not in marks and kids - old:
+            if "old_gone" in marks and "spawned" not in marks and kids - old - stubs_at_kill:
                 marks["spawned"] = time.time()
             for path in progress_dir.glob("rank-*.json"):
                 try:
