@@ -23,6 +23,24 @@ def _params(endpoint: str, run_id: str = "job", min_nodes: int = 1, max_nodes: i
     return RendezvousParameters("etcd3", endpoint, run_id, min_nodes, max_nodes, **conf)
 
 
+# -- event names (pure) ----------------------------------------------------------------------
+def test_frame_method_name_matches_torch_get_method_name():
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from marind.rendezvous.handler import frame_method_name
+    original = dynamic_rendezvous.__dict__.get("get_method_name")
+    if original is frame_method_name:      # installed by an earlier test in this process
+        pytest.skip("torch's own get_method_name was already replaced in this process")
+
+    def caller_of_caller():
+        def caller():
+            return original(), frame_method_name(), original(1), frame_method_name(1)
+        return caller()
+    torch_name, ours, torch_1, ours_1 = caller_of_caller()
+    assert (ours, ours_1) == (torch_name, torch_1) == ("caller_of_caller", "caller")
+    assert frame_method_name(10_000) == original(10_000) == "no_method_name"
+
+
 # -- options (pure) -------------------------------------------------------------------------
 def test_options_defaults_and_endpoint_forms():
     opts = parse_options(_params("10.0.0.1:2379,10.0.0.2:2379"), env={})
@@ -97,6 +115,10 @@ def test_three_handlers_get_unique_contiguous_ranks(etcd, etcd_prefix):
     try:
         assert all(isinstance(h, Etcd3RendezvousHandler) for h in handlers)
         assert handlers[0].get_backend() == "etcd3"
+        from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+        from marind.rendezvous.handler import frame_method_name
+        assert dynamic_rendezvous.get_method_name is frame_method_name   # no inspect.stack() per event
         results, errors = _join_all(handlers)
         assert errors == [None] * 3
         assert sorted(r.rank for r in results) == [0, 1, 2]
