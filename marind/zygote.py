@@ -35,6 +35,7 @@ entrypoint, torch.distributed and whatever the entrypoint package lists in
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -268,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     if fork_unsafe_reason():
         sys.stderr.write(f"marind.zygote: {fork_unsafe_reason()}; workers start cold\n")
         return 0
+    # What was preloaded lives as long as every worker: keep the workers' garbage collector
+    # from scanning it (and from touching, so copying, its shared pages) on every full pass.
+    gc.collect()
+    gc.freeze()
     zygote = Zygote(name, pid_map, entrypoint)
 
     def stop(*_):
