@@ -42,6 +42,8 @@ from marind.log import get_logger
 
 log = get_logger(__name__)
 FORMAT = 1
+#: niceness of an async save's encode/write threads (measured in bench/ckpt_bench.py)
+BACKGROUND_NICE = 10
 
 
 @dataclass
@@ -88,16 +90,21 @@ class CheckpointStore:
     def __init__(self, url: str, storage_options: dict | None = None, *, keep_last: int | None = None,
                  keep_every: int | None = None, commit_timeout_s: float = 600.0,
                  io_threads: int = 4, inner_chunk_bytes: int = 1 << 20,
-                 io_rate_limit: float | None = None, writer: str = "auto", writer_nice: int = 0):
+                 io_rate_limit: float | None = None, writer: str = "auto", writer_nice: int = 0,
+                 background_nice: int = BACKGROUND_NICE):
         """``io_rate_limit``: cap background writes at this many bytes/s (None: no cap).
         ``writer``: where uploads run: "process" (a writer process per store, the default
         for file:// and s3://), "thread" (in this process; memory:// needs it), or "auto".
-        ``writer_nice``: niceness added to the writer process (yields CPU to training)."""
+        ``writer_nice``: niceness added to the writer process (yields CPU to training).
+        ``background_nice``: niceness added, during async saves only, to the threads that
+        encode and write (training keeps the CPU; a sync save, which the caller waits
+        for, runs at full priority)."""
         self.url = url
         self.storage = Storage(url, storage_options, io_threads=io_threads, rate_limit=io_rate_limit)
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.commit_timeout_s = commit_timeout_s
+        self.background_nice = background_nice
         self.inner_chunk_bytes = inner_chunk_bytes
         self._writer_kind = _writer_kind(writer, self.storage, storage_options)
         self._writer_config = {"url": self.storage.url, "storage_options": storage_options,
@@ -127,6 +134,7 @@ class CheckpointStore:
         job = {"step": step, "dir": step_dir(step), "rank": rank, "world": world, "fmt": FORMAT,
                "commit_timeout_s": self.commit_timeout_s, "keep_last": self.keep_last,
                "keep_every": self.keep_every, "arena_size": self._arena.size, "values": values,
+               "background_nice": self.background_nice if async_ else 0,
                "saved_layout": {"world_size": world, "saved_at": _now()}, "slots": slots,
                "arrays": {p.spec.name: {**p.spec.to_json(), "layout": p.layout} for p in plans}}
         pending = PendingSave(step)

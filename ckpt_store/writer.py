@@ -47,7 +47,7 @@ def run_save(st, job: dict, arena: memoryview, on_commit) -> None:
     firsts = {chunk_key(n, (0,) * len(spec.shape)): spec for n, spec in specs.items()}
     meta = [(f"{spec.name}/zarr.json", _json_bytes(array_metadata(spec, {"marind": job["arrays"][spec.name]["layout"]})))
             for spec in (firsts.get(s["key"]) for s in job["slots"]) if spec is not None]
-    write_rank_part(st, d, rank, chunks, job["values"], meta)
+    write_rank_part(st, d, rank, chunks, job["values"], meta, nice=job.get("background_nice", 0))
     del chunks
     timings = {"write_s": time.perf_counter() - t0}
     if rank == 0:
@@ -76,9 +76,11 @@ def _json_bytes(obj) -> bytes:
     return json.dumps(obj, indent=1).encode()
 
 
-def write_rank_part(st, d: str, rank: int, chunks: list, values: dict, meta: list = ()) -> dict:
+def write_rank_part(st, d: str, rank: int, chunks: list, values: dict, meta: list = (),
+                    nice: int = 0) -> dict:
     """Encode + write this rank's chunks ``(key, spec, buffer, valid_rows)``, metadata objects
-    ``(key, bytes)`` and JSON values, then its done marker (or, on failure, its error marker)."""
+    ``(key, bytes)`` and JSON values, then its done marker (or, on failure, its error marker).
+    ``nice``: run the encoding and writes on I/O threads that much nicer (async saves)."""
     objects: dict[str, dict] = {}
 
     def one(item):
@@ -93,11 +95,13 @@ def write_rank_part(st, d: str, rank: int, chunks: list, values: dict, meta: lis
         return key, len(data), crc32c.crc32c(data)
 
     try:
-        futures = [st._pool.submit(one, c) for c in chunks] + [st._pool.submit(small, m) for m in meta]
+        pool = st.pool(nice)
+        futures = [pool.submit(one, c) for c in chunks] + [pool.submit(small, m) for m in meta]
         wait(futures)  # all writes are over before this returns or raises: the snapshot is free
         for fut in futures:
             key, size, crc = fut.result()
             objects[key] = {"size": size, "crc32c": crc}
+        st.make_durable([f"{d}/{key}" for key in objects])
         data = json.dumps(values, sort_keys=True).encode()
         vkey = values_key(d, rank)
         st.write(vkey, [data])

@@ -204,3 +204,31 @@ def test_deleted_steps_leave_no_trash(tmp_path):
         assert store.steps() == [step]
     store.close()   # the writer finishes removing what it renamed away
     assert sorted(os.listdir(root)) == ["step-0000000003"]
+
+
+def test_background_io_threads_run_nicer_and_foreground_ones_do_not(tmp_path):
+    import threading
+
+    from ckpt_store.storage import Storage
+    st = Storage(f"file://{tmp_path}")
+
+    def my_nice():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    try:
+        base = my_nice()
+        assert st.pool(0).submit(my_nice).result() == base
+        assert st.pool(5).submit(my_nice).result() == min(19, base + 5)
+        assert st.pool(0).submit(my_nice).result() == base     # the foreground threads are untouched
+    finally:
+        st.close()
+
+
+def test_async_save_commits_durably_with_nicer_writer_threads(tmp_path):
+    store = CheckpointStore(f"file://{tmp_path}", background_nice=7)
+    state = {"w": torch.arange(4096, dtype=torch.float32)}
+    store.save(1, state, async_=True).wait()
+    store.save(2, state, async_=False)
+    assert store.steps() == [1, 2]
+    out = {"w": torch.zeros(4096)}
+    store.load(out)
+    assert torch.equal(out["w"], state["w"])
