@@ -317,7 +317,7 @@ class Agent:
         c = self.config
         cmd = torchrun_command(python=c.python or default_python(), job=view.id, spec=view.spec,
                                endpoint=self.endpoint, prefix=c.prefix, run_toml=run_toml,
-                               rdzv_conf=c.rdzv_conf)
+                               rdzv_conf=c.rdzv_conf, node=self.node)
         env = worker_env(os.environ, job=view.id, node=self.node, run_dir=run_dir, spec=view.spec,
                          etcd_user=c.etcd_user, etcd_password=c.etcd_password)
         if ft is not None:

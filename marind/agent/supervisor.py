@@ -91,15 +91,19 @@ def spec_to_toml(spec: dict) -> str:
 
 
 def torchrun_command(*, python: str, job: str, spec: dict, endpoint: str, prefix: str,
-                     run_toml: Path, rdzv_conf: str = "", backend: str = "etcd3") -> list[str]:
+                     run_toml: Path, rdzv_conf: str = "", backend: str = "etcd3",
+                     node: str = "node") -> list[str]:
     j = spec.get("job", {})
-    nodes = str(j.get("nodes", "1:1"))
+    nodes, run_id = str(j.get("nodes", "1:1")), job
+    if (spec.get("fault") or {}).get("mode") == "torchft":
+        # this node is one replica group (marind/agent/lighthouse.py): a rendezvous of its own,
+        # under the job's keys. Not --standalone: its c10d handler reuses the workers' store
+        # across restarts, and restarted workers then dial the dead ones' addresses.
+        nodes, run_id, prefix = "1", f"rg-{node}", f"{prefix.rstrip('/')}/jobs/{job}/ft"
     conf = [f"prefix={prefix}"] + [c for c in rdzv_conf.split(",") if c.strip()]
     endpoint = ",".join(e.split("://", 1)[-1] for e in endpoint.split(","))
-    rdzv = [f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}",
+    rdzv = [f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
             f"--rdzv-conf={','.join(conf)}", f"--nnodes={nodes}"]
-    if (spec.get("fault") or {}).get("mode") == "torchft":
-        rdzv = ["--standalone", "--nnodes=1"]     # this node is one replica group (marind/agent/lighthouse.py)
     return [python, "-m", "torch.distributed.run", *rdzv,
             f"--nproc-per-node={int(j.get('nproc_per_node', 1))}",
             f"--max-restarts={int(j.get('max_restarts', 3))}", "--monitor-interval=0.5",

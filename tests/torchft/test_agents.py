@@ -23,6 +23,9 @@ from tests.torchft.groups import ft_spec  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
+SURVIVOR_GAP_S = 10.0   # the survivor's step must advance within this long of the kill
+
+
 def _progress(tmp, node, job) -> dict:
     try:
         return json.loads((tmp / f"state-{node}" / "jobs" / job / "progress" / "rank-0.json").read_text())
@@ -59,16 +62,22 @@ def test_torchft_job_under_two_agents_survives_a_killed_rank(tmp_path, etcd, etc
     action = json.loads(out.stdout.strip().splitlines()[-1])
     victim = action["node"]
     other = "b" if victim == "a" else "a"
-    before = seen = _progress(tmp_path, other, job)["step"]
-    # the killed group is back (a new worker pid that has committed a step), and meanwhile the other
-    # group kept stepping
+    before = _progress(tmp_path, other, job)["step"]
+    killed_at = time.monotonic()
+    # the killed group is back (a new worker pid that has committed a step) within a bound, and the
+    # other group never stalled: its step advanced within SURVIVOR_GAP_S of the kill. (A warm
+    # restart can be back in under a second, inside the survivor's own quorum round, so "a step
+    # while the victim is down" alone would measure the restart's speed, not the survivor.)
     back = lambda: (p := _progress(tmp_path, victim, job)).get("pid") != pids_before[victim] and p.get("step", 0) > 0
-    deadline = time.monotonic() + 120
-    while not back():
-        assert time.monotonic() < deadline, f"the killed group is not back in 120s\n{diag()}"
-        seen = max(seen, _progress(tmp_path, other, job).get("step", 0))
-        time.sleep(0.1)
-    assert seen > before, f"the surviving group stalled while the other was down (step {before})"
+    advanced_at = None
+    while not (back() and advanced_at is not None):
+        now = time.monotonic()
+        assert back() or now - killed_at < 120, f"the killed group is not back in 120s\n{diag()}"
+        if advanced_at is None and _progress(tmp_path, other, job).get("step", 0) > before:
+            advanced_at = now
+        assert advanced_at is not None or now - killed_at < SURVIVOR_GAP_S, \
+            f"the surviving group stalled {SURVIVOR_GAP_S}s after the other was killed (step {before})\n{diag()}"
+        time.sleep(0.05)
     wait_for(lambda: job_state(etcd_client, job).get("state") == "SUCCEEDED", 240, "job SUCCEEDED", diag=diag)
     pa, pb = _progress(tmp_path, "a", job), _progress(tmp_path, "b", job)
     assert pa["step"] == pb["step"] == 400

@@ -71,8 +71,10 @@ def test_group_slices_are_disjoint_and_cover_each_step():
         assert sorted(seen) == list(range(step * 24, (step + 1) * 24))
 
 
-def test_torchrun_is_standalone_per_group():
+def test_torchrun_is_a_one_node_rendezvous_per_group_under_the_job():
     s = spec().to_dict()
     cmd = torchrun_command(python="py", job="j", spec=s, endpoint="http://e:2379", prefix="/m",
-                           run_toml=Path("run.toml"))
-    assert "--standalone" in cmd and "--nnodes=1" in cmd and not any(c.startswith("--rdzv") for c in cmd)
+                           run_toml=Path("run.toml"), node="n1")
+    assert "--standalone" not in cmd and "--nnodes=1" in cmd
+    assert "--rdzv-backend=etcd3" in cmd and "--rdzv-id=rg-n1" in cmd and "--rdzv-endpoint=e:2379" in cmd
+    assert any(c.startswith("--rdzv-conf=prefix=/m/jobs/j/ft") for c in cmd)
