@@ -237,14 +237,16 @@ class FaultSpec:
     """Fault-tolerance mode, and fault injection for tests (the trainer honours ``nan_at_step``).
 
     ``mode = "elastic"`` (default): torch elastic restarts every worker on a failure.
-    ``mode = "torchft"``: each node is one replica group (its own torchrun; FSDP/TP inside),
-    data parallel across groups through torchft; a failed group heals from a live peer while the
-    others keep stepping (trainer/ft.py). ``data.global_batch`` is then per group and step.
+    ``mode = "torchft"``: every ``nodes_per_group`` nodes form one replica group (one torchrun
+    rendezvous; FSDP/TP inside), data parallel across groups through torchft; a failed group heals
+    from a live peer while the others keep stepping (trainer/ft.py). ``data.global_batch`` is then
+    per group and step.
     """
 
     nan_at_step: int = _f(0, "int")       # 0 = off; also env MARIND_TEST_NAN_AT_STEP
     mode: str = _f("elastic", "str")
-    replica_groups: int = _f(2, "int")    # torchft: group slots (one node each)
+    replica_groups: int = _f(2, "int")    # torchft: group slots
+    nodes_per_group: int = _f(1, "int")   # torchft: nodes in one replica group (one torch world)
     min_replicas: int = _f(1, "int")      # torchft: groups needed to commit a step
     timeout: float = _f(30.0, "duration")           # torchft: collectives, commit, state transfer
     quorum_timeout: float = _f(60.0, "duration")    # torchft: waiting for a quorum
@@ -285,10 +287,10 @@ class RunSpec:
     def world_sizes(self) -> list[int]:
         """Every world size this job may run at (node counts x procs per node).
 
-        Under ``fault.mode = "torchft"`` a torch world is one replica group: one node.
+        Under ``fault.mode = "torchft"`` a torch world is one replica group: ``nodes_per_group`` nodes.
         """
         if self.fault.mode == "torchft":
-            return [self.job.nproc_per_node]
+            return [self.fault.nodes_per_group * self.job.nproc_per_node]
         lo, hi = self.job.nodes
         return [n * self.job.nproc_per_node for n in range(lo, hi + 1)]
 
@@ -464,12 +466,15 @@ def _validate_fault(spec: RunSpec) -> None:
         return
     _positive(f.replica_groups, "fault.replica_groups")
     _positive(f.min_replicas, "fault.min_replicas")
+    _positive(f.nodes_per_group, "fault.nodes_per_group")
     if f.min_replicas > f.replica_groups:
         raise SpecError(f"fault.min_replicas = {f.min_replicas} exceeds fault.replica_groups = "
                         f"{f.replica_groups}; lower it")
-    if spec.job.nodes[1] > f.replica_groups:
+    most = f.replica_groups * f.nodes_per_group
+    if spec.job.nodes[1] > most:
         raise SpecError(f"job.nodes = \"{spec.job.nodes[0]}:{spec.job.nodes[1]}\": under fault.mode = \"torchft\" "
-                        f"each node is one replica group; at most fault.replica_groups = {f.replica_groups} nodes")
+                        f"at most fault.replica_groups x fault.nodes_per_group = {most} nodes take part; "
+                        f"lower job.nodes or raise fault.replica_groups")
     for key in ("timeout", "quorum_timeout", "join_timeout", "heartbeat_timeout"):
         _positive(getattr(f, key), f"fault.{key}")
 

@@ -26,8 +26,10 @@ Durable checkpoints (ckpt_store) are written by the group that is replica
 rank 0 of the step's quorum only. A group whose first quorum finds no live
 peer ahead of step 0 restores the latest durable checkpoint.
 
-Not (yet) here: replica groups spanning several nodes (a group is one
-node's torchrun); the non-finite-step rollback and ``nan_at_step`` of
+A group may span several nodes (``fault.nodes_per_group``): its torch world
+is their one torchrun rendezvous, and nothing here depends on where ranks run.
+
+Not (yet) here: the non-finite-step rollback and ``nan_at_step`` of
 ``trainer.train`` (a non-finite step is reported to the Manager and not
 committed, by every group alike); overlapping the quorum with the forward
 pass (torchft's async quorum). If the lighthouse moves while the ranks of

@@ -317,11 +317,12 @@ class Agent:
         c = self.config
         cmd = torchrun_command(python=c.python or default_python(), job=view.id, spec=view.spec,
                                endpoint=self.endpoint, prefix=c.prefix, run_toml=run_toml,
-                               rdzv_conf=c.rdzv_conf, node=self.node)
+                               rdzv_conf=c.rdzv_conf, replica_group=ft.slot if ft else None)
         env = worker_env(os.environ, job=view.id, node=self.node, run_dir=run_dir, spec=view.spec,
                          etcd_user=c.etcd_user, etcd_password=c.etcd_password)
         if ft is not None:
             env.update(ft.worker_env())
+            ft.launched_slot = ft.slot
         sup = TorchrunSupervisor(view.id, run_dir, cmd, env)
         sup.start()
         hang_timeout = float(view.spec.get("job", {}).get("hang_timeout", 300.0))
@@ -394,6 +395,9 @@ class Agent:
                 self.etcd_ok = False
             except Exception as exc:  # noqa: BLE001 - e.g. a lighthouse that would not start; next tick
                 self.log.error("ft_tick_failed", job=run.job, error=f"{type(exc).__name__}: {exc}")
+            if run.ft.slot != run.ft.launched_slot and not run.sup.stopping:
+                self._leave_replica_group(run)
+                return
         rc = run.sup.poll()
         if rc is not None and not run.sup.stopping:
             self._torchrun_exited(run, rc)
@@ -450,6 +454,19 @@ class Agent:
         except ControlPlaneUnavailable:
             self.etcd_ok = False
             return True
+
+    def _leave_replica_group(self, run: JobRun) -> None:
+        """Our replica-group slot went (the lease lapsed while etcd was away, and another node took
+        it): the workers belong to a group we are no longer in. Stop them; the job starts again
+        here once the coordinator holds a slot (it keeps running for the lighthouse meanwhile)."""
+        ft = run.ft
+        self.log.warning("ft_group_changed", job=run.job, was=ft.launched_slot, now=ft.slot)
+        run.sup.stop(self.config.stop_timeout)
+        self.runs.pop(run.job, None)
+        self._ft_pending[run.job] = ft
+        self.jobwatch.poke()
+        self._emit(run.job, "restart", {"reason": f"replica group slot {ft.launched_slot} lost; "
+                                                  f"now {ft.slot if ft.slot is not None else 'none'}"})
 
     def _torchrun_exited(self, run: JobRun, rc: int) -> None:
         self.runs.pop(run.job, None)

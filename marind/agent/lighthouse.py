@@ -4,8 +4,11 @@ Under ``[fault] mode = "torchft"`` every node runs its own torchrun (one
 replica group) and all groups of a job meet at one torchft lighthouse.
 ``FTCoordinator.tick()`` (called by the agent's loop for each such job):
 
-* claims a replica-group slot ``{p}/jobs/{job}/ft/groups/{i}`` (0 <= i <
-  ``fault.replica_groups``, created only if absent, under the node's lease);
+* claims a place in a replica group, ``{p}/jobs/{job}/ft/groups/{i}/{m}``
+  (group 0 <= i < ``fault.replica_groups``, member 0 <= m <
+  ``fault.nodes_per_group``; created only if absent, under the node's lease).
+  It fills groups that already have members first, so that whole groups form;
+  the members of group i run one torchrun rendezvous ``rg-{i}`` together;
 * elects the lighthouse: the node that creates ``{p}/jobs/{job}/ft/lighthouse``
   (only if absent, under its lease) runs ``torchft_lighthouse`` and the key
   holds ``{node, address, pid}``. The key is written once, so its
@@ -130,9 +133,12 @@ class FTCoordinator:
         self.client, self.job, self.node, self.host = client, job, node, host
         self.fault = dict(spec.get("fault") or {})
         self.groups = int(self.fault.get("replica_groups", 2))
+        self.per_group = int(self.fault.get("nodes_per_group", 1))
         self.run_dir = Path(run_dir)
         self._lease = lease
-        self.slot: int | None = None
+        self.slot: int | None = None             # our replica group
+        self.member: int | None = None           # our place in it
+        self.launched_slot: int | None = None    # the group our running torchrun belongs to (daemon)
         self.lighthouse: dict | None = None      # {node, address, pid, epoch} as last read
         self.proc: LighthouseProcess | None = None
         self.published: tuple[str, int] | None = None
@@ -163,21 +169,21 @@ class FTCoordinator:
         self._publish()
 
     def _claim_slot(self) -> None:
-        held = self.client.get_prefix_json(self.key("groups") + "/")
-        mine = [int(k.rsplit("/", 1)[-1]) for k, v in held.items() if isinstance(v, dict) and v.get("node") == self.node]
+        held = group_members(self.client.get_prefix_json(self.key("groups") + "/"))
+        mine = sorted((i, m) for i, members in held.items() for m, node in members.items() if node == self.node)
         if mine:
-            self.slot = min(mine)
+            self.slot, self.member = mine[0]
             return
         if self.slot is not None:
-            self.log.warning("ft_slot_lost", slot=self.slot, reason="the node's lease changed or expired")
+            self.log.warning("ft_slot_lost", slot=self.slot, member=self.member,
+                             reason="the node's lease changed or expired")
         record = json.dumps({"node": self.node, "at": time.time()})
-        wanted = ([self.slot] if self.slot is not None else []) + list(range(self.groups))
-        for i in wanted:
-            if self.client.create(self.key("groups", str(i)), record, lease=self._lease()):
-                self.slot = i
-                self.log.info("ft_slot_claimed", slot=i)
+        for i, m in claim_order(held, self.groups, self.per_group, prefer=self.slot):
+            if self.client.create(self.key("groups", str(i), str(m)), record, lease=self._lease()):
+                self.slot, self.member = i, m
+                self.log.info("ft_slot_claimed", slot=i, member=m)
                 return
-        self.slot = None
+        self.slot = self.member = None
 
     def _read_lighthouse(self) -> dict | None:
         value, rev = self.client.get(self.key("lighthouse"))
@@ -235,11 +241,15 @@ class FTCoordinator:
     # -- reporting / end ------------------------------------------------------------------
     def report(self) -> dict:
         """Fields for this node's job record: its group and what its workers last saw of the quorum."""
-        try:
-            extra = json.loads((self.run_dir / "progress" / "rank-0.json").read_text())
-        except (OSError, ValueError):
-            extra = {}
-        return {"replica_group": self.slot, "lighthouse": self.holds_lighthouse,
+        extra: dict = {}
+        for path in (self.run_dir / "progress").glob("rank-*.json"):   # the newest of this node's ranks
+            try:
+                rec = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(rec, dict) and float(rec.get("updated_at", 0)) >= float(extra.get("updated_at", 0)):
+                extra = rec
+        return {"replica_group": self.slot, "member": self.member, "lighthouse": self.holds_lighthouse,
                 "lighthouse_epoch": self.published[1] if self.published else None,
                 "participants": extra.get("participants"), "quorum_id": extra.get("quorum_id")}
 
@@ -254,18 +264,43 @@ class FTCoordinator:
             if self.lighthouse and self.lighthouse.get("node") == self.node:
                 self.client.delete(self.key("lighthouse"))
             if self.slot is not None:
-                value, _ = self.client.get(self.key("groups", str(self.slot)))
+                key = self.key("groups", str(self.slot), str(self.member))
+                value, _ = self.client.get(key)
                 if value and json.loads(value).get("node") == self.node:
-                    self.client.delete(self.key("groups", str(self.slot)))
+                    self.client.delete(key)
         except Exception as exc:  # noqa: BLE001 - the keys go with our lease anyway
             self.log.warning("ft_release_failed", error=str(exc))
+
+
+def group_members(records: dict) -> dict[int, dict[int, str]]:
+    """``{group: {member: node}}`` from the records under ``.../ft/groups/`` (keyed by full key)."""
+    out: dict[int, dict[int, str]] = {}
+    for key, rec in records.items():
+        try:
+            group, member = (int(x) for x in key.rsplit("/", 2)[-2:])
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("node"):
+            out.setdefault(group, {})[member] = str(rec["node"])
+    return out
+
+
+def claim_order(held: dict[int, dict[int, str]], groups: int, per_group: int,
+                prefer: int | None = None) -> list[tuple[int, int]]:
+    """Free (group, member) places, best first: ``prefer`` (the group we had), then groups with
+    the most members already (so that groups complete rather than spread thin), lowest first."""
+    def rank(i: int) -> tuple:
+        return (i != prefer, -len(held.get(i, {})), i)
+    return [(i, m) for i in sorted(range(groups), key=rank) for m in range(per_group)
+            if m not in held.get(i, {})]
 
 
 def ft_status(client: EtcdClient, job: str, nodes: dict | None = None) -> dict | None:
     """What ``marind status`` shows of a torchft job; None when the job has no torchft keys.
 
     ``{"lighthouse": {node, address, epoch}|None, "quorum_id", "participants",
-    "groups": [{slot, node, state, step, participants, quorum_id, lighthouse}]}``; ``nodes`` are the
+    "groups": [{slot, member, node, state, step, participants, quorum_id, lighthouse}]}`` (a row per
+    member node, by group then member); ``nodes`` are the
     job's per-node records (``{p}/jobs/{job}/nodes/*``, keyed by node) carrying each group's ``ft``.
     """
     prefix = client.key("jobs", job, "ft")
@@ -281,14 +316,15 @@ def ft_status(client: EtcdClient, job: str, nodes: dict | None = None) -> dict |
         except ValueError:
             lighthouse = None
     rows = []
-    for key, rec in groups.items():
-        node = (rec or {}).get("node")
-        nrec = (nodes or {}).get(node) or {}
-        ft = nrec.get("ft") or {}
-        rows.append({"slot": int(key.rsplit("/", 1)[-1]), "node": node, "state": nrec.get("state", "absent"),
-                     "step": nrec.get("step"), "participants": ft.get("participants"),
-                     "quorum_id": ft.get("quorum_id"), "lighthouse": bool(lighthouse and lighthouse["node"] == node)})
-    rows.sort(key=lambda r: r["slot"])
+    for slot, members in group_members(groups).items():
+        for member, node in members.items():
+            nrec = (nodes or {}).get(node) or {}
+            ft = nrec.get("ft") or {}
+            rows.append({"slot": slot, "member": member, "node": node, "state": nrec.get("state", "absent"),
+                         "step": nrec.get("step"), "participants": ft.get("participants"),
+                         "quorum_id": ft.get("quorum_id"),
+                         "lighthouse": bool(lighthouse and lighthouse["node"] == node)})
+    rows.sort(key=lambda r: (r["slot"], r["member"]))
     latest = max((r for r in rows if r["quorum_id"] is not None), key=lambda r: r["quorum_id"], default=None)
     return {"lighthouse": lighthouse, "groups": rows,
             "quorum_id": latest["quorum_id"] if latest else None,

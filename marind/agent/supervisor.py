@@ -92,14 +92,19 @@ def spec_to_toml(spec: dict) -> str:
 
 def torchrun_command(*, python: str, job: str, spec: dict, endpoint: str, prefix: str,
                      run_toml: Path, rdzv_conf: str = "", backend: str = "etcd3",
-                     node: str = "node") -> list[str]:
+                     replica_group: int | None = None) -> list[str]:
+    """torchrun for this node's part of ``job``; torchft jobs name the node's ``replica_group``."""
     j = spec.get("job", {})
     nodes, run_id = str(j.get("nodes", "1:1")), job
-    if (spec.get("fault") or {}).get("mode") == "torchft":
-        # this node is one replica group (marind/agent/lighthouse.py): a rendezvous of its own,
-        # under the job's keys. Not --standalone: its c10d handler reuses the workers' store
-        # across restarts, and restarted workers then dial the dead ones' addresses.
-        nodes, run_id, prefix = "1", f"rg-{node}", f"{prefix.rstrip('/')}/jobs/{job}/ft"
+    fault = spec.get("fault") or {}
+    if fault.get("mode") == "torchft":
+        if replica_group is None:
+            raise ValueError("a torchft job's torchrun needs the node's replica_group")
+        # the group's nodes_per_group nodes (marind/agent/lighthouse.py) meet in a rendezvous of
+        # their own, under the job's keys. Not --standalone: its c10d handler reuses the workers'
+        # store across restarts, and restarted workers then dial the dead ones' addresses.
+        nodes, run_id = str(int(fault.get("nodes_per_group", 1))), f"rg-{replica_group}"
+        prefix = f"{prefix.rstrip('/')}/jobs/{job}/ft"
     conf = [f"prefix={prefix}"] + [c for c in rdzv_conf.split(",") if c.strip()]
     endpoint = ",".join(e.split("://", 1)[-1] for e in endpoint.split(","))
     rdzv = [f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",

@@ -145,9 +145,9 @@ def _print_replica_groups(job: str, ft: dict) -> None:
     print(f"\n{job}: torchft replica groups; lighthouse {lh.get('address', '-')} on {lh.get('node', '-')} "
           f"(epoch {_fmt(lh.get('epoch'))}), quorum {_fmt(ft.get('quorum_id'))} with "
           f"{_fmt(ft.get('participants'))} participating")
-    print(_table(["GROUP", "NODE", "STATE", "STEP", "PARTICIPANTS", "QUORUM"],
-                 [[str(g["slot"]), _fmt(g["node"]), _fmt(g["state"]), _fmt(g["step"]), _fmt(g["participants"]),
-                   _fmt(g["quorum_id"])] for g in ft["groups"]]))
+    print(_table(["GROUP", "MEMBER", "NODE", "STATE", "STEP", "PARTICIPANTS", "QUORUM"],
+                 [[str(g["slot"]), _fmt(g.get("member")), _fmt(g["node"]), _fmt(g["state"]), _fmt(g["step"]),
+                   _fmt(g["participants"]), _fmt(g["quorum_id"])] for g in ft["groups"]]))
 
 
 def nodes(args) -> int:

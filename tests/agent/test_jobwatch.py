@@ -49,3 +49,32 @@ def test_reads_on_change_poke_and_resync(etcd_client):
         wait_for(watch.due, 10, "an explicit mark")
     finally:
         watch.stop()
+
+
+def test_following_a_job_reads_it_on_changes_not_every_poll(etcd_client):
+    """`submit --wait`'s loop: woken by a watch on the job's keys, so an idle job costs no reads
+    between resyncs, and a transition is seen at once."""
+    import threading
+
+    from marind.jobs_client import JobsClient
+
+    create_job(etcd_client, "jw", {"job": {"name": "x"}, "train": {"steps": 5}})
+    jc = JobsClient(etcd_client)
+    reads, seen = [], []
+    real_job = jc.job
+    jc.job = lambda job: reads.append(time.monotonic()) or real_job(job)
+
+    def transitions():
+        time.sleep(1.0)
+        update_state(etcd_client, "jw", JobEvent.WORKERS_STARTED, reason="test")
+        time.sleep(1.0)
+        update_state(etcd_client, "jw", JobEvent.SUCCEEDED, reason="test")
+
+    t = threading.Thread(target=transitions)
+    started = time.monotonic()
+    t.start()
+    row = jc.wait("jw", on_change=lambda r: seen.append(r["state"]), poll=0.05, resync=60.0)
+    t.join()
+    assert row["state"] == "SUCCEEDED" and seen == ["PENDING", "RUNNING", "SUCCEEDED"]
+    assert time.monotonic() - started < 30, "the transitions were not seen before the 60 s resync"
+    assert len(reads) <= 6, f"read {len(reads)} times in ~2 s with poll = 0.05 s: the watch did not gate the reads"

@@ -1,8 +1,10 @@
-"""Replica groups as real processes for the torchft tests: one standalone torchrun per group.
+"""Replica groups as real processes for the torchft tests: one torchrun per group and node.
 
-Each group's run dir (``MARIND_RUN_DIR``) holds its workers' progress records
-(``progress/rank-0.json``, with the torchft fields) and, when a coordinator
-publishes one, ``ft/lighthouse.json``.
+A one-node group is a standalone torchrun; a group of several nodes is one torchrun per
+node meeting in an etcd3 rendezvous ``rg-{group}`` (as ``marind agent`` starts them).
+Each group's run dir (``MARIND_RUN_DIR``, shared by its nodes here) holds its workers'
+progress records (``progress/rank-{rank}.json``, with the torchft fields) and, when a
+coordinator publishes one, ``ft/lighthouse.json``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ _torchruns: list[subprocess.Popen] = []
 
 
 def ft_spec(tmp: Path, *, steps: int, groups: int = 2, min_replicas: int = 1, ckpt: str = "",
-            every_steps: int = 0, nproc: int = 1) -> Path:
+            every_steps: int = 0, nproc: int = 1, nodes_per_group: int = 1) -> Path:
     from trainer.corpus import write_example_dataset
 
     data = tmp / "data"
@@ -31,7 +33,7 @@ def ft_spec(tmp: Path, *, steps: int, groups: int = 2, min_replicas: int = 1, ck
     path.write_text(f"""
 [job]
 name = "ftjob"
-nodes = "1:{groups}"
+nodes = "1:{groups * nodes_per_group}"
 nproc_per_node = {nproc}
 max_restarts = 3
 [model]
@@ -39,7 +41,7 @@ preset = "tiny"
 [data]
 path = "{data}"
 seq_len = 32
-global_batch = {2 * nproc}
+global_batch = {2 * nproc * nodes_per_group}
 micro_batch = 2
 [optim]
 lr = 3e-3
@@ -53,6 +55,7 @@ every_steps = {every_steps}
 [fault]
 mode = "torchft"
 replica_groups = {groups}
+nodes_per_group = {nodes_per_group}
 min_replicas = {min_replicas}
 timeout = "10s"
 quorum_timeout = "20s"
@@ -66,19 +69,31 @@ def run_dir(tmp: Path, group: int) -> Path:
     return tmp / f"rg{group}"
 
 
-def start_group(tmp: Path, group: int, spec: Path, *, lighthouse: str | None = None,
-                nproc: int = 1) -> subprocess.Popen:
+def start_group(tmp: Path, group: int, spec: Path, *, lighthouse: str | None = None, nproc: int = 1,
+                nodes: int = 1, rdzv: tuple[str, str] | None = None) -> subprocess.Popen:
+    """Start replica group ``group``; returns its first node's torchrun (all are killed at teardown).
+
+    ``nodes`` > 1 needs ``rdzv`` = (etcd endpoint, key prefix) for the group's rendezvous.
+    """
     env = {"MARIND_REPLICA_GROUP": group, "MARIND_RUN_DIR": run_dir(tmp, group), "MARIND_LOG_JSON": "1"}
     if lighthouse:
         env["TORCHFT_LIGHTHOUSE"] = lighthouse
     run_dir(tmp, group).mkdir(parents=True, exist_ok=True)
-    log = open(tmp / f"rg{group}.log", "ab")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=3",
+    if nodes == 1:
+        meet = ["--standalone"]
+    else:
+        endpoint, prefix = rdzv
+        meet = ["--rdzv-backend=etcd3", f"--rdzv-endpoint={endpoint.split('://', 1)[-1]}", f"--rdzv-id=rg-{group}",
+                f"--rdzv-conf=prefix={prefix}", f"--nnodes={nodes}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *meet, "--max-restarts=3",
            "--monitor-interval=0.5", f"--nproc-per-node={nproc}", "-m", "trainer", str(spec)]
-    proc = spawn(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    _torchruns.append(proc)
-    return proc
+    first = None
+    for _ in range(nodes):
+        with open(tmp / f"rg{group}.log", "ab") as log:
+            proc = spawn(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _torchruns.append(proc)
+        first = first or proc
+    return first
 
 
 def kill_torchrun(proc: subprocess.Popen) -> None:

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 
 import pytest
 
@@ -20,7 +21,7 @@ from tests.agent.helpers import agent_log, job_state, node_registered, start_age
 from tests.support.procs import REPO_ROOT, base_env  # noqa: E402
 from tests.torchft.groups import ft_spec  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 SURVIVOR_GAP_S = 10.0   # the survivor's step must advance within this long of the kill
@@ -31,6 +32,17 @@ def _progress(tmp, node, job) -> dict:
         return json.loads((tmp / f"state-{node}" / "jobs" / job / "progress" / "rank-0.json").read_text())
     except (OSError, ValueError):
         return {}
+
+
+def _events(path) -> list[dict]:
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
 
 
 def test_torchft_job_under_two_agents_survives_a_killed_rank(tmp_path, etcd, etcd_client, etcd_prefix, capsys,
@@ -118,3 +130,65 @@ def test_losing_the_lighthouse_node_under_agents(tmp_path, etcd, etcd_client, et
     assert main(["status", job, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["jobs"][0]["torchft"]["lighthouse"]["node"] == other
     wait_for(lambda: job_state(etcd_client, job).get("state") == "SUCCEEDED", 240, "job SUCCEEDED", diag=diag)
+
+
+def test_replica_groups_of_two_nodes_under_four_agents(tmp_path, etcd, etcd_client, etcd_prefix, capsys,
+                                                       monkeypatch):
+    """fault.nodes_per_group = 2: four agents form two groups of two nodes (one torchrun rendezvous
+    each, FSDP across the nodes); a SIGKILLed worker restarts its whole group, which heals from the
+    other group; the job succeeds and every rank ends equal to the same rank of the other group."""
+    spec = ft_spec(tmp_path, steps=200, nodes_per_group=2)
+    nodes = ("a", "b", "c", "d")
+    monkeypatch.setenv("MARIND_ETCD", etcd.endpoint)
+    monkeypatch.setenv("MARIND_PREFIX", etcd_prefix)
+    for node in nodes:
+        start_agent(tmp_path, node, etcd.endpoint, etcd_prefix, slots=1)
+    diag = lambda: "".join(agent_log(tmp_path, n) for n in nodes)
+    wait_for(lambda: all(node_registered(etcd_client, n) for n in nodes), 60, "nodes", diag=diag)
+    assert main(["submit", str(spec)]) == 0
+    job = capsys.readouterr().out.strip().splitlines()[-1]
+
+    def groups() -> dict:
+        """node -> replica group, from `marind status --json` (the places go when the job ends)."""
+        assert main(["status", job, "--json"]) == 0
+        ft = json.loads(capsys.readouterr().out)["jobs"][0].get("torchft") or {"groups": []}
+        return {g["node"]: g["slot"] for g in ft["groups"]}
+
+    def records(node_group: dict) -> dict:
+        """(group, rank) -> the newest progress record of that rank, over every node's run dir."""
+        out = {}
+        for node, group in node_group.items():
+            for path in (tmp_path / f"state-{node}" / "jobs" / job / "progress").glob("rank-*.json"):
+                try:
+                    rec = json.loads(path.read_text())
+                except (OSError, ValueError):
+                    continue
+                key = (group, rec["rank"])
+                if rec.get("updated_at", 0) >= out.get(key, {}).get("updated_at", 0):
+                    out[key] = rec
+        return out
+
+    wait_for(lambda: len(r := records(groups())) == 4 and all(p.get("participants") == 2 and p.get("step", 0) >= 10
+                                                              for p in r.values()),
+             240, "two groups of two nodes stepping together", diag=diag)
+    assert main(["status", job, "--json"]) == 0
+    ft = json.loads(capsys.readouterr().out)["jobs"][0]["torchft"]
+    assert sorted((g["slot"], g["member"]) for g in ft["groups"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    node_group = {g["node"]: g["slot"] for g in ft["groups"]}
+    assert {r["world_size"] for r in records(node_group).values()} == {2}
+
+    killed_at = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    out = subprocess.run([sys.executable, "chaos/kill_random_rank.py", "--job", job, "--seed", "5"],
+                         cwd=REPO_ROOT, env=base_env({"MARIND_ETCD": etcd.endpoint, "MARIND_PREFIX": etcd_prefix}),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    wait_for(lambda: job_state(etcd_client, job).get("state") == "SUCCEEDED", 300, "job SUCCEEDED", diag=diag)
+    final = records(node_group)
+    assert len(final) == 4 and {p["step"] for p in final.values()} == {200}
+    for rank in (0, 1):
+        assert final[(0, rank)]["param_digest"] == final[(1, rank)]["param_digest"], f"rank {rank} differs"
+    victim = json.loads(out.stdout.strip().splitlines()[-1])["node"]
+    group = node_group[victim]
+    healed = [e for n in node_group for e in _events(tmp_path / f"state-{n}" / "jobs" / job / "logs" / "torchrun.log")
+              if e.get("event") == "healed_from_peer" and e["timestamp"] > killed_at]
+    assert healed and {e["replica_group"] for e in healed} == {group}, healed   # only the killed group healed

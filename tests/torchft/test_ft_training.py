@@ -35,16 +35,22 @@ def lighthouse(tmp_path):
     lh.stop()
 
 
-@pytest.mark.parametrize("groups, nproc", [(2, 1), pytest.param(2, 2, marks=pytest.mark.slow),
-                                            pytest.param(3, 1, marks=pytest.mark.slow)])
-def test_killed_group_heals_from_peer_while_the_others_keep_stepping(tmp_path, lighthouse, groups, nproc):
-    """nproc = 2: FSDP over the group's 2 ranks; each rank heals from the same rank of a peer."""
+@pytest.mark.parametrize("groups, nproc, nodes", [(2, 1, 1), (2, 1, 2), pytest.param(2, 2, 1, marks=pytest.mark.slow),
+                                                   pytest.param(3, 1, 1, marks=pytest.mark.slow)])
+def test_killed_group_heals_from_peer_while_the_others_keep_stepping(tmp_path, lighthouse, groups, nproc, nodes,
+                                                                     request):
+    """nproc = 2: FSDP over the group's 2 ranks; each rank heals from the same rank of a peer.
+    nodes = 2: each group is two torchruns (nodes) in one etcd3 rendezvous, FSDP across them; killing
+    one node's worker restarts the whole group, and both its nodes heal from the peer group."""
     ckpt = tmp_path / "ckpt"
-    steps, bound = 400 * nproc, REJOIN_BOUND_S * nproc      # a 2-rank group starts two torch processes
-    spec = ft_spec(tmp_path, steps=steps, ckpt=f"file://{ckpt}", every_steps=100, nproc=nproc, groups=groups)
+    world = nproc * nodes
+    steps, bound = 400 * world, REJOIN_BOUND_S * world      # a 2-rank group starts two torch processes
+    spec = ft_spec(tmp_path, steps=steps, ckpt=f"file://{ckpt}", every_steps=100, nproc=nproc, groups=groups,
+                   nodes_per_group=nodes)
+    rdzv = (request.getfixturevalue("etcd").endpoint, request.getfixturevalue("etcd_prefix")) if nodes > 1 else None
     everyone, survivors = range(groups), [g for g in range(groups) if g != 1]
     for g in everyone:
-        start_group(tmp_path, g, spec, lighthouse=lighthouse.address, nproc=nproc)
+        start_group(tmp_path, g, spec, lighthouse=lighthouse.address, nproc=nproc, nodes=nodes, rdzv=rdzv)
     wait_for(lambda: progress(tmp_path, 0).get("participants") == groups and progress(tmp_path, 1).get("step", 0) >= 30,
              180, "all groups stepping together", tmp_path)
     victim = progress(tmp_path, 1)
@@ -66,9 +72,9 @@ def test_killed_group_heals_from_peer_while_the_others_keep_stepping(tmp_path, l
     assert healed > victim["step"] + 1, "the restarted group did not take the live step from its peer"
 
     done = lambda: all(progress(tmp_path, g).get("phase") == "done" for g in everyone)
-    wait_for(done, 150 * nproc, "all groups done", tmp_path)
+    wait_for(done, 150 * world, "all groups done", tmp_path)
     assert {progress(tmp_path, g)["step"] for g in everyone} == {steps}
-    for rank in range(nproc):
+    for rank in range(world):
         digests = {progress(tmp_path, g, rank)["param_digest"] for g in everyone}
         assert len(digests) == 1, f"groups ended with different parameters (rank {rank})"
     assert "healed_from_peer" in (tmp_path / "rg1.log").read_text()

@@ -100,3 +100,29 @@ def test_release_on_stop_frees_slot_and_lighthouse(nodes):
     a.ft.stop()
     b.ft.tick()
     assert b.ft.slot == 0 and b.ft.holds_lighthouse
+
+
+def test_groups_of_two_nodes_fill_in_order_and_a_spare_takes_a_dead_members_place(etcd_client, tmp_path):
+    spec = {"fault": dict(SPEC["fault"], nodes_per_group=2)}
+    made = []
+    try:
+        for i in range(5):
+            n = Node(etcd_client, f"m{i}", tmp_path)
+            n.ft = FTCoordinator(etcd_client, "job2", n.name, "127.0.0.1", spec, tmp_path / n.name,
+                                 lease=lambda n=n: n.lease)
+            made.append(n)
+        for n in made:
+            n.ft.tick()
+        assert [(n.ft.slot, n.ft.member) for n in made] == [(0, 0), (0, 1), (1, 0), (1, 1), (None, None)]
+        assert made[3].ft.worker_env()["MARIND_REPLICA_GROUP"] == "1"
+        st = ft_status(etcd_client, "job2")
+        assert [(g["slot"], g["member"], g["node"]) for g in st["groups"]] == [
+            (0, 0, "m0"), (0, 1, "m1"), (1, 0, "m2"), (1, 1, "m3")]
+        made[2].die()                       # a member of group 1 goes: the spare completes group 1
+        made[4].ft.tick()
+        assert (made[4].ft.slot, made[4].ft.member) == (1, 0) and made[4].ft.ready
+        made[3].ft.tick()
+        assert (made[3].ft.slot, made[3].ft.member) == (1, 1)    # the survivor keeps its place
+    finally:
+        for n in made:
+            n.ft.stop(release=False)

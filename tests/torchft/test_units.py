@@ -36,10 +36,17 @@ def test_torchft_world_is_one_group():
     assert type(s).from_dict(s.to_dict()) == s
 
 
+def test_a_group_of_nodes_is_one_world():
+    s = spec(nodes=4, groups=2, extra="nodes_per_group = 2\n")
+    assert s.world_sizes() == [4] and s.fault.nodes_per_group == 2
+
+
 @pytest.mark.parametrize("kw, extra, match", [
     ({}, 'timeout = "0s"\n', "fault.timeout"),
     ({"min": 3}, "", "fault.min_replicas = 3 exceeds"),
-    ({"nodes": 3}, "", "at most fault.replica_groups = 2 nodes"),
+    ({"nodes": 3}, "", "at most fault.replica_groups x fault.nodes_per_group = 2 nodes"),
+    ({"nodes": 5}, "nodes_per_group = 2\n", "fault.nodes_per_group = 4 nodes"),
+    ({}, "nodes_per_group = 0\n", "fault.nodes_per_group must be > 0"),
     ({}, "bogus = 1\n", "unknown key 'fault.bogus'"),
 ])
 def test_fault_errors_name_the_key(kw, extra, match):
@@ -71,10 +78,28 @@ def test_group_slices_are_disjoint_and_cover_each_step():
         assert sorted(seen) == list(range(step * 24, (step + 1) * 24))
 
 
-def test_torchrun_is_a_one_node_rendezvous_per_group_under_the_job():
+def test_torchrun_is_one_rendezvous_per_group_under_the_job():
     s = spec().to_dict()
     cmd = torchrun_command(python="py", job="j", spec=s, endpoint="http://e:2379", prefix="/m",
-                           run_toml=Path("run.toml"), node="n1")
+                           run_toml=Path("run.toml"), replica_group=1)
     assert "--standalone" not in cmd and "--nnodes=1" in cmd
-    assert "--rdzv-backend=etcd3" in cmd and "--rdzv-id=rg-n1" in cmd and "--rdzv-endpoint=e:2379" in cmd
+    assert "--rdzv-backend=etcd3" in cmd and "--rdzv-id=rg-1" in cmd and "--rdzv-endpoint=e:2379" in cmd
     assert any(c.startswith("--rdzv-conf=prefix=/m/jobs/j/ft") for c in cmd)
+    two = spec(nodes=4, extra="nodes_per_group = 2\n").to_dict()
+    cmd = torchrun_command(python="py", job="j", spec=two, endpoint="e:1", prefix="/m", run_toml=Path("r"),
+                           replica_group=0)
+    assert "--nnodes=2" in cmd and "--rdzv-id=rg-0" in cmd
+    with pytest.raises(ValueError, match="replica_group"):
+        torchrun_command(python="py", job="j", spec=s, endpoint="e:1", prefix="/m", run_toml=Path("r"))
+
+
+def test_claim_order_completes_groups_before_starting_new_ones():
+    from marind.agent.lighthouse import claim_order, group_members
+    assert claim_order({}, 2, 2) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    held = {1: {0: "a"}}
+    assert claim_order(held, 3, 2) == [(1, 1), (0, 0), (0, 1), (2, 0), (2, 1)]
+    assert claim_order(held, 3, 2, prefer=2)[0] == (2, 0)
+    assert claim_order({0: {0: "a"}, 1: {0: "b"}}, 2, 1) == []
+    recs = {"/p/jobs/j/ft/groups/1/0": {"node": "a"}, "/p/jobs/j/ft/groups/1/1": {"node": "b"},
+            "/p/jobs/j/ft/groups/0": {"node": "old-layout"}, "/p/jobs/j/ft/groups/2/0": "junk"}
+    assert group_members(recs) == {1: {0: "a", 1: "b"}}
