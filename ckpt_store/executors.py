@@ -170,7 +170,7 @@ class _Child:
 
 class ProcessWriter:
     def __init__(self, storage, arena, config: dict):
-        """``config``: {url, storage_options, io_threads, rate_limit, nice} (JSON)."""
+        """``config``: {url, storage_options, io_threads, rate_limit, nice, direct_io} (JSON)."""
         self._st, self._arena, self._config = storage, arena, config
         self._child: _Child | None = None
 

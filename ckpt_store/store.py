@@ -91,16 +91,19 @@ class CheckpointStore:
                  keep_every: int | None = None, commit_timeout_s: float = 600.0,
                  io_threads: int = 4, inner_chunk_bytes: int = 1 << 20,
                  io_rate_limit: float | None = None, writer: str = "auto", writer_nice: int = 0,
-                 background_nice: int = BACKGROUND_NICE):
+                 background_nice: int = BACKGROUND_NICE, direct_io: bool = True):
         """``io_rate_limit``: cap background writes at this many bytes/s (None: no cap).
         ``writer``: where uploads run: "process" (a writer process per store, the default
         for file:// and s3://), "thread" (in this process; memory:// needs it), or "auto".
         ``writer_nice``: niceness added to the writer process (yields CPU to training).
         ``background_nice``: niceness added, during async saves only, to the threads that
         encode and write (training keeps the CPU; a sync save, which the caller waits
-        for, runs at full priority)."""
+        for, runs at full priority).
+        ``direct_io``: local disks: write chunk objects with O_DIRECT (no page cache; falls back
+        by itself where the filesystem refuses it)."""
         self.url = url
-        self.storage = Storage(url, storage_options, io_threads=io_threads, rate_limit=io_rate_limit)
+        self.storage = Storage(url, storage_options, io_threads=io_threads, rate_limit=io_rate_limit,
+                               direct_io=direct_io)
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.commit_timeout_s = commit_timeout_s
@@ -108,7 +111,8 @@ class CheckpointStore:
         self.inner_chunk_bytes = inner_chunk_bytes
         self._writer_kind = _writer_kind(writer, self.storage, storage_options)
         self._writer_config = {"url": self.storage.url, "storage_options": storage_options,
-                               "io_threads": io_threads, "rate_limit": io_rate_limit, "nice": writer_nice}
+                               "io_threads": io_threads, "rate_limit": io_rate_limit, "nice": writer_nice,
+                               "direct_io": direct_io}
         self._arena: snapshot.HostArena | None = None
         self._writer = None
         self._pending: PendingSave | None = None

@@ -4,7 +4,7 @@ Started by ``ckpt_store.executors.ProcessWriter`` as ``python -m
 ckpt_store.writer_proc``. It imports no torch. Protocol (JSON lines):
 
 * stdin, first line: config ``{parent, arena_fd, reply_fd, url, storage_options,
-  io_threads, rate_limit, nice}``; then ``{"op": "save", "job": {...}}`` per save
+  io_threads, rate_limit, nice, direct_io}``; then ``{"op": "save", "job": {...}}`` per save
   and ``{"op": "exit"}`` to finish the queued saves and exit;
 * the reply fd: ``{"step", "ok": true, "timings"}`` once a save committed, or
   ``{"step", "ok": false, "error"}``.
@@ -68,7 +68,7 @@ def main() -> int:
     if cfg.get("nice"):
         os.nice(cfg["nice"])
     st = Storage(cfg["url"], cfg.get("storage_options"), io_threads=cfg["io_threads"],
-                 rate_limit=cfg.get("rate_limit"))
+                 rate_limit=cfg.get("rate_limit"), direct_io=cfg.get("direct_io", True))
     reply = os.fdopen(cfg["reply_fd"], "w", buffering=1)
     jobs: queue.Queue = queue.Queue()
     worker = threading.Thread(target=_work, args=(st, cfg["arena_fd"], jobs, reply), daemon=True)
