@@ -30,7 +30,7 @@ from marind.agent import progress as prog
 from marind.agent.config import AgentConfig, endpoint_file
 from marind.agent.events import append_event
 from marind.agent.hang import HangDetector
-from marind.agent.jobs import JobView, list_job_ids, read_job, update_state
+from marind.agent.jobs import JobView, job_nodes, list_job_ids, read_job, update_state
 from marind.agent.jobwatch import JobWatch
 from marind.agent.jobstate import JobEvent, JobState
 from marind.agent.lighthouse import FTCoordinator, is_torchft
@@ -485,6 +485,8 @@ class Agent:
                 self._emit(run.job, "restart", {"reason": "etcd unreachable: torchrun exited", "rc": rc})
                 return
         self.finished.add(run.job)
+        if rc != 0 and run.ft is not None and self._ft_others_train_on(run, rc):
+            return
         if rc == 0:
             event, kind, reason = JobEvent.SUCCEEDED, "succeeded", f"torchrun exited 0 on {self.node}"
         else:
@@ -499,6 +501,26 @@ class Agent:
         self._leave(run, f"torchrun exited {rc}")
         key = self.client.key("jobs", run.job, "nodes", self.node)
         self._queue(run.job, lambda: self.client.delete(key))
+
+    def _ft_others_train_on(self, run: JobRun, rc: int) -> bool:
+        """A torchft replica group on this node gave up (restarts exhausted): this node leaves the
+        job, and the job fails only if no other node is still in it. Our record goes first, then
+        we count the others, so of several groups failing at once the last to leave sees none."""
+        key = self.client.key("jobs", run.job, "nodes", self.node)
+        try:
+            self.client.delete(key)
+            others = sorted(n for n in job_nodes(self.client, run.job) if n != self.node)
+        except ControlPlaneUnavailable:
+            return False          # cannot tell: fail the job as an elastic one would
+        if not others:
+            return False
+        self.log.warning("ft_group_failed", job=run.job, rc=rc, replica_group=run.ft.launched_slot,
+                         others=others, action="this node leaves the job; the other groups train on")
+        self._final_progress(run)
+        self._emit(run.job, "group_failed", {"rc": rc, "replica_group": run.ft.launched_slot, "step": run.step,
+                                             "remaining_nodes": others})
+        self._leave(run, f"torchrun exited {rc}: replica group failed")
+        return True
 
     def _handle_hang(self, run: JobRun, records: list, why: str) -> None:
         self.log.warning("hang_detected", job=run.job, reason=why)

@@ -23,7 +23,7 @@ _torchruns: list[subprocess.Popen] = []
 
 
 def ft_spec(tmp: Path, *, steps: int, groups: int = 2, min_replicas: int = 1, ckpt: str = "",
-            every_steps: int = 0, nproc: int = 1, nodes_per_group: int = 1) -> Path:
+            every_steps: int = 0, nproc: int = 1, nodes_per_group: int = 1, max_restarts: int = 3) -> Path:
     from trainer.corpus import write_example_dataset
 
     data = tmp / "data"
@@ -35,7 +35,7 @@ def ft_spec(tmp: Path, *, steps: int, groups: int = 2, min_replicas: int = 1, ck
 name = "ftjob"
 nodes = "1:{groups * nodes_per_group}"
 nproc_per_node = {nproc}
-max_restarts = 3
+max_restarts = {max_restarts}
 [model]
 preset = "tiny"
 [data]

@@ -1,7 +1,9 @@
 """A torchft job under two real `marind agent`s: each node one replica group, the lighthouse
 elected through etcd; a SIGKILLed worker (chaos/kill_random_rank.py) heals from the other
 group while it keeps stepping, the job succeeds, both groups end with the same parameters,
-and `marind status` shows the replica groups and the quorum.
+and `marind status` shows the replica groups and the quorum. Also: groups of two nodes under
+four agents, and a group that runs out of restarts leaving while the job trains on (the one
+test here short enough for CI; the others are `slow`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from tests.agent.helpers import agent_log, job_state, node_registered, start_age
 from tests.support.procs import REPO_ROOT, base_env  # noqa: E402
 from tests.torchft.groups import ft_spec  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = pytest.mark.timeout(420)
 
 
 SURVIVOR_GAP_S = 10.0   # the survivor's step must advance within this long of the kill
@@ -45,6 +47,7 @@ def _events(path) -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 def test_torchft_job_under_two_agents_survives_a_killed_rank(tmp_path, etcd, etcd_client, etcd_prefix, capsys,
                                                              monkeypatch):
     spec = ft_spec(tmp_path, steps=400)
@@ -98,6 +101,7 @@ def test_torchft_job_under_two_agents_survives_a_killed_rank(tmp_path, etcd, etc
     assert "healed_from_peer" in log
 
 
+@pytest.mark.slow
 def test_losing_the_lighthouse_node_under_agents(tmp_path, etcd, etcd_client, etcd_prefix, capsys, monkeypatch):
     """chaos/kill_node.py on the lighthouse's node: its lease expires, the other agent elects itself,
     its group follows the new lighthouse without a restart and the job succeeds."""
@@ -132,6 +136,7 @@ def test_losing_the_lighthouse_node_under_agents(tmp_path, etcd, etcd_client, et
     wait_for(lambda: job_state(etcd_client, job).get("state") == "SUCCEEDED", 240, "job SUCCEEDED", diag=diag)
 
 
+@pytest.mark.slow
 def test_replica_groups_of_two_nodes_under_four_agents(tmp_path, etcd, etcd_client, etcd_prefix, capsys,
                                                        monkeypatch):
     """fault.nodes_per_group = 2: four agents form two groups of two nodes (one torchrun rendezvous
@@ -192,3 +197,39 @@ def test_replica_groups_of_two_nodes_under_four_agents(tmp_path, etcd, etcd_clie
     healed = [e for n in node_group for e in _events(tmp_path / f"state-{n}" / "jobs" / job / "logs" / "torchrun.log")
               if e.get("event") == "healed_from_peer" and e["timestamp"] > killed_at]
     assert healed and {e["replica_group"] for e in healed} == {group}, healed   # only the killed group healed
+
+
+def test_a_group_out_of_restarts_leaves_and_the_job_trains_on(tmp_path, etcd, etcd_client, etcd_prefix, capsys,
+                                                               monkeypatch):
+    """max_restarts = 1 and node b's worker SIGKILLed twice: b's torchrun gives up, b leaves the job
+    (a group_failed event, its place and record gone), and the job still SUCCEEDS on group a:
+    under torchft one bad group is not the job's failure."""
+    from marind.agent.events import list_events
+
+    spec = ft_spec(tmp_path, steps=300, max_restarts=1)
+    monkeypatch.setenv("MARIND_ETCD", etcd.endpoint)
+    monkeypatch.setenv("MARIND_PREFIX", etcd_prefix)
+    for node in ("a", "b"):
+        start_agent(tmp_path, node, etcd.endpoint, etcd_prefix, slots=1)
+    diag = lambda: agent_log(tmp_path, "a") + agent_log(tmp_path, "b")
+    wait_for(lambda: node_registered(etcd_client, "a") and node_registered(etcd_client, "b"), 60, "nodes", diag=diag)
+    assert main(["submit", str(spec)]) == 0
+    job = capsys.readouterr().out.strip().splitlines()[-1]
+    wait_for(lambda: all(_progress(tmp_path, n, job).get("participants") == 2
+                         and _progress(tmp_path, n, job).get("step", 0) >= 20 for n in ("a", "b")),
+             180, "both groups stepping together", diag=diag)
+    for _ in range(2):      # one restart allowed: the second kill exhausts it
+        pid = _progress(tmp_path, "b", job)["pid"]
+        out = subprocess.run([sys.executable, "chaos/kill_random_rank.py", "--job", job, "--node", "b", "--wait", "30"],
+                             cwd=REPO_ROOT, env=base_env({"MARIND_ETCD": etcd.endpoint, "MARIND_PREFIX": etcd_prefix}),
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        wait_for(lambda: _progress(tmp_path, "b", job).get("pid") not in (None, pid)
+                 or any(e["kind"] == "group_failed" for e in list_events(etcd_client, job)), 120,
+                 "b's group restarted or given up", diag=diag)
+    wait_for(lambda: any(e["kind"] == "group_failed" and e["node"] == "b" for e in list_events(etcd_client, job)),
+             120, "b's group given up", diag=diag)
+    assert job_state(etcd_client, job).get("state") in ("RUNNING", "RESTARTING")
+    wait_for(lambda: job_state(etcd_client, job).get("state") == "SUCCEEDED", 240, "job SUCCEEDED", diag=diag)
+    assert _progress(tmp_path, "a", job)["step"] == 300
+    assert etcd_client.get(etcd_client.key("jobs", job, "nodes", "b"))[0] is None
