@@ -49,6 +49,8 @@ def test_a_forked_worker_gets_the_stubs_env_cwd_stdio_and_exit_code(zygote, tmp_
     line = out.splitlines()[0]
     assert _pid_of(line) != stub.pid, "the worker must be the zygote's fork, not the stub"
     assert f"rank=3 cwd={tmp_path}" in line
+    # a session of its own, like a cold worker's (autogroup scheduling shares CPU between sessions)
+    assert f"sid={_pid_of(line)}" in line and os.getsid(proc.pid) != _pid_of(line)
     assert psutil.Process(proc.pid).is_running()
 
 

@@ -10,7 +10,7 @@ import sys
 import time
 
 action = sys.argv[1]
-print(f"pid={os.getpid()} rank={os.environ.get('RANK')} cwd={os.getcwd()}", flush=True)
+print(f"pid={os.getpid()} rank={os.environ.get('RANK')} cwd={os.getcwd()} sid={os.getsid(0)}", flush=True)
 if action == "exit":
     sys.exit(int(sys.argv[2]))
 if action == "raise":
