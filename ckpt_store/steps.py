@@ -37,25 +37,30 @@ def apply_retention(st, keep_last: int | None, keep_every: int | None,
                     in_flight: set[int] | None = None, trash: list | None = None) -> list[int]:
     """Delete steps past ``keep_last``/``keep_every`` and uncommitted leftovers; returns them.
 
-    With ``trash`` (a list) on a local disk, a doomed step is only renamed to
-    ``.deleted-...`` (instant) and its key appended: the caller removes it later
-    (also any such names a crash left behind).
+    With ``trash`` (a list), a doomed step is uncommitted here and its objects
+    are left for the caller to remove once the save that triggered retention has
+    been reported (so a save's time never includes deleting an old one): on a
+    local disk the step is renamed to ``.deleted-...`` (instant; also any such
+    names a crash left behind are collected), on an object store its key is
+    appended as it is (a crash before the caller deletes it leaves an
+    uncommitted step, which the next retention removes as a leftover).
     """
     committed = committed_steps(st)
     doomed = retention.steps_to_delete(committed, keep_last, keep_every)
     doomed += retention.leftovers_to_delete(all_step_dirs(st), committed, in_flight or set())
-    defer = trash is not None and st.local
     for s in doomed:
         d = step_dir(s)
         if st.exists(f"{d}/{MANIFEST}"):
             st.delete_prefix(f"{d}/{MANIFEST}")  # uncommit first
-        if defer:
+        if trash is None:
+            st.delete_prefix(d)
+        elif st.local:
             gone = f"{TRASH}{d}-{uuid.uuid4().hex[:8]}"
             st.rename(d, gone)
             trash.append(gone)
         else:
-            st.delete_prefix(d)
+            trash.append(d)
         log.info("ckpt_deleted", step=s)
-    if defer:
+    if trash is not None and st.local:
         trash.extend(n for n in st.list_dir("") if n.startswith(TRASH) and n not in trash)
     return sorted(doomed)

@@ -65,7 +65,7 @@ def run_save(st, job: dict, arena: memoryview, on_commit) -> None:
         except Exception as exc:  # noqa: BLE001 - retention never fails a committed save
             log.warning("ckpt_retention_failed", error=str(exc))
     on_commit(timings)
-    for key in trash:   # deleted steps, already renamed out of sight: free their space now
+    for key in trash:   # steps retention uncommitted (renamed out of sight on a local disk): delete them now
         try:
             st.delete_prefix(key)
         except Exception as exc:  # noqa: BLE001

@@ -80,3 +80,28 @@ def test_sigkill_of_a_saving_rank_leaves_previous_step(tmp_path):
     target = {"model": {f"p{i}": torch.zeros(n // 8, 1024) for i in range(8)}}
     store.load(target)
     assert all(torch.all(target["model"][f"p{i}"] == float(1 + i)) for i in range(8))
+
+
+def test_s3_retention_uncommits_the_old_step_at_once_and_deletes_its_objects(s3, s3_url):
+    """keep_last=1 on S3: the old step is uncommitted before the new save reports, and its objects
+    are deleted once it has (a save's time does not include deleting an old checkpoint)."""
+    import fsspec
+
+    store = CheckpointStore(s3_url, storage_options=s3.storage_options, keep_last=1)
+    state = {"model": {f"p{i}": torch.full((64, 64), float(i)) for i in range(4)}}
+    store.save(1, state, async_=False)
+    store.save(2, state, async_=False)
+    assert store.steps() == [2] and store.latest() == 2          # step 1 no longer committed, already
+    fs, root = fsspec.core.url_to_fs(s3_url, **s3.storage_options)
+    deadline = time.monotonic() + 30
+    while True:
+        fs.invalidate_cache()
+        left = [p for p in fs.find(root) if "/step-0000000001/" in p]
+        if not left:
+            break
+        assert time.monotonic() < deadline, f"step 1's objects are still there 30 s after: {left[:3]}"
+        time.sleep(0.2)
+    store.close()
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    CheckpointStore(s3_url, storage_options=s3.storage_options).load(target)
+    assert all(torch.equal(target["model"][k], state["model"][k]) for k in state["model"])
