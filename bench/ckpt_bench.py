@@ -142,8 +142,20 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
 
     rank = dist.get_rank()
     local = not url.startswith("s3://")
-    mk = CheckpointStore(f"{url}/marind" if not local else f"file://{url}/marind", storage_options=opts,
-                         keep_last=1, **(store_kwargs or {}))
+    mk_url = f"{url}/marind" if not local else f"file://{url}/marind"
+    mk = CheckpointStore(mk_url, storage_options=opts, **(store_kwargs or {}))
+    # old steps are deleted between the timed saves, as DCP's are (_rm): back-to-back saves would
+    # otherwise time the previous step's deletes (queued behind its commit) inside the next save
+    pruner = CheckpointStore(mk_url, storage_options=opts, keep_last=1)
+    pruned: list[float] = []
+
+    def prune() -> None:
+        if rank == 0:
+            t = time.perf_counter()
+            pruner.apply_retention()
+            pruned.append(time.perf_counter() - t)
+        dist.barrier()
+
     res: dict = {"marind": {}, "dcp": {}}
     step = 0
     sync, blocked, commit, during, phases, quiet = [], [], [], [], [], []
@@ -153,6 +165,7 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
         done: list = []
         sync.append(_timed(lambda: done.append(mk.save(step, state, async_=False))))
         phases.append(done[0].timings)
+        prune()
         step += 1
         quiet += [_train_step(model, optim, dim) for _ in range(QUIET_STEPS)]
         dist.barrier()
@@ -163,11 +176,13 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
         pending.wait()
         commit.append(pending.finished_at - t0)   # when it committed, not when the step loop noticed
         dist.barrier()
+        prune()
     res["marind"].update(sync_save_s=statistics.median(sync), async_blocked_s=statistics.median(blocked),
                          async_commit_s=statistics.median(commit),
                          step_during_save_s=statistics.median(during) if during else None,
                          steps_during_save=len(during),
                          step_before_save_s=statistics.median(quiet),
+                         retention_delete_s=statistics.median(pruned) if pruned else None,
                          sync_phases_s={k: round(statistics.median(p.get(k, 0.0) for p in phases), 3)
                                         for k in ("blocked_s", "write_s", "commit_s")})
     loads = []

@@ -8,6 +8,7 @@ the GIL).
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import errno
 import json
@@ -32,6 +33,7 @@ class Storage:
         self.root = self.root.rstrip("/")
         self.local = self.fs.protocol in ("file", "local") or "file" in tuple(self.fs.protocol)
         self.io_threads = io_threads
+        self.s3 = "s3" in ((self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol))
         # local objects of DIRECT_MIN_BYTES and more bypass the page cache (see _write_direct)
         self.direct = self.local and _O_DIRECT is not None and direct_io
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="ckpt-io")
@@ -66,12 +68,18 @@ class Storage:
         return f"{self.root}/{key}" if key else self.root
 
     # -- writes --------------------------------------------------------------------------
-    def write(self, key: str, pieces: list) -> None:
+    def write(self, key: str, pieces: list, crc: int | None = None) -> None:
+        """Write one object from ``pieces``. ``crc``: the object's crc32c, if the caller has it;
+        S3 then checks the upload against it (``x-amz-checksum-crc32c``: end to end, from the
+        snapshot to the server, and botocore need not checksum the body again)."""
         nbytes = sum(memoryview(p).nbytes for p in pieces)
         self._throttle(nbytes)
         path = self.path(key)
         if not self.local:
-            self.fs.pipe_file(path, b"".join(pieces))
+            extra = {}
+            if crc is not None and self.s3:
+                extra["ChecksumCRC32C"] = base64.b64encode(int(crc).to_bytes(4, "big")).decode()
+            self.fs.pipe_file(path, b"".join(pieces), **extra)
             return
         os.makedirs(os.path.dirname(path), exist_ok=True)
         if self.direct and nbytes >= DIRECT_MIN_BYTES:

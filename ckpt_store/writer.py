@@ -86,13 +86,14 @@ def write_rank_part(st, d: str, rank: int, chunks: list, values: dict, meta: lis
     def one(item):
         key, spec, buf, valid_rows = item
         pieces, size, crc = encode_chunk(buf, spec, valid_rows)
-        st.write(f"{d}/{key}", pieces)
+        st.write(f"{d}/{key}", pieces, crc=crc)
         return key, size, crc
 
     def small(item):
         key, data = item
-        st.write(f"{d}/{key}", [data])
-        return key, len(data), crc32c.crc32c(data)
+        crc = crc32c.crc32c(data)
+        st.write(f"{d}/{key}", [data], crc=crc)
+        return key, len(data), crc
 
     try:
         pool = st.pool(nice)

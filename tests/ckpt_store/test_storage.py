@@ -68,3 +68,18 @@ def test_a_failed_direct_write_leaves_no_object(tmp_path):
     with pytest.raises(TypeError):
         st.write("x/obj", [os.urandom(DIRECT_BOUNCE + DIRECT_MIN_BYTES), strided])
     assert not (tmp_path / "x" / "obj").exists()
+
+
+def test_s3_checks_each_upload_against_the_writers_crc32c(s3, s3_url):
+    """The crc32c computed from the snapshot goes with the PUT: the server refuses a body that
+    does not match it, and nothing is stored."""
+    import crc32c
+
+    st = Storage(s3_url, s3.storage_options)
+    assert st.s3
+    data = os.urandom(100_000)
+    st.write("ok/obj", [data[:10], data[10:]], crc=crc32c.crc32c(data))
+    assert st.read("ok/obj") == data
+    with pytest.raises(OSError):
+        st.write("bad/obj", [data], crc=crc32c.crc32c(data) ^ 1)
+    assert not st.exists("bad/obj")
