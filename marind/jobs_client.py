@@ -7,7 +7,6 @@ schema of DESIGN §5.
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -15,9 +14,10 @@ from marind.agent import jobs as J
 from marind.agent.config import client_settings, resolve_endpoint
 from marind.agent.events import list_events
 from marind.agent.jobstate import JobEvent, JobState
+from marind.agent.jobwatch import JobWatch
 from marind.agent.lighthouse import ft_status, is_torchft
 from marind.agent.registry import live_nodes
-from marind.errors import ControlPlaneUnavailable, NotFound
+from marind.errors import NotFound
 from marind.etcd_client import EtcdClient
 
 SCHEMA_VERSION = 1
@@ -105,18 +105,17 @@ class JobsClient:
              resync: float = 15.0) -> dict:
         """Follow a job until it is terminal; returns its last row.
 
-        Reads the job when etcd reports a change under it (a watch), at most every ``poll``
-        seconds, and every ``resync`` seconds regardless; every ``poll`` seconds while the
-        watch is down. A job being followed costs the control plane a read per progress
-        report, not a read per second.
+        Reads the job when etcd reports a change under it (a watch on ``{p}/jobs/{job}/``), at
+        most every ``poll`` seconds, and every ``resync`` seconds regardless; every ``poll``
+        seconds while the watch is down. A job being followed costs the control plane a read
+        per progress report, not a read per second.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        changed, watch = threading.Event(), _JobWatch(self.client, self.client.key("jobs", job) + "/")
+        watch = JobWatch(self.client, resync_s=resync, prefix=self.client.key("jobs", job) + "/")
         last = None
         try:
             while True:
-                changed.clear()
-                watch.arm(changed)
+                watch.begin_read()
                 row = self.job(job)
                 key = (row["state"], row["step"], row["restarts"])
                 if key != last and on_change:
@@ -124,47 +123,14 @@ class JobsClient:
                 last = key
                 if JobState(row["state"]).is_terminal():
                     return row
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"job {job} still {row['state']} after {timeout:.0f}s")
-                time.sleep(poll)
-                if watch.live:
-                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    changed.wait(resync if left is None else min(resync, left))
+                while True:
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise TimeoutError(f"job {job} still {row['state']} after {timeout:.0f}s")
+                    time.sleep(poll)
+                    if watch.due():
+                        break
         finally:
-            watch.close()
-
-
-class _JobWatch:
-    """An etcd watch on a job's keys that sets an Event on any change; ``live`` is False while
-    it is broken or could not be made (the caller polls then, and ``arm`` tries again)."""
-
-    def __init__(self, client: EtcdClient, prefix: str):
-        self.client, self.prefix = client, prefix
-        self.live = False
-        self._id: int | None = None
-        self._event: threading.Event | None = None
-
-    def arm(self, event: threading.Event) -> None:
-        self._event = event
-        if self._id is not None and self.live:
-            return
-        self.close()
-        try:
-            self._id = self.client.watch_prefix(self.prefix, self._on_event)
-            self.live = True
-        except ControlPlaneUnavailable:
-            self._id, self.live = None, False
-
-    def _on_event(self, event) -> None:
-        if isinstance(event, BaseException):
-            self.live = False
-        if self._event is not None:
-            self._event.set()
-
-    def close(self) -> None:
-        if self._id is not None:
-            self.client.cancel_watch(self._id)
-        self._id, self.live = None, False
+            watch.stop()
 
 
 def local_log_files(job: str, state_dir: str | Path | None = None) -> list[Path]:

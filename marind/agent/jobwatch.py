@@ -25,9 +25,13 @@ DEFAULT_RESYNC_S = 5.0
 
 
 class JobWatch:
+    """``prefix``: the keys to watch (default ``{p}/jobs_changed``, what agents follow; `marind
+    submit --wait` follows one job's keys, ``{p}/jobs/{job}/``)."""
+
     def __init__(self, client: EtcdClient, resync_s: float = DEFAULT_RESYNC_S,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, prefix: str | None = None):
         self.client, self.resync_s, self.clock = client, resync_s, clock
+        self.prefix = prefix or changed_key(client)
         self.log = get_logger(__name__)
         self._lock = threading.Lock()
         self._dirty = True
@@ -44,7 +48,7 @@ class JobWatch:
         if self._watch_id is not None:
             return
         try:
-            self._watch_id = self.client.watch_prefix(changed_key(self.client), self._on_event)
+            self._watch_id = self.client.watch_prefix(self.prefix, self._on_event)
         except ControlPlaneUnavailable as exc:
             self.log.debug("job_watch_unavailable", error=str(exc))
 

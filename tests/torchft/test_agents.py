@@ -47,10 +47,9 @@ def _events(path) -> list[dict]:
     return out
 
 
-@pytest.mark.slow
-def test_torchft_job_under_two_agents_survives_a_killed_rank(tmp_path, etcd, etcd_client, etcd_prefix, capsys,
-                                                             monkeypatch):
-    spec = ft_spec(tmp_path, steps=400)
+def _two_groups_stepping(tmp_path, spec, etcd, etcd_client, etcd_prefix, capsys, monkeypatch):
+    """Agents a and b (one slot each), ``spec`` submitted, both groups past step 20 in one quorum:
+    (job id, a function returning both agents' logs)."""
     monkeypatch.setenv("MARIND_ETCD", etcd.endpoint)
     monkeypatch.setenv("MARIND_PREFIX", etcd_prefix)
     for node in ("a", "b"):
@@ -62,6 +61,14 @@ def test_torchft_job_under_two_agents_survives_a_killed_rank(tmp_path, etcd, etc
     wait_for(lambda: all(_progress(tmp_path, n, job).get("participants") == 2
                          and _progress(tmp_path, n, job).get("step", 0) >= 20 for n in ("a", "b")),
              180, "both groups stepping together", diag=diag)
+    return job, diag
+
+
+@pytest.mark.slow
+def test_torchft_job_under_two_agents_survives_a_killed_rank(tmp_path, etcd, etcd_client, etcd_prefix, capsys,
+                                                             monkeypatch):
+    spec = ft_spec(tmp_path, steps=400)
+    job, diag = _two_groups_stepping(tmp_path, spec, etcd, etcd_client, etcd_prefix, capsys, monkeypatch)
 
     assert main(["status", job, "--json"]) == 0
     ft = json.loads(capsys.readouterr().out)["jobs"][0]["torchft"]
@@ -106,17 +113,7 @@ def test_losing_the_lighthouse_node_under_agents(tmp_path, etcd, etcd_client, et
     """chaos/kill_node.py on the lighthouse's node: its lease expires, the other agent elects itself,
     its group follows the new lighthouse without a restart and the job succeeds."""
     spec = ft_spec(tmp_path, steps=300)
-    monkeypatch.setenv("MARIND_ETCD", etcd.endpoint)
-    monkeypatch.setenv("MARIND_PREFIX", etcd_prefix)
-    for node in ("a", "b"):
-        start_agent(tmp_path, node, etcd.endpoint, etcd_prefix, slots=1)
-    diag = lambda: agent_log(tmp_path, "a") + agent_log(tmp_path, "b")
-    wait_for(lambda: node_registered(etcd_client, "a") and node_registered(etcd_client, "b"), 60, "nodes", diag=diag)
-    assert main(["submit", str(spec)]) == 0
-    job = capsys.readouterr().out.strip().splitlines()[-1]
-    wait_for(lambda: all(_progress(tmp_path, n, job).get("participants") == 2
-                         and _progress(tmp_path, n, job).get("step", 0) >= 20 for n in ("a", "b")),
-             180, "both groups stepping together", diag=diag)
+    job, diag = _two_groups_stepping(tmp_path, spec, etcd, etcd_client, etcd_prefix, capsys, monkeypatch)
     assert main(["status", job, "--json"]) == 0
     lh = json.loads(capsys.readouterr().out)["jobs"][0]["torchft"]["lighthouse"]
     holder, other = lh["node"], ("b" if lh["node"] == "a" else "a")
@@ -207,17 +204,7 @@ def test_a_group_out_of_restarts_leaves_and_the_job_trains_on(tmp_path, etcd, et
     from marind.agent.events import list_events
 
     spec = ft_spec(tmp_path, steps=300, max_restarts=1)
-    monkeypatch.setenv("MARIND_ETCD", etcd.endpoint)
-    monkeypatch.setenv("MARIND_PREFIX", etcd_prefix)
-    for node in ("a", "b"):
-        start_agent(tmp_path, node, etcd.endpoint, etcd_prefix, slots=1)
-    diag = lambda: agent_log(tmp_path, "a") + agent_log(tmp_path, "b")
-    wait_for(lambda: node_registered(etcd_client, "a") and node_registered(etcd_client, "b"), 60, "nodes", diag=diag)
-    assert main(["submit", str(spec)]) == 0
-    job = capsys.readouterr().out.strip().splitlines()[-1]
-    wait_for(lambda: all(_progress(tmp_path, n, job).get("participants") == 2
-                         and _progress(tmp_path, n, job).get("step", 0) >= 20 for n in ("a", "b")),
-             180, "both groups stepping together", diag=diag)
+    job, diag = _two_groups_stepping(tmp_path, spec, etcd, etcd_client, etcd_prefix, capsys, monkeypatch)
     for _ in range(2):      # one restart allowed: the second kill exhausts it
         pid = _progress(tmp_path, "b", job)["pid"]
         out = subprocess.run([sys.executable, "chaos/kill_random_rank.py", "--job", job, "--node", "b", "--wait", "30"],
