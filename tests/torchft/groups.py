@@ -73,14 +73,16 @@ def start_group(tmp: Path, group: int, spec: Path, *, lighthouse: str | None = N
                 nodes: int = 1, rdzv: tuple[str, str] | None = None) -> subprocess.Popen:
     """Start replica group ``group``; returns its first node's torchrun (all are killed at teardown).
 
-    ``nodes`` > 1 needs ``rdzv`` = (etcd endpoint, key prefix) for the group's rendezvous.
+    With ``rdzv`` = (etcd endpoint, key prefix) the group's nodes meet in an etcd3 rendezvous, as
+    under ``marind agent`` (a fresh store each round); ``nodes`` > 1 needs it.
     """
     env = {"MARIND_REPLICA_GROUP": group, "MARIND_RUN_DIR": run_dir(tmp, group), "MARIND_LOG_JSON": "1"}
     if lighthouse:
         env["TORCHFT_LIGHTHOUSE"] = lighthouse
     run_dir(tmp, group).mkdir(parents=True, exist_ok=True)
-    if nodes == 1:
-        meet = ["--standalone"]
+    if rdzv is None:
+        assert nodes == 1, "a group of several nodes needs rdzv=(etcd endpoint, prefix)"
+        meet = ["--standalone"]    # its store outlives a restart: restarted workers may dial dead peers
     else:
         endpoint, prefix = rdzv
         meet = ["--rdzv-backend=etcd3", f"--rdzv-endpoint={endpoint.split('://', 1)[-1]}", f"--rdzv-id=rg-{group}",

@@ -47,7 +47,7 @@ def test_killed_group_heals_from_peer_while_the_others_keep_stepping(tmp_path, l
     steps, bound = 400 * world, REJOIN_BOUND_S * world      # a 2-rank group starts two torch processes
     spec = ft_spec(tmp_path, steps=steps, ckpt=f"file://{ckpt}", every_steps=100, nproc=nproc, groups=groups,
                    nodes_per_group=nodes)
-    rdzv = (request.getfixturevalue("etcd").endpoint, request.getfixturevalue("etcd_prefix")) if nodes > 1 else None
+    rdzv = (request.getfixturevalue("etcd").endpoint, request.getfixturevalue("etcd_prefix"))   # as the agent runs it
     everyone, survivors = range(groups), [g for g in range(groups) if g != 1]
     for g in everyone:
         start_group(tmp_path, g, spec, lighthouse=lighthouse.address, nproc=nproc, nodes=nodes, rdzv=rdzv)
