@@ -31,9 +31,10 @@ class Storage:
         self.url = url.rstrip("/")
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
         self.root = self.root.rstrip("/")
-        self.local = self.fs.protocol in ("file", "local") or "file" in tuple(self.fs.protocol)
+        protocols = {self.fs.protocol} if isinstance(self.fs.protocol, str) else set(self.fs.protocol)
+        self.local = bool(protocols & {"file", "local"})
+        self.s3 = "s3" in protocols
         self.io_threads = io_threads
-        self.s3 = "s3" in ((self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol))
         # local objects of DIRECT_MIN_BYTES and more bypass the page cache (see _write_direct)
         self.direct = self.local and _O_DIRECT is not None and direct_io
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="ckpt-io")
