@@ -134,7 +134,12 @@ def _dcp_reader(url: str, opts: dict | None):
 
 def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: int,
                   store_kwargs: dict | None = None) -> dict:
-    """marind and DCP against one target (a local dir or an S3 prefix)."""
+    """marind and DCP against one target (a local dir or an S3 prefix).
+
+    One untimed save of each first (the first write to a fresh server or
+    directory pays for its setup), then the two take turns, repeat by repeat,
+    in alternating order, so that a drift in the machine's load favours neither.
+    """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -148,6 +153,8 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
     # otherwise time the previous step's deletes (queued behind its commit) inside the next save
     pruner = CheckpointStore(mk_url, storage_options=opts, keep_last=1)
     pruned: list[float] = []
+    dpath = f"{url}/dcp"
+    counter = {"step": 0, "dcp": 0}
 
     def prune() -> None:
         if rank == 0:
@@ -156,79 +163,105 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
             pruned.append(time.perf_counter() - t)
         dist.barrier()
 
-    res: dict = {"marind": {}, "dcp": {}}
-    step = 0
-    sync, blocked, commit, during, phases, quiet = [], [], [], [], [], []
-    for _ in range(repeats):
-        step += 1
+    def dcp_target() -> str:
+        """A fresh checkpoint id (S3: a new prefix; local: the one dir, emptied first)."""
+        counter["dcp"] += 1
+        if local:
+            _rm(dpath)
+            return dpath
+        return f"{dpath}/c{counter['dcp']}"
+
+    def marind_sync() -> float:
+        counter["step"] += 1
         state = _state(model, optim)
         done: list = []
-        sync.append(_timed(lambda: done.append(mk.save(step, state, async_=False))))
+        t = _timed(lambda: done.append(mk.save(counter["step"], state, async_=False)))
         phases.append(done[0].timings)
         prune()
-        step += 1
-        quiet += [_train_step(model, optim, dim) for _ in range(QUIET_STEPS)]
+        return t
+
+    def marind_async() -> tuple:
+        counter["step"] += 1
+        state = _state(model, optim)
+        quiet = [_train_step(model, optim, dim) for _ in range(QUIET_STEPS)]
         dist.barrier()
         t0 = time.perf_counter()
-        pending = mk.save(step, state, async_=True)
-        blocked.append(time.perf_counter() - t0)
-        during += _steps_while(pending.done, model, optim, dim)
+        pending = mk.save(counter["step"], state, async_=True)
+        blocked = time.perf_counter() - t0
+        during = _steps_while(pending.done, model, optim, dim)
         pending.wait()
-        commit.append(pending.finished_at - t0)   # when it committed, not when the step loop noticed
         dist.barrier()
         prune()
-    res["marind"].update(sync_save_s=statistics.median(sync), async_blocked_s=statistics.median(blocked),
-                         async_commit_s=statistics.median(commit),
-                         step_during_save_s=statistics.median(during) if during else None,
-                         steps_during_save=len(during),
-                         step_before_save_s=statistics.median(quiet),
-                         retention_delete_s=statistics.median(pruned) if pruned else None,
-                         sync_phases_s={k: round(statistics.median(p.get(k, 0.0) for p in phases), 3)
-                                        for k in ("blocked_s", "write_s", "commit_s")})
-    loads = []
-    for _ in range(repeats):
-        target = _state(model, optim)
-        loads.append(_timed(lambda: mk.load(target)))
-    res["marind"]["load_s"] = statistics.median(loads)
+        return blocked, pending.finished_at - t0, during, quiet   # when it committed, not when noticed
+
+    def dcp_sync() -> float:
+        state = _state(model, optim)
+        cid = dcp_target()
+        return _timed(lambda: dcp.save(state, checkpoint_id=_cid(cid), storage_writer=_dcp_writer(cid, opts)))
+
+    def dcp_async() -> tuple:
+        state = _state(model, optim)
+        cid = dcp_target()
+        quiet = [_train_step(model, optim, dim) for _ in range(QUIET_STEPS)]
+        dist.barrier()
+        t0 = time.perf_counter()
+        fut = dcp.async_save(state, checkpoint_id=_cid(cid), storage_writer=_dcp_writer(cid, opts),
+                             process_group=_dcp_group())
+        blocked = time.perf_counter() - t0
+        finished: list[float] = []
+        fut.add_done_callback(lambda _f: finished.append(time.perf_counter()))
+        during = _steps_while(fut.done, model, optim, dim)
+        fut.result()
+        dist.barrier()
+        res["dcp"]["checkpoint_id"] = cid
+        return blocked, (finished or [time.perf_counter()])[0] - t0, during, quiet
+
+    res: dict = {"marind": {}, "dcp": {}}
+    phases: list = []
+    marind_sync()           # untimed warm-up, each
+    dcp_sync()
+    phases.clear()
+    pruned.clear()
+    runs = {"marind": (marind_sync, marind_async), "dcp": (dcp_sync, dcp_async)}
+    got = {k: {"sync": [], "blocked": [], "commit": [], "during": [], "quiet": []} for k in runs}
+    for i in range(repeats):
+        for system in (("marind", "dcp") if i % 2 == 0 else ("dcp", "marind")):
+            sync_fn, async_fn = runs[system]
+            g = got[system]
+            g["sync"].append(sync_fn())
+            blocked, commit, during, quiet = async_fn()
+            g["blocked"].append(blocked)
+            g["commit"].append(commit)
+            g["during"] += during
+            g["quiet"] += quiet
+    for system, g in got.items():
+        res[system].update(sync_save_s=statistics.median(g["sync"]),
+                           async_blocked_s=statistics.median(g["blocked"]),
+                           async_commit_s=statistics.median(g["commit"]),
+                           step_during_save_s=statistics.median(g["during"]) if g["during"] else None,
+                           steps_during_save=len(g["during"]),
+                           step_before_save_s=statistics.median(g["quiet"]),
+                           sync_all_s=[round(x, 3) for x in g["sync"]],
+                           commit_all_s=[round(x, 3) for x in g["commit"]])
+    res["marind"].update(
+        retention_delete_s=statistics.median(pruned) if pruned else None,
+        sync_phases_s={k: round(statistics.median(p.get(k, 0.0) for p in phases), 3)
+                       for k in ("blocked_s", "write_s", "commit_s")})
+    loads = {"marind": [], "dcp": []}
+    cid = res["dcp"]["checkpoint_id"]
+    for i in range(repeats):
+        for system in (("marind", "dcp") if i % 2 == 0 else ("dcp", "marind")):
+            target = _state(model, optim)
+            if system == "marind":
+                loads[system].append(_timed(lambda: mk.load(target)))
+            else:
+                loads[system].append(_timed(lambda: dcp.load(target, checkpoint_id=_cid(cid),
+                                                             storage_reader=_dcp_reader(cid, opts))))
+    for system, ts in loads.items():
+        res[system]["load_s"] = statistics.median(ts)
     st = mk.last_load_stats
     res["marind"]["read_amplification"] = st["bytes_read"] / max(1, st["bytes_needed"])
     res["marind"]["step"] = mk.latest()
-
-    dpath = f"{url}/dcp"
-    sync, blocked, commit, during, quiet = [], [], [], [], []
-    for i in range(repeats):
-        state = _state(model, optim)
-        if local:
-            _rm(dpath)
-        ckpt_id = f"{dpath}/s{i}" if not local else dpath
-        sync.append(_timed(lambda: dcp.save(state, checkpoint_id=_cid(ckpt_id),
-                                            storage_writer=_dcp_writer(ckpt_id, opts))))
-        if local:
-            _rm(dpath)
-        ckpt_id = f"{dpath}/a{i}" if not local else dpath
-        quiet += [_train_step(model, optim, dim) for _ in range(QUIET_STEPS)]
-        dist.barrier()
-        t0 = time.perf_counter()
-        fut = dcp.async_save(state, checkpoint_id=_cid(ckpt_id), storage_writer=_dcp_writer(ckpt_id, opts),
-                             process_group=_dcp_group())
-        blocked.append(time.perf_counter() - t0)
-        finished: list[float] = []
-        fut.add_done_callback(lambda _f: finished.append(time.perf_counter()))
-        during += _steps_while(fut.done, model, optim, dim)
-        fut.result()
-        commit.append((finished or [time.perf_counter()])[0] - t0)
-        dist.barrier()
-    res["dcp"].update(sync_save_s=statistics.median(sync), async_blocked_s=statistics.median(blocked),
-                      async_commit_s=statistics.median(commit),
-                      step_during_save_s=statistics.median(during) if during else None,
-                      steps_during_save=len(during), step_before_save_s=statistics.median(quiet))
-    loads = []
-    for _ in range(repeats):
-        target = _state(model, optim)
-        loads.append(_timed(lambda: dcp.load(target, checkpoint_id=_cid(ckpt_id),
-                                             storage_reader=_dcp_reader(ckpt_id, opts))))
-    res["dcp"]["load_s"] = statistics.median(loads)
-    res["dcp"]["checkpoint_id"] = ckpt_id
     return res if rank == 0 else {}
 
 

@@ -228,3 +228,38 @@ def inner_rows(chunks: tuple[int, ...], itemsize: int, target_bytes: int, max_in
     if rows // best > max_inner:
         best = rows
     return best
+
+
+@dataclass(frozen=True)
+class GatherPart:
+    """One region a rank sends when small sharded arrays are gathered whole."""
+
+    rank: int            # the sender
+    offset: int          # where it starts in the sender's buffer (bytes)
+    piece: Piece         # the sender's piece holding the region
+
+
+def gather_plan(arrays: list[tuple[int, dict[int, list[Piece]]]], align: int = 16
+                ) -> tuple[list[int], list[list[GatherPart]]]:
+    """How to all-gather arrays whole: each distinct region is sent once, by the lowest
+    rank holding it, packed C-order into that rank's buffer (offsets ``align``-ed).
+
+    ``arrays``: (itemsize, every rank's pieces) per array. Returns (bytes each rank
+    sends, indexed by rank up to the highest rank seen; per array, its parts).
+    """
+    sent: dict[int, int] = {}
+    parts: list[list[GatherPart]] = []
+    for itemsize, pieces in arrays:
+        seen: set[Box] = set()
+        mine: list[GatherPart] = []
+        for r in sorted(pieces):
+            for p in pieces[r]:
+                if p.box.empty or p.box in seen:
+                    continue
+                seen.add(p.box)
+                at = -(-sent.get(r, 0) // align) * align
+                mine.append(GatherPart(r, at, p))
+                sent[r] = at + p.box.numel * itemsize
+        parts.append(mine)
+    sizes = [sent.get(r, 0) for r in range(max(sent, default=-1) + 1)]
+    return sizes, parts

@@ -130,3 +130,12 @@ def _check_placements(t: DTensor) -> None:
         if p.is_partial():
             raise ValueError("cannot checkpoint a DTensor with Partial placement; "
                              "reduce it (redistribute to Replicate/Shard) first")
+
+
+def all_pieces(t: torch.Tensor) -> dict[int, list]:
+    """Every rank's pieces of ``t`` (a DTensor: its mesh's ranks; a plain tensor: rank 0 only)."""
+    if isinstance(t, DTensor):
+        ranks, mesh_shape = mesh_ranks(t.device_mesh)
+        return layout.pieces_from_specs(tuple(t.shape), ranks, mesh_shape,
+                                        tuple(layout.placement_spec(p) for p in t.placements))
+    return {0: [layout.Piece((0,) * t.dim(), layout.full_box(tuple(t.shape)))]}

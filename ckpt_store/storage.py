@@ -213,9 +213,18 @@ class Storage:
             return os.pread(fh.fileno(), max(0, end - start), start)
 
     def exists(self, key: str) -> bool:
+        """Does the object ``key`` exist? On S3 one HEAD (s3fs's ``exists`` follows a miss
+        with a LIST, to find "directories"; the save protocol polls for objects only)."""
         path = self.path(key)
         if self.local:
             return os.path.exists(path)
+        if self.s3:
+            bucket, obj, _ = self.fs.split_path(path)
+            try:
+                self.fs.call_s3("head_object", Bucket=bucket, Key=obj)
+                return True
+            except FileNotFoundError:
+                return False
         self.fs.invalidate_cache(os.path.dirname(path))
         return self.fs.exists(path)
 

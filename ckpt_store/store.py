@@ -34,6 +34,7 @@ from ckpt_store import snapshot
 from ckpt_store.errors import (CheckpointCorrupt, CheckpointError, CheckpointNotFound,
                                CheckpointSaveFailed)
 from ckpt_store.executors import ProcessWriter, ThreadWriter
+from ckpt_store.gather import SMALL_ARRAY_BYTES, gather_small
 from ckpt_store.loader import load_step, read_manifest
 from ckpt_store.plan import flatten, plan_array
 from ckpt_store.steps import all_step_dirs, apply_retention, committed_steps, parse_step_dir, step_dir
@@ -91,7 +92,8 @@ class CheckpointStore:
                  keep_every: int | None = None, commit_timeout_s: float = 600.0,
                  io_threads: int = 4, inner_chunk_bytes: int = 1 << 20,
                  io_rate_limit: float | None = None, writer: str = "auto", writer_nice: int = 0,
-                 background_nice: int = BACKGROUND_NICE, direct_io: bool = True):
+                 background_nice: int = BACKGROUND_NICE, direct_io: bool = True,
+                 gather_small_bytes: int = SMALL_ARRAY_BYTES):
         """``io_rate_limit``: cap background writes at this many bytes/s (None: no cap).
         ``writer``: where uploads run: "process" (a writer process per store, the default
         for file:// and s3://), "thread" (in this process; memory:// needs it), or "auto".
@@ -100,7 +102,9 @@ class CheckpointStore:
         encode and write (training keeps the CPU; a sync save, which the caller waits
         for, runs at full priority).
         ``direct_io``: local disks: write chunk objects with O_DIRECT (no page cache; falls back
-        by itself where the filesystem refuses it)."""
+        by itself where the filesystem refuses it).
+        ``gather_small_bytes``: sharded arrays of at most this many bytes are gathered and
+        written whole by one rank (one object instead of one per shard; 0: never)."""
         self.url = url
         self.storage = Storage(url, storage_options, io_threads=io_threads, rate_limit=io_rate_limit,
                                direct_io=direct_io)
@@ -109,6 +113,7 @@ class CheckpointStore:
         self.commit_timeout_s = commit_timeout_s
         self.background_nice = background_nice
         self.inner_chunk_bytes = inner_chunk_bytes
+        self.gather_small_bytes = gather_small_bytes
         self._writer_kind = _writer_kind(writer, self.storage, storage_options)
         self._writer_config = {"url": self.storage.url, "storage_options": storage_options,
                                "io_threads": io_threads, "rate_limit": io_rate_limit, "nice": writer_nice,
@@ -133,12 +138,13 @@ class CheckpointStore:
         self._prepare_step_dir(step, rank, world)
         plans = [plan_array(name, tensors[name], rank, world, salt=i, inner_bytes=self.inner_chunk_bytes)
                  for i, name in enumerate(sorted(tensors))]
+        plans = gather_small(plans, tensors, rank, world, self.gather_small_bytes, self.inner_chunk_bytes)
         writer = self._ensure_writer()
         slots = snapshot.take(plans, self._arena)
         job = {"step": step, "dir": step_dir(step), "rank": rank, "world": world, "fmt": FORMAT,
                "commit_timeout_s": self.commit_timeout_s, "keep_last": self.keep_last,
                "keep_every": self.keep_every, "arena_size": self._arena.size, "values": values,
-               "background_nice": self.background_nice if async_ else 0,
+               "background_nice": self.background_nice if async_ else 0, "background": async_,
                "saved_layout": {"world_size": world, "saved_at": _now()}, "slots": slots,
                "arrays": {p.spec.name: {**p.spec.to_json(), "layout": p.layout} for p in plans}}
         pending = PendingSave(step)

@@ -23,8 +23,10 @@ from marind.log import get_logger
 
 log = get_logger(__name__)
 MARKERS = ".marind"
-POLL_S = 0.05         # polling object stores (each poll is a request)
-POLL_LOCAL_S = 0.01   # polling a local disk (each poll is a stat)
+POLL_S = 0.05             # polling object stores (each poll is a request)
+POLL_BACKGROUND_S = 0.2   # the other ranks of an async save, polling an object store for the commit
+POLL_LOCAL_S = 0.01       # polling a local disk (each poll is a stat)
+ABORT_EVERY = 5           # the other ranks look for rank 0's abort marker every this many polls
 
 
 def _marker(d: str, kind: str, rank: int) -> str:
@@ -55,7 +57,7 @@ def run_save(st, job: dict, arena: memoryview, on_commit) -> None:
                {n: m["layout"] for n, m in job["arrays"].items()}, job["saved_layout"],
                timeout_s=job["commit_timeout_s"], fmt=job["fmt"])
     else:
-        wait_for_commit(st, d, timeout_s=job["commit_timeout_s"])
+        wait_for_commit(st, d, timeout_s=job["commit_timeout_s"], background=job.get("background", False))
     timings["commit_s"] = time.perf_counter() - t0
     log.info("ckpt_committed", step=job["step"], rank=rank, seconds=round(timings["commit_s"], 3))
     trash: list[str] = []
@@ -164,16 +166,21 @@ def commit(st, d: str, step: int, world: int, specs: list[ArraySpec], layouts: d
 
 
 def _collect(st, d: str, world: int, timeout_s: float) -> dict:
+    """Wait for every rank's done marker; one listing of the marker dir per poll."""
     deadline = time.monotonic() + timeout_s
     objects: dict = {}
     waiting = set(range(world))
+    markers = f"{d}/{MARKERS}"
     while waiting:
+        present = set(st.list_dir(markers))
         for r in sorted(waiting):
-            if st.exists(_marker(d, "error", r)):
-                err = st.read_json(_marker(d, "error", r)).get("error")
+            error = _marker(d, "error", r)
+            if error.rsplit("/", 1)[1] in present:
+                err = st.read_json(error).get("error")
                 raise CheckpointSaveFailed(f"rank {r} failed to write its part: {err}")
-            if st.exists(_marker(d, "rank", r)):
-                objects.update(st.read_json(_marker(d, "rank", r))["objects"])
+            done = _marker(d, "rank", r)
+            if done.rsplit("/", 1)[1] in present:
+                objects.update(st.read_json(done)["objects"])
                 waiting.discard(r)
         if waiting:
             if time.monotonic() > deadline:
@@ -183,16 +190,23 @@ def _collect(st, d: str, world: int, timeout_s: float) -> dict:
     return objects
 
 
-def _poll(st) -> float:
-    return POLL_LOCAL_S if getattr(st, "local", False) else POLL_S
+def _poll(st, background: bool = False) -> float:
+    if getattr(st, "local", False):
+        return POLL_LOCAL_S
+    return POLL_BACKGROUND_S if background else POLL_S
 
 
-def wait_for_commit(st, d: str, timeout_s: float) -> None:
+def wait_for_commit(st, d: str, timeout_s: float, background: bool = False) -> None:
+    """The other ranks: wait for rank 0's manifest (or its abort marker, looked at every
+    ``ABORT_EVERY`` polls). ``background``: an async save, where nobody waits on the
+    answer's latency, so an object store is asked less often."""
     deadline = time.monotonic() + timeout_s
+    polls = 0
     while not st.exists(f"{d}/manifest.json"):
-        if st.exists(f"{d}/{MARKERS}/abort.json"):
+        if polls % ABORT_EVERY == 0 and st.exists(f"{d}/{MARKERS}/abort.json"):
             err = st.read_json(f"{d}/{MARKERS}/abort.json").get("error")
             raise CheckpointSaveFailed(f"rank 0 aborted the commit: {err}")
         if time.monotonic() > deadline:
             raise CheckpointSaveFailed(f"no commit within {timeout_s}s (rank 0 crashed or storage down)")
-        time.sleep(_poll(st))
+        polls += 1
+        time.sleep(_poll(st, background))

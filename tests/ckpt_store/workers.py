@@ -24,6 +24,7 @@ SHAPES = {  # name -> (shape, dtype)
     "optim/w/step": ((), torch.float32),
 }
 LAYOUTS = ["rep", "dtrep", "fsdp", "tp_row", "2d", "2d_strided"]
+GATHERED = {"fsdp", "2d_strided"}   # matrix saves: small sharded arrays written whole; others per shard
 
 
 def expected(name: str) -> torch.Tensor:
@@ -125,6 +126,7 @@ def matrix(url: str, save: bool, load_steps: list[int], storage_options: dict | 
     if save:
         for i, layout in enumerate(LAYOUTS):
             step = world * 100 + i
+            store.gather_small_bytes = 1 << 20 if layout in GATHERED else 0
             pending = store.save(step, make_state(layout), async_=bool(i % 2))
             pending.wait(timeout=60)
             saved.append(step)
@@ -140,7 +142,9 @@ def matrix(url: str, save: bool, load_steps: list[int], storage_options: dict | 
             bad = check_state(target)
             if bad:
                 failures.append(f"step {step} -> {layout}@{world}: {bad}")
-    return {"failures": failures, "saved": saved, "steps": store.steps(), "max_amp": max(amp or [0])}
+    chunks = {step: store.manifest(step)["arrays"]["model/w"]["chunks"] for step in saved}
+    return {"failures": failures, "saved": saved, "steps": store.steps(), "max_amp": max(amp or [0]),
+            "w_chunks": chunks}
 
 
 def save_big(url: str, step: int, mb: int, rate: float | None = None, commit_timeout_s: float = 60.0,
