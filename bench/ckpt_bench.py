@@ -2,7 +2,8 @@
 
 4 gloo ranks hold an FSDP2-sharded MLP plus its Adam state (>= 512 MB in
 full mode), saved to a local dir and to a SeaweedFS S3 server started here.
-Measured in the same run: sync save, async blocked time, async time to
+Measured in the same run: sync save, async blocked time (the save call, plus
+any wait of the next optimizer step for the snapshot copy), async time to
 commit (from the save call to the moment it completed, as seen by rank 0; the
 training loop only polls between steps), training step time while a
 background save runs vs the steps just before it (a shared machine's load
@@ -133,12 +134,14 @@ def _dcp_reader(url: str, opts: dict | None):
 
 
 def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: int,
-                  store_kwargs: dict | None = None) -> dict:
+                  store_kwargs: dict | None = None, server_pid: int | None = None) -> dict:
     """marind and DCP against one target (a local dir or an S3 prefix).
 
     One untimed save of each first (the first write to a fresh server or
     directory pays for its setup), then the two take turns, repeat by repeat,
     in alternating order, so that a drift in the machine's load favours neither.
+    ``server_pid``: the S3 server on this machine, whose CPU time during each
+    async save is reported (it competes with training for the same cores).
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -149,6 +152,7 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
     local = not url.startswith("s3://")
     mk_url = f"{url}/marind" if not local else f"file://{url}/marind"
     mk = CheckpointStore(mk_url, storage_options=opts, **(store_kwargs or {}))
+    mk.protect(optim)   # async snapshots are copied beside forward/backward; optim.step() waits for them
     # old steps are deleted between the timed saves, as DCP's are (_rm): back-to-back saves would
     # otherwise time the previous step's deletes (queued behind its commit) inside the next save
     pruner = CheckpointStore(mk_url, storage_options=opts, keep_last=1)
@@ -185,14 +189,17 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
         state = _state(model, optim)
         quiet = [_train_step(model, optim, dim) for _ in range(QUIET_STEPS)]
         dist.barrier()
+        c0 = _cpu_s(server_pid) if server_pid else None
         t0 = time.perf_counter()
         pending = mk.save(counter["step"], state, async_=True)
         blocked = time.perf_counter() - t0
         during = _steps_while(pending.done, model, optim, dim)
         pending.wait()
+        blocked += pending.timings.get("step_wait_s", 0.0)   # an optimizer step that waited for the copy
+        server = _cpu_s(server_pid) - c0 if server_pid else None
         dist.barrier()
         prune()
-        return blocked, pending.finished_at - t0, during, quiet   # when it committed, not when noticed
+        return blocked, pending.finished_at - t0, during, quiet, server   # committed, not noticed
 
     def dcp_sync() -> float:
         state = _state(model, optim)
@@ -204,6 +211,7 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
         cid = dcp_target()
         quiet = [_train_step(model, optim, dim) for _ in range(QUIET_STEPS)]
         dist.barrier()
+        c0 = _cpu_s(server_pid) if server_pid else None
         t0 = time.perf_counter()
         fut = dcp.async_save(state, checkpoint_id=_cid(cid), storage_writer=_dcp_writer(cid, opts),
                              process_group=_dcp_group())
@@ -212,9 +220,10 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
         fut.add_done_callback(lambda _f: finished.append(time.perf_counter()))
         during = _steps_while(fut.done, model, optim, dim)
         fut.result()
+        server = _cpu_s(server_pid) - c0 if server_pid else None
         dist.barrier()
         res["dcp"]["checkpoint_id"] = cid
-        return blocked, (finished or [time.perf_counter()])[0] - t0, during, quiet
+        return blocked, (finished or [time.perf_counter()])[0] - t0, during, quiet, server
 
     res: dict = {"marind": {}, "dcp": {}}
     phases: list = []
@@ -223,17 +232,19 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
     phases.clear()
     pruned.clear()
     runs = {"marind": (marind_sync, marind_async), "dcp": (dcp_sync, dcp_async)}
-    got = {k: {"sync": [], "blocked": [], "commit": [], "during": [], "quiet": []} for k in runs}
+    got = {k: {"sync": [], "blocked": [], "commit": [], "during": [], "quiet": [], "server": []} for k in runs}
     for i in range(repeats):
         for system in (("marind", "dcp") if i % 2 == 0 else ("dcp", "marind")):
             sync_fn, async_fn = runs[system]
             g = got[system]
             g["sync"].append(sync_fn())
-            blocked, commit, during, quiet = async_fn()
+            blocked, commit, during, quiet, server = async_fn()
             g["blocked"].append(blocked)
             g["commit"].append(commit)
             g["during"] += during
             g["quiet"] += quiet
+            if server is not None:
+                g["server"].append(server)
     for system, g in got.items():
         res[system].update(sync_save_s=statistics.median(g["sync"]),
                            async_blocked_s=statistics.median(g["blocked"]),
@@ -243,6 +254,8 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
                            step_before_save_s=statistics.median(g["quiet"]),
                            sync_all_s=[round(x, 3) for x in g["sync"]],
                            commit_all_s=[round(x, 3) for x in g["commit"]])
+        if g["server"]:
+            res[system]["server_cpu_during_async_s"] = statistics.median(g["server"])
     res["marind"].update(
         retention_delete_s=statistics.median(pruned) if pruned else None,
         sync_phases_s={k: round(statistics.median(p.get(k, 0.0) for p in phases), 3)
@@ -266,7 +279,8 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
 
 
 def worker(dim: int, layers: int, repeats: int, local_dir: str, s3_url: str | None,
-           s3_opts: dict | None, local: bool = True, store_kwargs: dict | None = None) -> dict:
+           s3_opts: dict | None, local: bool = True, store_kwargs: dict | None = None,
+           s3_pid: int | None = None) -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -285,7 +299,7 @@ def worker(dim: int, layers: int, repeats: int, local_dir: str, s3_url: str | No
     if local:
         out["local"] = _bench_target("local", local_dir, None, model, optim, dim, repeats, store_kwargs)
     if s3_url:
-        out["s3"] = _bench_target("s3", s3_url, s3_opts, model, optim, dim, repeats, store_kwargs)
+        out["s3"] = _bench_target("s3", s3_url, s3_opts, model, optim, dim, repeats, store_kwargs, s3_pid)
     if dist.get_rank() == 0:
         print(json.dumps({"partial": {k: out.get(k) for k in ("local", "s3")}}), file=sys.stderr, flush=True)
     # torch.save of the full (gathered) state by rank 0
@@ -322,6 +336,12 @@ def reshard_worker(dim: int, layers: int, repeats: int, marind_url: str, dcp_id:
         dc.append(_timed(lambda: dcp.load(target, checkpoint_id=_cid(dcp_id), storage_reader=_dcp_reader(dcp_id, opts))))
     return {"marind_load_s": statistics.median(mk), "dcp_load_s": statistics.median(dc),
             "marind_read_amplification": max(amp)} if dist.get_rank() == 0 else {}
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _tensors(tree):
@@ -393,8 +413,10 @@ def main(argv=None) -> int:
         env = {"OMP_NUM_THREADS": "1", "MARIND_LOG_LEVEL": "WARNING"}
         r = run_torch_workers("bench.ckpt_bench:worker", 4, timeout=3000, env=env, dim=dim, layers=layers,
                               repeats=repeats, local_dir=str(root / "local"), s3_url=s3_url,
-                              s3_opts=s3_opts, local=not args.no_local, store_kwargs=store_kwargs)[0]
+                              s3_opts=s3_opts, local=not args.no_local, store_kwargs=store_kwargs,
+                              s3_pid=s3.pid if s3 else None)[0]
         result.update({k: r[k] for k in ("world", "state_bytes", "step_s", "torch_save_s")})
+        result["cpus"] = len(os.sched_getaffinity(0))
         result["local"], result["s3"] = r.get("local"), r.get("s3")
         if not args.no_local:
             result["reshard_4_to_2_local"] = run_torch_workers(
@@ -428,6 +450,12 @@ def _ratios(res: dict) -> dict:
             "dcp_step_slowdown_during_save": _ratio(d["step_during_save_s"], d["step_before_save_s"]),
             "sync_save_vs_torch_save": _ratio(m["sync_save_s"], res["torch_save_s"]) if target == "local" else None,
         }
+        if m.get("server_cpu_during_async_s") is not None:
+            # the share of the machine the S3 server itself took while marind's async save ran, and
+            # the step slowdown that share alone forces on a training loop that keeps every core busy
+            share = m["server_cpu_during_async_s"] / (res["cpus"] * m["async_commit_s"])
+            out[target]["server_cpu_share_during_async"] = round(share, 3)
+            out[target]["step_slowdown_from_server_alone"] = round(1 / (1 - share), 3) if share < 1 else None
     rs = res.get("reshard_4_to_2_local") or {}
     out["reshard_load_vs_dcp"] = _ratio(rs.get("marind_load_s"), rs.get("dcp_load_s"))
     if res.get("local") and res.get("disk_write_MBps"):

@@ -92,5 +92,5 @@ def take(plans: list, arena: HostArena) -> list[dict]:
         slots.append({"key": chunk_key(spec.name, cell), "array": spec.name, "offset": offset,
                       "nbytes": nbytes, "valid_rows": cbox.shape[0] if cbox.shape else 1})
     if cuda:
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()   # the copies were queued on this stream
     return slots

@@ -62,12 +62,15 @@ class PendingSave:
     def __init__(self, step: int):
         self.step = step
         self._done = threading.Event()
+        self._copied = threading.Event()   # the snapshot is taken: the state may change again
+        self._copied.set()
         self._error: BaseException | None = None
         self.observed = False
         self.timings: dict[str, float] = {}
         self.finished_at: float | None = None   # time.perf_counter() when it committed or failed
 
     def _finish(self, error: BaseException | None, timings: dict | None = None) -> None:
+        self._copied.set()
         if self._done.is_set():
             return
         self.timings.update(timings or {})
@@ -121,7 +124,32 @@ class CheckpointStore:
         self._arena: snapshot.HostArena | None = None
         self._writer = None
         self._pending: PendingSave | None = None
+        self._protected = False
         self.last_load_stats: dict = {}
+
+    def protect(self, optimizer) -> None:
+        """Let async saves copy the state while training goes on, until ``optimizer.step()``.
+
+        An async ``save()`` then returns once the work that needs collectives
+        is done; the snapshot copy runs on a thread (torch copies release the
+        GIL; CUDA sources copy on a stream of their own) beside the next
+        forward and backward, which read the state but do not change it. The
+        optimizer's next ``step()`` first waits for the copy (that wait is
+        counted in ``timings["step_wait_s"]``). Anything else that changes the
+        state in place before then is caught (tensor version counters) and fails
+        that save instead of committing a torn checkpoint.
+        """
+        if not hasattr(optimizer, "register_step_pre_hook"):
+            raise TypeError(f"protect() needs a torch.optim.Optimizer, not {type(optimizer).__name__}")
+        optimizer.register_step_pre_hook(self._before_step)
+        self._protected = True
+
+    def _before_step(self, *_args) -> None:
+        pending = self._pending
+        if pending is not None and not pending._copied.is_set():
+            t0 = time.perf_counter()
+            pending._copied.wait()
+            pending.timings["step_wait_s"] = pending.timings.get("step_wait_s", 0.0) + time.perf_counter() - t0
 
     # -- save ------------------------------------------------------------------------------
     def save(self, step: int, state: dict, async_: bool = True) -> PendingSave:
@@ -140,20 +168,59 @@ class CheckpointStore:
                  for i, name in enumerate(sorted(tensors))]
         plans = gather_small(plans, tensors, rank, world, self.gather_small_bytes, self.inner_chunk_bytes)
         writer = self._ensure_writer()
-        slots = snapshot.take(plans, self._arena)
         job = {"step": step, "dir": step_dir(step), "rank": rank, "world": world, "fmt": FORMAT,
                "commit_timeout_s": self.commit_timeout_s, "keep_last": self.keep_last,
-               "keep_every": self.keep_every, "arena_size": self._arena.size, "values": values,
+               "keep_every": self.keep_every, "values": values,
                "background_nice": self.background_nice if async_ else 0, "background": async_,
-               "saved_layout": {"world_size": world, "saved_at": _now()}, "slots": slots,
+               "saved_layout": {"world_size": world, "saved_at": _now()},
                "arrays": {p.spec.name: {**p.spec.to_json(), "layout": p.layout} for p in plans}}
         pending = PendingSave(step)
+        if async_ and self._protected:
+            pending._copied.clear()
+            pending._ready = _cuda_event(plans)
+            self._pending = pending
+            threading.Thread(target=self._copy_in_background, args=(plans, job, pending, writer),
+                             name="ckpt-snapshot", daemon=True).start()
+            pending.timings["blocked_s"] = time.perf_counter() - t0
+            return pending
+        self._copy(plans, job)
         pending.timings["blocked_s"] = time.perf_counter() - t0
         self._pending = pending
         writer.submit(job, pending)
         if not async_:
             pending.wait()
         return pending
+
+    def _copy(self, plans: list, job: dict, ready=None) -> None:
+        """Snapshot the chunks this rank writes into the arena (``job["slots"]``). ``ready``:
+        on the snapshot thread, the CUDA event its own stream waits for (see ``protect``)."""
+        owned = [(p, _version(p.local)) for p in plans if p.owned]
+        cuda = next((p.local.device for p, _ in owned if p.local.device.type == "cuda"), None)
+        if cuda is not None and ready is not None:
+            torch.cuda.set_device(cuda)
+            side = torch.cuda.Stream(cuda)
+            side.wait_event(ready)
+            with torch.cuda.stream(side):
+                job["slots"] = snapshot.take(plans, self._arena)
+        else:
+            job["slots"] = snapshot.take(plans, self._arena)
+        changed = [p.spec.name for p, v in owned if _version(p.local) != v]
+        if changed:
+            raise CheckpointSaveFailed(
+                f"step {job['step']}: {len(changed)} tensors (first {changed[0]!r}) changed in place "
+                "while their snapshot was taken; with protect(optimizer), nothing but that "
+                "optimizer's step() may change the state until the save's copy is done")
+        job["arena_size"] = self._arena.size
+
+    def _copy_in_background(self, plans: list, job: dict, pending: PendingSave, writer) -> None:
+        try:
+            self._copy(plans, job, pending._ready)
+        except BaseException as exc:  # noqa: BLE001 - surfaced at wait() / the next save()
+            log.warning("ckpt_snapshot_failed", step=job["step"], error=str(exc))
+            pending._finish(exc)
+            return
+        pending._copied.set()
+        writer.submit(job, pending)
 
     def _ensure_writer(self):
         if self._writer is None:
@@ -211,6 +278,8 @@ class CheckpointStore:
         return read_manifest(self.storage, step_dir(step))
 
     def load(self, state: dict, step: int | None = None) -> dict:
+        if self._pending is not None:
+            self._pending._copied.wait()   # a snapshot still reading tensors that load may fill
         rank, _ = _rank_world()
         if step is not None:
             self.last_load_stats = load_step(self.storage, step_dir(step), state, rank)
@@ -298,6 +367,25 @@ def _writer_kind(writer: str, storage: Storage, storage_options) -> str:
             return "thread"
         return "process"
     return writer
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place change); None where it has none."""
+    try:
+        return t._version
+    except RuntimeError:   # an inference-mode tensor
+        return None
+
+
+def _cuda_event(plans: list):
+    """An event on the current CUDA stream, which the snapshot thread's stream waits for:
+    the copies must see every kernel queued before save(). None without CUDA sources."""
+    device = next((p.local.device for p in plans if p.owned and p.local.device.type == "cuda"), None)
+    if device is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def _rank_world() -> tuple[int, int]:

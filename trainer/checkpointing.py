@@ -81,6 +81,8 @@ class Checkpointer:
         if c.url:
             from ckpt_store import CheckpointStore
             self.store = CheckpointStore(checkpoint_url(c.url), keep_last=c.keep_last or None)
+            if hasattr(optimizer, "register_step_pre_hook"):
+                self.store.protect(optimizer)   # async snapshots overlap the next forward/backward
         self.pending = None
         self.started_step: int | None = None   # last save started (maybe still in flight)
         self.last_step: int | None = None      # last save known committed (or restored)
