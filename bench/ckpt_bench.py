@@ -83,6 +83,7 @@ def _rm(path: str) -> None:
 
     if dist.get_rank() == 0:
         shutil.rmtree(path, ignore_errors=True)
+        os.sync()   # see _bench_target: a timed save must not pay for an earlier delete
     dist.barrier()
 
 
@@ -140,6 +141,10 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
     One untimed save of each first (the first write to a fresh server or
     directory pays for its setup), then the two take turns, repeat by repeat,
     in alternating order, so that a drift in the machine's load favours neither.
+    Deletes between saves are flushed (``os.sync``) before the next timed save:
+    this VM's ext4 has online discard, and a save's flush (an fsync or syncfs)
+    otherwise waits for the discards of whatever was deleted before it, the
+    other system's checkpoint included.
     ``server_pid``: the S3 server on this machine, whose CPU time during each
     async save is reported (it competes with training for the same cores).
     """
@@ -164,6 +169,7 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
         if rank == 0:
             t = time.perf_counter()
             pruner.apply_retention()
+            os.sync()
             pruned.append(time.perf_counter() - t)
         dist.barrier()
 
@@ -259,7 +265,9 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
     res["marind"].update(
         retention_delete_s=statistics.median(pruned) if pruned else None,
         sync_phases_s={k: round(statistics.median(p.get(k, 0.0) for p in phases), 3)
-                       for k in ("blocked_s", "write_s", "commit_s")})
+                       for k in ("blocked_s", "write_s", "commit_s")},
+        sync_phases_all_s=[{k: round(p.get(k, 0.0), 3) for k in ("blocked_s", "write_s", "commit_s")}
+                           for p in phases])
     loads = {"marind": [], "dcp": []}
     cid = res["dcp"]["checkpoint_id"]
     for i in range(repeats):
