@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ckpt_store import layout
-from ckpt_store.plan import ArrayPlan, all_pieces
+from ckpt_store.plan import ArrayPlan, all_pieces, mesh_ranks
 from ckpt_store.zarr_format import ArraySpec
 
 #: arrays of at most this many bytes that a save would split into several objects
@@ -29,13 +29,16 @@ SMALL_ARRAY_BYTES = 256 << 10
 GATHER_BUDGET_BYTES = 64 << 20
 
 
-def small_sharded(plan: ArrayPlan, tensor: torch.Tensor, limit: int) -> bool:
+def small_sharded(plan: ArrayPlan, tensor: torch.Tensor, limit: int, world: int) -> bool:
     """Would ``plan`` write a small array as several objects, split along dim 0 only?
-    (Those become inner chunks of one object: a rank that loads its old rows reads just them.)"""
+    (Those become inner chunks of one object: a rank that loads its old rows reads just them.)
+    Only arrays on a mesh of the whole world: every rank holds those, so every rank picks
+    the same ones (a pipeline stage's arrays, on a mesh of its own ranks, are left as they are)."""
     spec = plan.spec
     grid = layout.grid_shape(spec.shape, spec.chunks)
     return (isinstance(tensor, DTensor) and len(grid) > 0 and grid[0] > 1 and math.prod(grid[1:]) == 1
-            and math.prod(spec.shape) * spec.itemsize <= limit)
+            and math.prod(spec.shape) * spec.itemsize <= limit
+            and len(mesh_ranks(tensor.device_mesh)[0]) == world)
 
 
 def whole_spec(spec: ArraySpec, inner_bytes: int) -> ArraySpec:
@@ -60,7 +63,7 @@ def gather_small(plans: list[ArrayPlan], tensors: dict[str, torch.Tensor], rank:
     picks, total = [], 0
     for i, plan in enumerate(plans):
         t = tensors[plan.spec.name]
-        if small_sharded(plan, t, limit):
+        if small_sharded(plan, t, limit, world):
             nbytes = math.prod(plan.spec.shape) * plan.spec.itemsize
             if total + nbytes > budget:
                 break
