@@ -71,6 +71,21 @@ def main() -> None:
     sock = _connect(path, float(os.environ.get("MARIND_ZYGOTE_WAIT", "30")))
     if sock is None:
         _cold(module, args, f"no zygote at {path}")
+    # From here a signal is this job's: one that lands before the worker exists is held and sent
+    # to it once it does (torchrun may stop a worker the moment it starts).
+    worker = 0
+    pending: list[int] = []
+
+    def forward(signum, _frame):
+        if not worker:
+            pending.append(signum)
+            return
+        try:
+            os.kill(worker, signum)
+        except ProcessLookupError:
+            pass
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
     lifeline_r, lifeline_w = os.pipe()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MARIND_ZYGOTE_")}
     header = json.dumps({"module": module, "args": args, "env": env, "cwd": os.getcwd(),
@@ -87,16 +102,14 @@ def main() -> None:
     if not reply or "pid" not in reply:
         sock.close()
         os.close(lifeline_w)
+        for sig in FORWARDED:
+            signal.signal(sig, signal.SIG_DFL)
+        for sig in pending:
+            os.kill(os.getpid(), sig)
         _cold(module, args, why)
     worker = int(reply["pid"])
-
-    def forward(signum, _frame):
-        try:
-            os.kill(worker, signum)
-        except ProcessLookupError:
-            pass
-    for sig in FORWARDED:
-        signal.signal(sig, forward)
+    for sig in pending:
+        forward(sig, None)
 
     status = _read_line(sock, buf)    # blocks until the worker ends; the lifeline stays open meanwhile
     if status is None:                # the zygote died: its workers die with it (PDEATHSIG)
