@@ -148,6 +148,7 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
     ``server_pid``: the S3 server on this machine, whose CPU time during each
     async save is reported (it competes with training for the same cores).
     """
+    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -196,6 +197,8 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
         quiet = [_train_step(model, optim, dim) for _ in range(QUIET_STEPS)]
         dist.barrier()
         c0 = _cpu_s(server_pid) if server_pid else None
+        writer = mk.writer_pid                 # started by the warm-up save
+        w0 = _cpu_s(writer) if writer else None
         t0 = time.perf_counter()
         pending = mk.save(counter["step"], state, async_=True)
         blocked = time.perf_counter() - t0
@@ -203,8 +206,11 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
         pending.wait()
         blocked += pending.timings.get("step_wait_s", 0.0)   # an optimizer step that waited for the copy
         server = _cpu_s(server_pid) - c0 if server_pid else None
+        writers = torch.tensor([_cpu_s(writer) - w0 if writer and mk.writer_pid == writer else -1e9])
+        dist.all_reduce(writers)               # every rank's writer process (negative: one restarted)
         dist.barrier()
         prune()
+        g_writers.append(writers.item())
         return blocked, pending.finished_at - t0, during, quiet, server   # committed, not noticed
 
     def dcp_sync() -> float:
@@ -233,6 +239,7 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
 
     res: dict = {"marind": {}, "dcp": {}}
     phases: list = []
+    g_writers: list[float] = []
     marind_sync()           # untimed warm-up, each
     dcp_sync()
     phases.clear()
@@ -262,7 +269,9 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
                            commit_all_s=[round(x, 3) for x in g["commit"]])
         if g["server"]:
             res[system]["server_cpu_during_async_s"] = statistics.median(g["server"])
+    writers = [w for w in g_writers if w >= 0]
     res["marind"].update(
+        writer_cpu_during_async_s=statistics.median(writers) if writers else None,
         retention_delete_s=statistics.median(pruned) if pruned else None,
         sync_phases_s={k: round(statistics.median(p.get(k, 0.0) for p in phases), 3)
                        for k in ("blocked_s", "write_s", "commit_s")},
@@ -464,6 +473,11 @@ def _ratios(res: dict) -> dict:
             share = m["server_cpu_during_async_s"] / (res["cpus"] * m["async_commit_s"])
             out[target]["server_cpu_share_during_async"] = round(share, 3)
             out[target]["step_slowdown_from_server_alone"] = round(1 / (1 - share), 3) if share < 1 else None
+        if m.get("writer_cpu_during_async_s") is not None:
+            # the same for marind's own background work (the ranks' writer processes)
+            share = m["writer_cpu_during_async_s"] / (res["cpus"] * m["async_commit_s"])
+            out[target]["writer_cpu_share_during_async"] = round(share, 3)
+            out[target]["step_slowdown_from_writers_alone"] = round(1 / (1 - share), 3) if share < 1 else None
     rs = res.get("reshard_4_to_2_local") or {}
     out["reshard_load_vs_dcp"] = _ratio(rs.get("marind_load_s"), rs.get("dcp_load_s"))
     if res.get("local") and res.get("disk_write_MBps"):

@@ -23,13 +23,35 @@ import fsspec
 _IOV_MAX = 512
 
 
+def s3_defaults(url: str, storage_options: dict | None) -> dict:
+    """``storage_options`` with ckpt_store's defaults for S3 filled in where the caller set none.
+
+    Payload signing off: every object a save writes carries its crc32c in the signed
+    ``x-amz-checksum-crc32c`` header, which the server checks against the body, so
+    SHA-256 over the body (botocore's default on plain-http endpoints; on https it
+    already skips it when a checksum header is present) only buys a second hash of
+    every byte on both ends. Measured with SeaweedFS on 2 cores, 600 MB of 4 MB PUTs:
+    client CPU 1.3 -> 0.87 s, server 7.4 -> 7.0 s, wall -10%. A caller who wants the
+    body signed anyway sets ``config_kwargs={"s3": {"payload_signing_enabled": True}}``.
+    """
+    opts = dict(storage_options or {})
+    if url.split("://", 1)[0] not in ("s3", "s3a"):
+        return opts
+    config = dict(opts.get("config_kwargs") or {})
+    s3 = dict(config.get("s3") or {})
+    s3.setdefault("payload_signing_enabled", False)
+    config["s3"] = s3
+    opts["config_kwargs"] = config
+    return opts
+
+
 class Storage:
     def __init__(self, url: str, storage_options: dict | None = None, io_threads: int = 4,
                  rate_limit: float | None = None, direct_io: bool = True):
         if "://" not in url:
             url = "file://" + os.path.abspath(url)
         self.url = url.rstrip("/")
-        self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **s3_defaults(self.url, storage_options))
         self.root = self.root.rstrip("/")
         protocols = {self.fs.protocol} if isinstance(self.fs.protocol, str) else set(self.fs.protocol)
         self.local = bool(protocols & {"file", "local"})

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from ckpt_store.storage import DIRECT_ALIGN, DIRECT_BOUNCE, DIRECT_MIN_BYTES, Storage
+from ckpt_store.storage import DIRECT_ALIGN, DIRECT_BOUNCE, DIRECT_MIN_BYTES, Storage, s3_defaults
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -79,9 +79,27 @@ def test_s3_checks_each_upload_against_the_writers_crc32c(s3, s3_url):
 
     st = Storage(s3_url, s3.storage_options)
     assert st.s3
+    st.write("probe", [b"x"])                       # connects the client
+    sent: list[dict] = []
+    st.fs.s3.meta.events.register("before-send.s3.PutObject",
+                                  lambda request, **_: sent.append(dict(request.headers)))
     data = os.urandom(100_000)
     st.write("ok/obj", [data[:10], data[10:]], crc=crc32c.crc32c(data))
     assert st.read("ok/obj") == data
     with pytest.raises(OSError):
         st.write("bad/obj", [data], crc=crc32c.crc32c(data) ^ 1)
     assert not st.exists("bad/obj")
+    # the crc32c, not a SHA-256 of the body, is what guards it (see s3_defaults)
+    assert len(sent) >= 2 and {h.get("X-Amz-Content-SHA256") for h in sent} == {b"UNSIGNED-PAYLOAD"}, sent
+    assert all("x-amz-checksum-crc32c" in {k.lower() for k in h} for h in sent)
+
+
+def test_s3_defaults_leave_other_options_and_an_explicit_choice_alone():
+    user = {"key": "k", "config_kwargs": {"retries": {"max_attempts": 1}, "s3": {"addressing_style": "path"}}}
+    got = s3_defaults("s3://b/p", user)
+    assert got["config_kwargs"] == {"retries": {"max_attempts": 1},
+                                    "s3": {"addressing_style": "path", "payload_signing_enabled": False}}
+    assert user["config_kwargs"]["s3"] == {"addressing_style": "path"}, "the caller's dict is not changed"
+    signed = {"config_kwargs": {"s3": {"payload_signing_enabled": True}}}
+    assert s3_defaults("s3://b", signed) == signed
+    assert s3_defaults("file:///x", None) == {} and s3_defaults("memory://x", {"a": 1}) == {"a": 1}
