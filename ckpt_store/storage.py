@@ -91,13 +91,11 @@ class Storage:
         return f"{self.root}/{key}" if key else self.root
 
     # -- writes --------------------------------------------------------------------------
-    def write(self, key: str, pieces: list, crc: int | None = None, background: bool = True) -> None:
+    def write(self, key: str, pieces: list, crc: int | None = None) -> None:
         """Write one object from ``pieces``. ``crc``: the object's crc32c, if the caller has it;
         S3 then checks the upload against it (``x-amz-checksum-crc32c``: end to end, from the
-        snapshot to the server, and botocore need not checksum the body again).
-        ``background``: written beside training (an async save), where local disks take
-        large objects with O_DIRECT; a sync save, which nothing runs beside, goes through
-        the page cache, which is faster on its own (see ``_write_direct``)."""
+        snapshot to the server, and botocore need not checksum the body again). On a local
+        disk, objects of ``DIRECT_MIN_BYTES`` and more bypass the page cache (``_write_direct``)."""
         nbytes = sum(memoryview(p).nbytes for p in pieces)
         self._throttle(nbytes)
         path = self.path(key)
@@ -108,7 +106,7 @@ class Storage:
             self.fs.pipe_file(path, b"".join(pieces), **extra)
             return
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        if self.direct and background and nbytes >= DIRECT_MIN_BYTES:
+        if self.direct and nbytes >= DIRECT_MIN_BYTES:
             try:
                 _write_direct(path, pieces, nbytes)
                 return
@@ -323,9 +321,12 @@ def _write_direct(path: str, pieces: list, nbytes: int) -> None:
     writeback all run beside training. Measured on the 2-core CI VM, 600 MB
     beside two busy processes: buffered (with sync_file_range and syncfs)
     2.3 s and those processes 1.57x slower meanwhile; O_DIRECT 0.50 s and
-    1.21x. With nothing beside it the page cache wins: the bench's 604 MB sync
-    save from 4 ranks took 0.40 s buffered and 0.51-0.64 s direct (median of 6
-    each, alternating). So only background writes come here. The last block is zero-padded to the alignment and the file then
+    1.21x. Sync saves come here too: with nothing beside them buffered writes
+    are sometimes as fast (0.3-0.4 s for the bench's 600 MB from 4 ranks), but
+    on a VM whose free pages go back to the host (virtio-balloon free page
+    reporting) every fresh page-cache page is a fault to the host, and the same
+    writes took 0.9-1.1 s in half the runs; direct writes stayed at 0.44-0.53 s
+    (median of 6 each, alternating, twice). The last block is zero-padded to the alignment and the file then
     truncated to ``nbytes``. Durability still needs ``make_durable`` (the
     file's size and extents are metadata).
     """

@@ -49,8 +49,7 @@ def run_save(st, job: dict, arena: memoryview, on_commit) -> None:
     firsts = {chunk_key(n, (0,) * len(spec.shape)): spec for n, spec in specs.items()}
     meta = [(f"{spec.name}/zarr.json", _json_bytes(array_metadata(spec, {"marind": job["arrays"][spec.name]["layout"]})))
             for spec in (firsts.get(s["key"]) for s in job["slots"]) if spec is not None]
-    write_rank_part(st, d, rank, chunks, job["values"], meta, nice=job.get("background_nice", 0),
-                    background=job.get("background", True))
+    write_rank_part(st, d, rank, chunks, job["values"], meta, nice=job.get("background_nice", 0))
     del chunks
     timings = {"write_s": time.perf_counter() - t0}
     if rank == 0:
@@ -80,17 +79,16 @@ def _json_bytes(obj) -> bytes:
 
 
 def write_rank_part(st, d: str, rank: int, chunks: list, values: dict, meta: list = (),
-                    nice: int = 0, background: bool = True) -> dict:
+                    nice: int = 0) -> dict:
     """Encode + write this rank's chunks ``(key, spec, buffer, valid_rows)``, metadata objects
     ``(key, bytes)`` and JSON values, then its done marker (or, on failure, its error marker).
-    ``nice``: run the encoding and writes on I/O threads that much nicer (async saves);
-    ``background``: an async save (local disks: large objects bypass the page cache)."""
+    ``nice``: run the encoding and writes on I/O threads that much nicer (async saves)."""
     objects: dict[str, dict] = {}
 
     def one(item):
         key, spec, buf, valid_rows = item
         pieces, size, crc = encode_chunk(buf, spec, valid_rows)
-        st.write(f"{d}/{key}", pieces, crc=crc, background=background)
+        st.write(f"{d}/{key}", pieces, crc=crc)
         return key, size, crc
 
     def small(item):

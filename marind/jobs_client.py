@@ -63,7 +63,7 @@ class JobsClient:
         return {"id": view.id, "name": view.spec.get("job", {}).get("name", view.id),
                 "state": view.state.state.value, "reason": view.state.reason,
                 "nodes": sorted(nodes), "world_size": world or 0,
-                "step": progress.get("step"), "loss": progress.get("loss"),
+                "step": _last_step(progress.get("step"), view.state.step), "loss": progress.get("loss"),
                 "tokens_per_s": progress.get("tokens_per_s"),
                 "last_checkpoint_step": progress.get("last_checkpoint_step"),
                 "restarts": view.state.restarts,
@@ -146,3 +146,10 @@ def local_log_files(job: str, state_dir: str | Path | None = None) -> list[Path]
         if logs.is_dir():
             return sorted(p for p in logs.iterdir() if p.suffix == ".log")
     return []
+
+
+def _last_step(reported: int | None, at_end: int | None) -> int | None:
+    """Rank 0's reported step, or the step the job ended at when that is further (reports lag)."""
+    if at_end is None:
+        return reported
+    return at_end if reported is None else max(int(reported), at_end)

@@ -346,11 +346,15 @@ class Agent:
         self._queue(run.job, lambda: self.client.delete(key))
 
     def _final_progress(self, run: JobRun) -> None:
-        """Where global rank 0 ran: the job's progress with the last steps since the previous report."""
+        """Where global rank 0 ran: the job's progress with the last steps since the previous report.
+
+        Everywhere: ``run.step`` becomes the last step this node's workers reached.
+        """
         # only the last generation's records: a rank file left by an earlier generation (when this
         # node held global rank 0) would set the job's progress back
         records = prog.read_records(run.sup.run_dir)
         final = prog.current(records, set(run.worker_pids))
+        run.step = max(run.step, prog.node_step(final))
         summary = prog.job_summary(final)
         self.log.info("final_progress", job=run.job, step=summary and summary["step"],
                       workers=sorted(run.worker_pids), records={r.rank: r.pid for r in records})
@@ -496,7 +500,7 @@ class Agent:
         self.log.info("torchrun_exited", job=run.job, rc=rc)
         self._final_progress(run)
         self._queue(run.job, lambda: update_state(self.client, run.job, event, reason=reason,
-                                                  restarts=run.restarts))
+                                                  restarts=run.restarts, step=run.step or None))
         self._emit(run.job, kind, {"rc": rc, "step": run.step})
         self._leave(run, f"torchrun exited {rc}")
         key = self.client.key("jobs", run.job, "nodes", self.node)

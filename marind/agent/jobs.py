@@ -94,13 +94,14 @@ def create_job(client: EtcdClient, job: str, spec: dict, now: float | None = Non
 
 
 def update_state(client: EtcdClient, job: str, event: JobEvent, *, reason: str = "",
-                 restarts: int | None = None, attempts: int = 20) -> StateRecord | None:
+                 restarts: int | None = None, step: int | None = None,
+                 attempts: int = 20) -> StateRecord | None:
     """Apply ``event`` by CAS; returns the new record, or None when the move was refused/no-op."""
     key = state_key(client, job)
     for _ in range(attempts):
         raw, rev = client.get(key)
         current = StateRecord.from_dict(json.loads(raw)) if raw else StateRecord(JobState.PENDING)
-        new = apply(current, event, reason=reason, restarts=restarts)
+        new = apply(current, event, reason=reason, restarts=restarts, step=step)
         if new is None:
             return None
         ok, _ = client.compare_and_swap(key, json.dumps(new.to_dict(), sort_keys=True), rev)

@@ -41,15 +41,20 @@ class StateRecord:
     reason: str = ""
     restarts: int = 0
     updated_at: float = 0.0
+    step: int | None = None     # the last step, set with a terminal state by the agent that moved it there
 
     def to_dict(self) -> dict:
-        return {"state": self.state.value, "reason": self.reason,
-                "restarts": self.restarts, "updated_at": self.updated_at}
+        out = {"state": self.state.value, "reason": self.reason,
+               "restarts": self.restarts, "updated_at": self.updated_at}
+        if self.step is not None:
+            out["step"] = self.step
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "StateRecord":
         return cls(state=JobState(data.get("state", "PENDING")), reason=str(data.get("reason", "")),
-                   restarts=int(data.get("restarts", 0)), updated_at=float(data.get("updated_at", 0.0)))
+                   restarts=int(data.get("restarts", 0)), updated_at=float(data.get("updated_at", 0.0)),
+                   step=None if data.get("step") is None else int(data["step"]))
 
 
 _MOVES: dict[JobEvent, tuple[set[JobState], JobState]] = {
@@ -72,8 +77,12 @@ def transition(current: JobState, event: JobEvent) -> tuple[JobState, str]:
 
 
 def apply(record: StateRecord, event: JobEvent, *, reason: str = "", restarts: int | None = None,
-          now: float | None = None) -> StateRecord | None:
-    """The record after ``event``, or None when nothing changes (refused or same state)."""
+          step: int | None = None, now: float | None = None) -> StateRecord | None:
+    """The record after ``event``, or None when nothing changes (refused or same state).
+
+    ``step`` is kept only on a move into a terminal state: the job's last step as the agent that
+    ended it saw it (global rank 0's progress report may land after the state does).
+    """
     new, why = transition(record.state, event)
     new_restarts = record.restarts if restarts is None else max(record.restarts, restarts)
     if new == record.state and new_restarts == record.restarts:
@@ -81,4 +90,5 @@ def apply(record: StateRecord, event: JobEvent, *, reason: str = "", restarts: i
     if new.is_terminal() and record.state.is_terminal():
         return None
     return StateRecord(state=new, reason=reason or why, restarts=new_restarts,
-                       updated_at=time.time() if now is None else now)
+                       updated_at=time.time() if now is None else now,
+                       step=step if new.is_terminal() else None)

@@ -39,6 +39,14 @@ def test_apply_keeps_the_highest_restart_count_and_skips_no_ops():
     assert new.state == JobState.RESTARTING and new.restarts == 2 and new.updated_at == 5.0
     assert apply(StateRecord(JobState.SUCCEEDED), JobEvent.FAILED, restarts=9) is None
     assert StateRecord.from_dict(new.to_dict()) == new
+    assert "step" not in new.to_dict() and apply(rec, JobEvent.RESTART, step=7).step is None
+
+
+def test_a_terminal_state_keeps_the_step_the_job_ended_at():
+    done = apply(StateRecord(JobState.RUNNING, restarts=1), JobEvent.SUCCEEDED, step=60, now=3.0)
+    assert (done.state, done.step, done.restarts) == (JobState.SUCCEEDED, 60, 1)
+    assert StateRecord.from_dict(done.to_dict()) == done
+    assert apply(done, JobEvent.FAILED, step=61) is None
 
 
 def test_hang_detector_with_injected_clock():

@@ -60,8 +60,6 @@ def test_small_objects_and_direct_io_off_use_the_page_cache(tmp_path):
     small = os.urandom(DIRECT_MIN_BYTES - 1)
     Storage(str(tmp_path)).write("small", [small])
     assert resident_pages(tmp_path / "small") > 0 and (tmp_path / "small").read_bytes() == small
-    Storage(str(tmp_path)).write("sync", [data], background=False)     # a sync save's object
-    assert resident_pages(tmp_path / "sync") > 0 and (tmp_path / "sync").read_bytes() == data
 
 
 def test_a_failed_direct_write_leaves_no_object(tmp_path):

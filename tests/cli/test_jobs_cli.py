@@ -84,3 +84,21 @@ def test_submit_status_cancel_rm(cli, tmp_path, etcd_client):
     assert rc == 0 and json.loads(out)["id"].startswith("cli-")
     rc, out, err = cli("logs", "cli-job-1")
     assert rc == 1 and "no logs" in err
+
+
+def test_status_shows_the_step_a_job_ended_at_when_rank0s_report_lags(cli, tmp_path, etcd_client):
+    """The node that ends a job may not hold global rank 0; its final step rides on the state."""
+    from marind.agent.jobs import update_state
+    from marind.agent.jobstate import JobEvent
+    cli("submit", str(tiny_spec(tmp_path, name="lag")), "--id", "lag-1")
+    etcd_client.put_json(etcd_client.key("jobs", "lag-1", "progress"), {"step": 59, "updated_at": 1.0})
+    update_state(etcd_client, "lag-1", JobEvent.WORKERS_STARTED)
+    rc, out, _ = cli("status", "lag-1", "--json")
+    assert json.loads(out)["jobs"][0]["step"] == 59
+    update_state(etcd_client, "lag-1", JobEvent.SUCCEEDED, step=60)
+    rc, out, _ = cli("status", "lag-1", "--json")
+    row = json.loads(out)["jobs"][0]
+    assert (row["state"], row["step"]) == ("SUCCEEDED", 60)
+    etcd_client.put_json(etcd_client.key("jobs", "lag-1", "progress"), {"step": 60, "updated_at": 2.0})
+    rc, out, _ = cli("status", "lag-1", "--json")
+    assert json.loads(out)["jobs"][0]["step"] == 60
