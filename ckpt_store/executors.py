@@ -2,7 +2,9 @@
 
 Both run ``writer.run_save`` on the same JSON job over the snapshot arena,
 one job at a time, in order, and finish the job's ``PendingSave`` once it
-committed (and, on rank 0, retention ran). ``ProcessWriter`` keeps the encoding, checksums
+committed (and, on rank 0, retention ran). A job marked ``streamed`` is
+submitted before its snapshot is copied; ``copied()`` and ``copy_failed()``
+then tell the writer how the copy goes (``handoff.py``). ``ProcessWriter`` keeps the encoding, checksums
 and uploads out of the training process, so they never hold its GIL;
 ``ThreadWriter`` serves ``memory://`` stores (process-local) and storage
 options that are not JSON.
@@ -23,6 +25,7 @@ import threading
 from pathlib import Path
 
 from ckpt_store.errors import CheckpointSaveFailed
+from ckpt_store.handoff import SnapshotHandoff
 from ckpt_store.steps import MANIFEST
 from ckpt_store.writer import run_save, write_abort_marker, write_error_marker
 from marind.log import get_logger
@@ -38,22 +41,30 @@ class ThreadWriter:
         self._st, self._arena = storage, arena
         self._jobs: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._handoff: SnapshotHandoff | None = None    # the latest job's
         self.pid = None
 
     def submit(self, job: dict, pending) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="ckpt-writer", daemon=True)
             self._thread.start()
-        self._jobs.put((job, pending))
+        self._handoff = SnapshotHandoff(len(job["slots"]), job.get("streamed", False))
+        self._jobs.put((job, pending, self._handoff))
+
+    def copied(self, slots: int, complete: bool = False) -> None:
+        self._handoff.advance(slots, complete)
+
+    def copy_failed(self, error: str) -> None:
+        self._handoff.fail(error)
 
     def _loop(self) -> None:
         while True:
             item = self._jobs.get()
             if item is None:
                 return
-            job, pending = item
+            job, pending, handoff = item
             try:
-                run_save(self._st, job, self._arena.view(), lambda t: pending._finish(None, t))
+                run_save(self._st, job, self._arena.view(), lambda t: pending._finish(None, t), handoff)
             except BaseException as exc:  # noqa: BLE001 - surfaced at wait()/next save()
                 log.warning("ckpt_save_failed", step=job["step"], rank=job["rank"], error=str(exc))
                 if not pending.done():
@@ -148,12 +159,15 @@ class _Child:
             if self.dead:
                 return False
             self._inflight.append((job, pending))
+        self.send({"op": "save", "job": job})
+        return True
+
+    def send(self, msg: dict) -> None:
         try:
-            self.proc.stdin.write((json.dumps({"op": "save", "job": job}) + "\n").encode())
+            self.proc.stdin.write((json.dumps(msg) + "\n").encode())
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError, ValueError):
             pass   # it died: the reader thread fails the job when it sees the end of the replies
-        return True
 
     def close(self) -> None:
         try:
@@ -190,6 +204,14 @@ class ProcessWriter:
             if self._child.submit(job, pending):
                 return
         pending._finish(CheckpointSaveFailed("the checkpoint writer process keeps dying at start"))
+
+    def copied(self, slots: int, complete: bool = False) -> None:
+        if self._child is not None:
+            self._child.send({"op": "copied", "slots": slots, "complete": complete})
+
+    def copy_failed(self, error: str) -> None:
+        if self._child is not None:
+            self._child.send({"op": "copy_failed", "error": error})
 
     def close(self) -> None:
         if self._child is not None and not self._child.dead:

@@ -6,7 +6,9 @@ that grows as needed and is reused by every save, so no page is allocated
 or faulted in after the first save; the writer process maps the same fd
 and encodes and uploads straight from it. Each owned chunk gets a whole
 chunk-shaped slot (C order, zero padding past the array's edge, as Zarr
-stores edge chunks), so the writer never reshapes or pads.
+stores edge chunks), so the writer never reshapes or pads. ``reserve``
+lays the slots out before anything is copied, so the writer can be handed
+the job first and write each slot as soon as ``fill`` has copied it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ckpt_store import layout
 from ckpt_store.zarr_format import chunk_key, slot_nbytes
 
 ALIGN = 64
+PROGRESS_BYTES = 16 * 2**20     # the writer hears how far the copy got after about this much
 
 
 class HostArena:
@@ -64,21 +67,39 @@ class HostArena:
 
 
 def take(plans: list, arena: HostArena) -> list[dict]:
-    """Copy every owned chunk of ``plans`` into ``arena``; returns the slots for the writer:
-    ``{"key", "array", "offset", "nbytes", "valid_rows"}``."""
-    items, total = [], 0
+    """Copy every owned chunk of ``plans`` into ``arena``; returns the slots for the writer."""
+    slots, copies = reserve(plans, arena)
+    fill(copies, arena)
+    return slots
+
+
+def reserve(plans: list, arena: HostArena) -> tuple[list[dict], list[tuple]]:
+    """Give every owned chunk of ``plans`` a slot in ``arena`` (grown to hold them all).
+
+    Returns the slots for the writer (``{"key", "array", "offset", "nbytes",
+    "valid_rows"}``, in copy order) and the copies for ``fill``.
+    """
+    copies, slots, total = [], [], 0
     for plan in plans:
         spec = plan.spec
         for cell, piece in plan.owned:
             nbytes = slot_nbytes(spec)
-            items.append((plan, cell, piece, total, nbytes))
+            cbox = layout.cell_box(cell, spec.chunks, spec.shape)
+            copies.append((plan, cbox, piece, total, nbytes))
+            slots.append({"key": chunk_key(spec.name, cell), "array": spec.name, "offset": total,
+                          "nbytes": nbytes, "valid_rows": cbox.shape[0] if cbox.shape else 1})
             total += -(-nbytes // ALIGN) * ALIGN
     arena.ensure(total)
+    return slots, copies
+
+
+def fill(copies: list[tuple], arena: HostArena, on_progress=None, every_bytes: int = PROGRESS_BYTES) -> None:
+    """Make ``copies`` in order. ``on_progress(n)``, after each run of at least ``every_bytes``:
+    the first ``n`` slots hold their chunks (CUDA copies are synchronized first)."""
     cuda = False
-    slots = []
-    for plan, cell, piece, offset, nbytes in items:
+    since = 0
+    for i, (plan, cbox, piece, offset, nbytes) in enumerate(copies):
         spec = plan.spec
-        cbox = layout.cell_box(cell, spec.chunks, spec.shape)
         src = plan.local[tuple(slice(l + o - b, l + o - b + s) for l, o, b, s in
                                zip(piece.local, cbox.offset, piece.box.offset, cbox.shape))]
         if src.device.type == "cuda" and not cuda:
@@ -89,8 +110,11 @@ def take(plans: list, arena: HostArena) -> list[dict]:
             dst.zero_()
             dst = dst[tuple(slice(0, s) for s in cbox.shape)]
         dst.copy_(src, non_blocking=cuda)
-        slots.append({"key": chunk_key(spec.name, cell), "array": spec.name, "offset": offset,
-                      "nbytes": nbytes, "valid_rows": cbox.shape[0] if cbox.shape else 1})
+        since += nbytes
+        if on_progress is not None and since >= every_bytes and i + 1 < len(copies):
+            if cuda:
+                torch.cuda.current_stream().synchronize()
+            on_progress(i + 1)
+            since = 0
     if cuda:
         torch.cuda.current_stream().synchronize()   # the copies were queued on this stream
-    return slots

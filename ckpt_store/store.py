@@ -168,6 +168,7 @@ class CheckpointStore:
                  for i, name in enumerate(sorted(tensors))]
         plans = gather_small(plans, tensors, rank, world, self.gather_small_bytes, self.inner_chunk_bytes)
         writer = self._ensure_writer()
+        prepare_s = time.perf_counter() - t0
         job = {"step": step, "dir": step_dir(step), "rank": rank, "world": world, "fmt": FORMAT,
                "commit_timeout_s": self.commit_timeout_s, "keep_last": self.keep_last,
                "keep_every": self.keep_every, "values": values,
@@ -175,6 +176,7 @@ class CheckpointStore:
                "saved_layout": {"world_size": world, "saved_at": _now()},
                "arrays": {p.spec.name: {**p.spec.to_json(), "layout": p.layout} for p in plans}}
         pending = PendingSave(step)
+        pending.timings["prepare_s"] = prepare_s     # step dir checked, chunks planned
         if async_ and self._protected:
             pending._copied.clear()
             pending._ready = _cuda_event(plans)
@@ -183,44 +185,54 @@ class CheckpointStore:
                              name="ckpt-snapshot", daemon=True).start()
             pending.timings["blocked_s"] = time.perf_counter() - t0
             return pending
-        self._copy(plans, job)
-        pending.timings["blocked_s"] = time.perf_counter() - t0
         self._pending = pending
-        writer.submit(job, pending)
+        try:
+            self._copy(plans, job, pending, writer)
+        except BaseException:
+            pending.observed = True     # raised here; the writer fails the save too
+            raise
+        pending.timings["blocked_s"] = time.perf_counter() - t0
         if not async_:
             pending.wait()
         return pending
 
-    def _copy(self, plans: list, job: dict, ready=None) -> None:
-        """Snapshot the chunks this rank writes into the arena (``job["slots"]``). ``ready``:
-        on the snapshot thread, the CUDA event its own stream waits for (see ``protect``)."""
+    def _copy(self, plans: list, job: dict, pending: PendingSave, writer, ready=None) -> None:
+        """Hand ``job`` to ``writer``, then snapshot the chunks this rank writes into the arena,
+        telling the writer as the copy goes (it writes what is copied meanwhile). ``ready``: on
+        the snapshot thread, the CUDA event its own stream waits for (see ``protect``)."""
         owned = [(p, _version(p.local)) for p in plans if p.owned]
-        cuda = next((p.local.device for p, _ in owned if p.local.device.type == "cuda"), None)
-        if cuda is not None and ready is not None:
-            torch.cuda.set_device(cuda)
-            side = torch.cuda.Stream(cuda)
-            side.wait_event(ready)
-            with torch.cuda.stream(side):
-                job["slots"] = snapshot.take(plans, self._arena)
-        else:
-            job["slots"] = snapshot.take(plans, self._arena)
-        changed = [p.spec.name for p, v in owned if _version(p.local) != v]
-        if changed:
-            raise CheckpointSaveFailed(
-                f"step {job['step']}: {len(changed)} tensors (first {changed[0]!r}) changed in place "
-                "while their snapshot was taken; with protect(optimizer), nothing but that "
-                "optimizer's step() may change the state until the save's copy is done")
-        job["arena_size"] = self._arena.size
+        job["slots"], copies = snapshot.reserve(plans, self._arena)
+        job["arena_size"], job["streamed"] = self._arena.size, True
+        writer.submit(job, pending)
+        try:
+            cuda = next((p.local.device for p, _ in owned if p.local.device.type == "cuda"), None)
+            if cuda is not None and ready is not None:
+                torch.cuda.set_device(cuda)
+                side = torch.cuda.Stream(cuda)
+                side.wait_event(ready)
+                with torch.cuda.stream(side):
+                    snapshot.fill(copies, self._arena, on_progress=writer.copied)
+            else:
+                snapshot.fill(copies, self._arena, on_progress=writer.copied)
+            changed = [p.spec.name for p, v in owned if _version(p.local) != v]
+            if changed:
+                raise CheckpointSaveFailed(
+                    f"step {job['step']}: {len(changed)} tensors (first {changed[0]!r}) changed in place "
+                    "while their snapshot was taken; with protect(optimizer), nothing but that "
+                    "optimizer's step() may change the state until the save's copy is done")
+        except BaseException as exc:
+            writer.copy_failed(f"{type(exc).__name__}: {exc}")
+            raise
+        writer.copied(len(job["slots"]), complete=True)
 
     def _copy_in_background(self, plans: list, job: dict, pending: PendingSave, writer) -> None:
         try:
-            self._copy(plans, job, pending._ready)
+            self._copy(plans, job, pending, writer, pending._ready)
         except BaseException as exc:  # noqa: BLE001 - surfaced at wait() / the next save()
             log.warning("ckpt_snapshot_failed", step=job["step"], error=str(exc))
             pending._finish(exc)
             return
         pending._copied.set()
-        writer.submit(job, pending)
 
     def _ensure_writer(self):
         if self._writer is None:

@@ -17,6 +17,7 @@ from concurrent.futures import wait
 import crc32c
 
 from ckpt_store.errors import CheckpointSaveFailed
+from ckpt_store.handoff import SnapshotHandoff
 from ckpt_store.steps import apply_retention
 from ckpt_store.zarr_format import ArraySpec, array_metadata, chunk_key, encode_chunk, group_metadata
 from marind.log import get_logger
@@ -37,9 +38,10 @@ def values_key(d: str, rank: int) -> str:
     return f"{d}/values/rank-{rank:05d}.json"
 
 
-def run_save(st, job: dict, arena: memoryview, on_commit) -> None:
+def run_save(st, job: dict, arena: memoryview, on_commit, handoff: SnapshotHandoff | None = None) -> None:
     """Write this rank's part of ``job``; rank 0 commits, then applies retention.
-    ``on_commit(timings)`` is called at the end; failures raise."""
+    ``on_commit(timings)`` is called at the end; failures raise. ``handoff``: how far the
+    caller's copy into ``arena`` got (None: all of it is there)."""
     t0 = time.perf_counter()
     d, rank = job["dir"], job["rank"]
     specs = {name: ArraySpec.from_json(name, meta) for name, meta in job["arrays"].items()}
@@ -49,7 +51,13 @@ def run_save(st, job: dict, arena: memoryview, on_commit) -> None:
     firsts = {chunk_key(n, (0,) * len(spec.shape)): spec for n, spec in specs.items()}
     meta = [(f"{spec.name}/zarr.json", _json_bytes(array_metadata(spec, {"marind": job["arrays"][spec.name]["layout"]})))
             for spec in (firsts.get(s["key"]) for s in job["slots"]) if spec is not None]
-    write_rank_part(st, d, rank, chunks, job["values"], meta, nice=job.get("background_nice", 0))
+    try:
+        write_rank_part(st, d, rank, chunks, job["values"], meta, nice=job.get("background_nice", 0),
+                        handoff=handoff, timeout_s=job["commit_timeout_s"])
+    except BaseException as exc:
+        if rank == 0:    # the others stop waiting for a commit that will not come
+            write_abort_marker(st, d, f"rank 0 failed to write its part: {exc}")
+        raise
     del chunks
     timings = {"write_s": time.perf_counter() - t0}
     if rank == 0:
@@ -79,14 +87,19 @@ def _json_bytes(obj) -> bytes:
 
 
 def write_rank_part(st, d: str, rank: int, chunks: list, values: dict, meta: list = (),
-                    nice: int = 0) -> dict:
+                    nice: int = 0, handoff: SnapshotHandoff | None = None,
+                    timeout_s: float = 600.0) -> dict:
     """Encode + write this rank's chunks ``(key, spec, buffer, valid_rows)``, metadata objects
     ``(key, bytes)`` and JSON values, then its done marker (or, on failure, its error marker).
-    ``nice``: run the encoding and writes on I/O threads that much nicer (async saves)."""
+    ``nice``: run the encoding and writes on I/O threads that much nicer (async saves).
+    ``handoff``: chunk ``i`` is written once the caller copied it; the done marker only
+    once the whole copy is complete (``handoff.py``)."""
     objects: dict[str, dict] = {}
 
-    def one(item):
+    def one(index, item):
         key, spec, buf, valid_rows = item
+        if handoff is not None:
+            handoff.wait_slot(index, timeout_s)
         pieces, size, crc = encode_chunk(buf, spec, valid_rows)
         st.write(f"{d}/{key}", pieces, crc=crc)
         return key, size, crc
@@ -99,11 +112,13 @@ def write_rank_part(st, d: str, rank: int, chunks: list, values: dict, meta: lis
 
     try:
         pool = st.pool(nice)
-        futures = [pool.submit(one, c) for c in chunks] + [pool.submit(small, m) for m in meta]
+        futures = [pool.submit(one, i, c) for i, c in enumerate(chunks)] + [pool.submit(small, m) for m in meta]
         wait(futures)  # all writes are over before this returns or raises: the snapshot is free
         for fut in futures:
             key, size, crc = fut.result()
             objects[key] = {"size": size, "crc32c": crc}
+        if handoff is not None:
+            handoff.wait_complete(timeout_s)
         st.make_durable([f"{d}/{key}" for key in objects])
         data = json.dumps(values, sort_keys=True).encode()
         vkey = values_key(d, rank)

@@ -4,8 +4,10 @@ Started by ``ckpt_store.executors.ProcessWriter`` as ``python -m
 ckpt_store.writer_proc``. It imports no torch. Protocol (JSON lines):
 
 * stdin, first line: config ``{parent, arena_fd, reply_fd, url, storage_options,
-  io_threads, rate_limit, nice, direct_io}``; then ``{"op": "save", "job": {...}}`` per save
-  and ``{"op": "exit"}`` to finish the queued saves and exit;
+  io_threads, rate_limit, nice, direct_io}``; then ``{"op": "save", "job": {...}}`` per save,
+  for a ``streamed`` job ``{"op": "copied", "slots": n, "complete": bool}`` as the
+  caller's snapshot copy goes on (or ``{"op": "copy_failed", "error"}``), and
+  ``{"op": "exit"}`` to finish the queued saves and exit;
 * the reply fd: ``{"step", "ok": true, "timings"}`` once a save committed, or
   ``{"step", "ok": false, "error"}``.
 
@@ -25,6 +27,7 @@ import signal
 import sys
 import threading
 
+from ckpt_store.handoff import SnapshotHandoff
 from ckpt_store.storage import Storage
 from ckpt_store.writer import run_save
 
@@ -43,9 +46,10 @@ def _die_with_parent(parent: int) -> None:
 def _work(st: Storage, arena_fd: int, jobs: queue.Queue, reply) -> None:
     mm, size = None, 0
     while True:
-        job = jobs.get()
-        if job is None:
+        item = jobs.get()
+        if item is None:
             return
+        job, handoff = item
         if job["arena_size"] != size:
             mm, size = mmap.mmap(arena_fd, job["arena_size"], prot=mmap.PROT_READ), job["arena_size"]
         sent = []
@@ -55,7 +59,7 @@ def _work(st: Storage, arena_fd: int, jobs: queue.Queue, reply) -> None:
             sent.append(True)
 
         try:
-            run_save(st, job, memoryview(mm), on_commit)
+            run_save(st, job, memoryview(mm), on_commit, handoff)
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
             if not sent:
                 reply.write(json.dumps({"step": job["step"], "ok": False,
@@ -73,6 +77,7 @@ def main() -> int:
     jobs: queue.Queue = queue.Queue()
     worker = threading.Thread(target=_work, args=(st, cfg["arena_fd"], jobs, reply), daemon=True)
     worker.start()
+    handoff = None   # the latest job's
     for line in sys.stdin:
         msg = json.loads(line)
         if msg["op"] == "exit":
@@ -80,7 +85,13 @@ def main() -> int:
             worker.join()
             reply.flush()
             os._exit(0)
-        jobs.put(msg["job"])
+        if msg["op"] == "copied":
+            handoff.advance(msg["slots"], msg.get("complete", False))
+        elif msg["op"] == "copy_failed":
+            handoff.fail(msg["error"])
+        else:
+            handoff = SnapshotHandoff(len(msg["job"]["slots"]), msg["job"].get("streamed", False))
+            jobs.put((msg["job"], handoff))
     os._exit(1)  # stdin closed: the trainer is gone; never finish (never commit) its save
 
 

@@ -40,12 +40,12 @@ def _same(a, b) -> bool:
 def held_copy(monkeypatch):
     """The snapshot copy starts only once the test lets it (``release.set()``)."""
     release = threading.Event()
-    take = snapshot.take
+    fill = snapshot.fill
 
-    def held(plans, arena):
+    def held(*args, **kwargs):
         assert release.wait(30)
-        return take(plans, arena)
-    monkeypatch.setattr(snapshot, "take", held)
+        return fill(*args, **kwargs)
+    monkeypatch.setattr(snapshot, "fill", held)
     return release
 
 
