@@ -2,9 +2,9 @@
 
 Both run ``writer.run_save`` on the same JSON job over the snapshot arena,
 one job at a time, in order, and finish the job's ``PendingSave`` once it
-committed (and, on rank 0, retention ran). A job marked ``streamed`` is
-submitted before its snapshot is copied; ``copied()`` and ``copy_failed()``
-then tell the writer how the copy goes (``handoff.py``). ``ProcessWriter`` keeps the encoding, checksums
+committed (and, on rank 0, retention ran). A job is submitted before its
+snapshot is copied; ``copied()`` and ``copy_failed()`` then tell the writer
+how the copy goes (``handoff.py``). ``ProcessWriter`` keeps the encoding, checksums
 and uploads out of the training process, so they never hold its GIL;
 ``ThreadWriter`` serves ``memory://`` stores (process-local) and storage
 options that are not JSON.
@@ -48,7 +48,7 @@ class ThreadWriter:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="ckpt-writer", daemon=True)
             self._thread.start()
-        self._handoff = SnapshotHandoff(len(job["slots"]), job.get("streamed", False))
+        self._handoff = SnapshotHandoff()
         self._jobs.put((job, pending, self._handoff))
 
     def copied(self, slots: int, complete: bool = False) -> None:

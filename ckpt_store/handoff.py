@@ -19,11 +19,10 @@ from ckpt_store.errors import CheckpointSaveFailed
 
 
 class SnapshotHandoff:
-    def __init__(self, slots: int, streamed: bool):
-        """``streamed``: the copy is still being made; otherwise all ``slots`` are there."""
+    def __init__(self):
         self._cv = threading.Condition()
-        self.copied = 0 if streamed else slots
-        self.complete = not streamed
+        self.copied = 0
+        self.complete = False
         self.error: str | None = None
 
     def advance(self, copied: int, complete: bool = False) -> None:

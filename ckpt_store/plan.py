@@ -4,7 +4,8 @@
   a tree of JSON values.
 * ``plan_array(name, tensor, ...)`` gives the array's Zarr spec, this rank's
   pieces (contiguous global regions) and local tensor, and the chunks it writes.
-* ``snapshot.take(plans, arena)`` (another module) copies the owned chunks to host memory.
+* ``snapshot.reserve(plans, arena)`` and ``snapshot.fill`` (another module) copy the owned
+  chunks to host memory.
 """
 
 from __future__ import annotations

@@ -66,13 +66,6 @@ class HostArena:
             self.fd = None
 
 
-def take(plans: list, arena: HostArena) -> list[dict]:
-    """Copy every owned chunk of ``plans`` into ``arena``; returns the slots for the writer."""
-    slots, copies = reserve(plans, arena)
-    fill(copies, arena)
-    return slots
-
-
 def reserve(plans: list, arena: HostArena) -> tuple[list[dict], list[tuple]]:
     """Give every owned chunk of ``plans`` a slot in ``arena`` (grown to hold them all).
 

@@ -202,7 +202,7 @@ class CheckpointStore:
         the snapshot thread, the CUDA event its own stream waits for (see ``protect``)."""
         owned = [(p, _version(p.local)) for p in plans if p.owned]
         job["slots"], copies = snapshot.reserve(plans, self._arena)
-        job["arena_size"], job["streamed"] = self._arena.size, True
+        job["arena_size"] = self._arena.size
         writer.submit(job, pending)
         try:
             cuda = next((p.local.device for p, _ in owned if p.local.device.type == "cuda"), None)

@@ -38,10 +38,10 @@ def values_key(d: str, rank: int) -> str:
     return f"{d}/values/rank-{rank:05d}.json"
 
 
-def run_save(st, job: dict, arena: memoryview, on_commit, handoff: SnapshotHandoff | None = None) -> None:
+def run_save(st, job: dict, arena: memoryview, on_commit, handoff: SnapshotHandoff) -> None:
     """Write this rank's part of ``job``; rank 0 commits, then applies retention.
     ``on_commit(timings)`` is called at the end; failures raise. ``handoff``: how far the
-    caller's copy into ``arena`` got (None: all of it is there)."""
+    caller's copy into ``arena`` got."""
     t0 = time.perf_counter()
     d, rank = job["dir"], job["rank"]
     specs = {name: ArraySpec.from_json(name, meta) for name, meta in job["arrays"].items()}
@@ -87,8 +87,7 @@ def _json_bytes(obj) -> bytes:
 
 
 def write_rank_part(st, d: str, rank: int, chunks: list, values: dict, meta: list = (),
-                    nice: int = 0, handoff: SnapshotHandoff | None = None,
-                    timeout_s: float = 600.0) -> dict:
+                    nice: int = 0, *, handoff: SnapshotHandoff, timeout_s: float = 600.0) -> dict:
     """Encode + write this rank's chunks ``(key, spec, buffer, valid_rows)``, metadata objects
     ``(key, bytes)`` and JSON values, then its done marker (or, on failure, its error marker).
     ``nice``: run the encoding and writes on I/O threads that much nicer (async saves).
@@ -98,8 +97,7 @@ def write_rank_part(st, d: str, rank: int, chunks: list, values: dict, meta: lis
 
     def one(index, item):
         key, spec, buf, valid_rows = item
-        if handoff is not None:
-            handoff.wait_slot(index, timeout_s)
+        handoff.wait_slot(index, timeout_s)
         pieces, size, crc = encode_chunk(buf, spec, valid_rows)
         st.write(f"{d}/{key}", pieces, crc=crc)
         return key, size, crc
@@ -117,8 +115,7 @@ def write_rank_part(st, d: str, rank: int, chunks: list, values: dict, meta: lis
         for fut in futures:
             key, size, crc = fut.result()
             objects[key] = {"size": size, "crc32c": crc}
-        if handoff is not None:
-            handoff.wait_complete(timeout_s)
+        handoff.wait_complete(timeout_s)
         st.make_durable([f"{d}/{key}" for key in objects])
         data = json.dumps(values, sort_keys=True).encode()
         vkey = values_key(d, rank)

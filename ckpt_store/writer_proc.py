@@ -5,7 +5,7 @@ ckpt_store.writer_proc``. It imports no torch. Protocol (JSON lines):
 
 * stdin, first line: config ``{parent, arena_fd, reply_fd, url, storage_options,
   io_threads, rate_limit, nice, direct_io}``; then ``{"op": "save", "job": {...}}`` per save,
-  for a ``streamed`` job ``{"op": "copied", "slots": n, "complete": bool}`` as the
+  then ``{"op": "copied", "slots": n, "complete": bool}`` as the
   caller's snapshot copy goes on (or ``{"op": "copy_failed", "error"}``), and
   ``{"op": "exit"}`` to finish the queued saves and exit;
 * the reply fd: ``{"step", "ok": true, "timings"}`` once a save committed, or
@@ -90,7 +90,7 @@ def main() -> int:
         elif msg["op"] == "copy_failed":
             handoff.fail(msg["error"])
         else:
-            handoff = SnapshotHandoff(len(msg["job"]["slots"]), msg["job"].get("streamed", False))
+            handoff = SnapshotHandoff()
             jobs.put((msg["job"], handoff))
     os._exit(1)  # stdin closed: the trainer is gone; never finish (never commit) its save
 

@@ -17,7 +17,7 @@ from ckpt_store.steps import step_dir
 
 
 def test_a_slot_is_written_only_once_copied_and_the_part_only_once_complete():
-    handoff = SnapshotHandoff(3, streamed=True)
+    handoff = SnapshotHandoff()
     got: list = []
 
     def writer():
@@ -42,14 +42,15 @@ def test_a_slot_is_written_only_once_copied_and_the_part_only_once_complete():
 
 
 def test_a_failed_copy_fails_every_waiter_and_a_whole_snapshot_waits_for_nothing():
-    handoff = SnapshotHandoff(2, streamed=True)
+    handoff = SnapshotHandoff()
     handoff.advance(2)
     handoff.fail("tensor changed in place")
     with pytest.raises(CheckpointSaveFailed, match="changed in place"):
         handoff.wait_complete(1)
     with pytest.raises(CheckpointSaveFailed, match="did not reach slot 0"):
-        SnapshotHandoff(1, streamed=True).wait_slot(0, 0.05)
-    ready = SnapshotHandoff(2, streamed=False)
+        SnapshotHandoff().wait_slot(0, 0.05)
+    ready = SnapshotHandoff()
+    ready.advance(2, complete=True)
     ready.wait_slot(1, 0)
     ready.wait_complete(0)
 
