@@ -4,11 +4,13 @@ The store classes load on first use, so the writer process (``python -m
 ckpt_store.writer_proc``) runs without importing torch.
 """
 
-from ckpt_store.errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
-                               CheckpointNotFound, CheckpointSaveFailed)
+from ckpt_store.errors import (CheckpointCorrupt, CheckpointError, CheckpointFormatUnsupported,
+                               CheckpointMismatch, CheckpointNotFound, CheckpointSaveFailed,
+                               CheckpointStorageUnavailable)
 
 __all__ = ["CheckpointStore", "PendingSave", "VerifyReport", "CheckpointError",
-           "CheckpointNotFound", "CheckpointCorrupt", "CheckpointMismatch", "CheckpointSaveFailed"]
+           "CheckpointNotFound", "CheckpointCorrupt", "CheckpointMismatch", "CheckpointSaveFailed",
+           "CheckpointFormatUnsupported", "CheckpointStorageUnavailable"]
 
 
 def __getattr__(name: str):

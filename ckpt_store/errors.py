@@ -34,3 +34,11 @@ class CheckpointMismatch(CheckpointError):
 
 class CheckpointSaveFailed(CheckpointError):
     """A save did not commit; its step stays invisible to readers."""
+
+
+class CheckpointFormatUnsupported(CheckpointError):
+    """A step was written in a checkpoint format this marind does not read (a newer marind's)."""
+
+
+class CheckpointStorageUnavailable(CheckpointError):
+    """The store's storage cannot be reached, or refuses the credentials (names the fix)."""

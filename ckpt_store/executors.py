@@ -27,7 +27,7 @@ from pathlib import Path
 from ckpt_store.errors import CheckpointSaveFailed
 from ckpt_store.handoff import SnapshotHandoff
 from ckpt_store.steps import MANIFEST
-from ckpt_store.writer import run_save, write_abort_marker, write_error_marker
+from ckpt_store.writer import fail_part, run_save
 from marind.log import get_logger
 
 log = get_logger(__name__)
@@ -88,6 +88,7 @@ class _Child:
         self._st, self._config = storage, config
         self._arena_fd = arena.fd
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
         self._inflight: list = []          # (job, pending), in submission order
         self._started = threading.Event()
         self.dead = False
@@ -146,40 +147,48 @@ class _Child:
         except Exception:  # noqa: BLE001 - storage down: the save failed anyway
             pass
         error = f"checkpoint writer process {self.proc.pid} died (exit code {code}) before step {job['step']} committed"
-        if job["rank"] == 0:
-            write_abort_marker(self._st, d, error)
-        else:
-            write_error_marker(self._st, d, job["rank"], error)
+        fail_part(self._st, job, error)
         log.warning("ckpt_writer_died", step=job["step"], rank=job["rank"], code=code)
         pending._finish(CheckpointSaveFailed(error))
 
     def submit(self, job: dict, pending) -> bool:
-        """Queue ``job``; False if this child is dead (the caller starts a new one)."""
+        """Queue ``job``; False if this child is dead (the caller starts a new one).
+        A job that is not JSON raises here, before anything is queued."""
+        line = _line({"op": "save", "job": job})
         with self._lock:
             if self.dead:
                 return False
             self._inflight.append((job, pending))
-        self.send({"op": "save", "job": job})
+        self._write(line)
         return True
 
     def send(self, msg: dict) -> None:
-        try:
-            self.proc.stdin.write((json.dumps(msg) + "\n").encode())
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError, ValueError):
-            pass   # it died: the reader thread fails the job when it sees the end of the replies
+        self._write(_line(msg))
+
+    def _write(self, line: bytes) -> None:
+        with self._send_lock:   # one message at a time: the snapshot thread sends beside the caller
+            try:
+                self.proc.stdin.write(line)
+                self.proc.stdin.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                pass   # it died: the reader thread fails the job when it sees the end of the replies
 
     def close(self) -> None:
-        try:
-            self.proc.stdin.write(b'{"op": "exit"}\n')
-            self.proc.stdin.close()
-        except (BrokenPipeError, OSError, ValueError):
-            pass
+        self._write(_line({"op": "exit"}))
+        with self._send_lock:
+            try:
+                self.proc.stdin.close()
+            except (BrokenPipeError, OSError, ValueError):
+                pass
         try:
             self.proc.wait(CLOSE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)
+
+
+def _line(msg: dict) -> bytes:
+    return (json.dumps(msg) + "\n").encode()
 
 
 class ProcessWriter:

@@ -8,6 +8,9 @@ from typing import Callable
 import torch
 
 from ckpt_store.zarr_format import TORCH_DTYPES
+from marind.log import get_logger
+
+log = get_logger(__name__)
 
 
 def env_storage_options(url: str) -> dict | None:
@@ -28,18 +31,24 @@ def env_storage_options(url: str) -> dict | None:
 
 def export_safetensors(store, step: int, out: str, group: str = "model",
                        progress: Callable[[int, int, int], None] | None = None) -> dict:
-    """Write arrays under ``group`` (all if "") to ``out``; names drop the ``group/`` prefix.
+    """Write arrays under ``group`` (all if "") to ``out``; names drop the ``group/`` prefix
+    and join the rest with "." (``model/layers/0/w`` -> ``layers.0.w``).
 
-    Arrays are read one at a time through ``store.load`` (checksums checked);
-    returns {"tensors": n, "bytes": total}.
+    ``out`` is checked before anything is read, and two arrays that would get the
+    same name fail the export before anything is written (ValueError). Arrays are
+    read one at a time through ``store.load`` (checksums checked); the file is
+    written under a temporary name, renamed into place, and the temporary file
+    removed on any failure. Returns {"tensors": n, "bytes": total}.
     """
     from safetensors.torch import save_file
 
+    check_output(out)
     manifest = store.manifest(step)
     prefix = f"{group}/" if group else ""
     names = sorted(n for n in manifest["arrays"] if n.startswith(prefix))
     if not names:
         raise ValueError(f"step {step} has no arrays under {group!r}; pass --group '' to export all")
+    keys = export_names(names, prefix)
     tensors: dict[str, torch.Tensor] = {}
     total = 0
     for i, name in enumerate(names, 1):
@@ -52,12 +61,46 @@ def export_safetensors(store, step: int, out: str, group: str = "model",
             node = node.setdefault(p, {})
         node[leaf] = t
         store.load_arrays(state, step)
-        key = name[len(prefix):].replace("/", ".")
-        tensors[key] = t
+        tensors[keys[name]] = t
         total += t.numel() * t.element_size()
         if progress:
             progress(i, len(names), total)
     tmp = f"{out}.tmp-{os.getpid()}"
-    save_file(tensors, tmp, metadata={"marind_step": str(step), "marind_url": store.url})
-    os.replace(tmp, out)
+    try:
+        save_file(tensors, tmp, metadata={"marind_step": str(step), "marind_url": store.url})
+        os.replace(tmp, out)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+    log.info("ckpt_exported", step=step, out=out, tensors=len(tensors), bytes=total)
     return {"tensors": len(tensors), "bytes": total}
+
+
+def export_names(names: list[str], prefix: str) -> dict[str, str]:
+    """Array name -> safetensors name; ValueError naming both arrays when two would collide."""
+    keys: dict[str, str] = {}
+    seen: dict[str, str] = {}
+    for name in names:
+        key = name[len(prefix):].replace("/", ".")
+        if key in seen:
+            raise ValueError(f"arrays {seen[key]!r} and {name!r} would both be exported as {key!r}; "
+                             f"export one on its own (--group {name.rsplit('/', 1)[0]!r}) "
+                             "or rename one of them in the training state")
+        seen[key] = name
+        keys[name] = key
+    return keys
+
+
+def check_output(out: str) -> None:
+    """Refuse an ``out`` that cannot take the file (ValueError naming it and the fix)."""
+    path = os.path.abspath(out)
+    parent = os.path.dirname(path)
+    if os.path.isdir(path):
+        example = os.path.join(out, "model.safetensors")
+        raise ValueError(f"output {out} is a directory; pass a file name, e.g. {example}")
+    if not os.path.isdir(parent):
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise ValueError(f"output directory {parent} {what}; create it or pass another output path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"output directory {parent} is not writable; pass an output path in a "
+                         "directory you can write")

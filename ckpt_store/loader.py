@@ -8,6 +8,7 @@ are reported at once, before anything is read.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 
@@ -16,16 +17,23 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ckpt_store import layout
-from ckpt_store.errors import CheckpointCorrupt, CheckpointMismatch, CheckpointNotFound
+from ckpt_store.errors import (CheckpointCorrupt, CheckpointError, CheckpointFormatUnsupported,
+                               CheckpointMismatch, CheckpointNotFound)
 from ckpt_store.layout import Box
 from ckpt_store.plan import flatten, local_pieces
-from ckpt_store.zarr_format import (EMPTY, TORCH_DTYPES, ArraySpec, chunk_key, decode_index,
+from ckpt_store.zarr_format import (EMPTY, ITEMSIZE, ArraySpec, chunk_key, decode_index,
                                     dtype_name, index_nbytes, tensor_bytes)
+from marind.log import get_logger
 
+log = get_logger(__name__)
 MANIFEST = "manifest.json"
+#: the checkpoint format this marind writes (``manifest.json``'s "format") and the only one it reads
+FORMAT = 1
 
 
 def read_manifest(st, d: str) -> dict:
+    """The manifest of step dir ``d``, checked: CheckpointNotFound when there is none,
+    CheckpointFormatUnsupported for another format, CheckpointCorrupt when it is malformed."""
     key = f"{d}/{MANIFEST}"
     try:
         raw = st.read(key)
@@ -33,11 +41,54 @@ def read_manifest(st, d: str) -> dict:
         raise CheckpointNotFound(f"no committed checkpoint at {st.url}/{d}") from None
     try:
         manifest = json.loads(raw)
-        if not isinstance(manifest.get("arrays"), dict) or not isinstance(manifest.get("objects"), dict):
-            raise ValueError("arrays/objects missing")
-    except (ValueError, AttributeError) as exc:
+    except ValueError as exc:
         raise CheckpointCorrupt(key, f"unreadable manifest ({exc})") from exc
+    if not isinstance(manifest, dict):
+        raise CheckpointCorrupt(key, f"malformed manifest (a JSON {type(manifest).__name__}, not an object)")
+    fmt = manifest.get("format")
+    if _is_int(fmt) and fmt > FORMAT:
+        raise CheckpointFormatUnsupported(
+            f"checkpoint {d} under {st.url} has format {fmt}, newer than this marind reads "
+            f"({FORMAT}): upgrade marind")
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise CheckpointCorrupt(key, f"malformed manifest ({problem})")
     return manifest
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _ints(v, least: int) -> bool:
+    return isinstance(v, list) and all(_is_int(i) and i >= least for i in v)
+
+
+def _manifest_problem(m: dict) -> str | None:
+    """What is wrong with a parsed manifest (None: every field a reader uses is there and typed)."""
+    if not _is_int(m.get("format")) or m["format"] != FORMAT:
+        return f"format {m.get('format')!r} is not a known checkpoint format (this marind reads {FORMAT})"
+    if not _is_int(m.get("step")):
+        return "no integer 'step'"
+    if not isinstance(m.get("world", {}), dict):
+        return "'world' is not an object"
+    if not isinstance(m.get("arrays"), dict) or not isinstance(m.get("objects"), dict):
+        return "'arrays' or 'objects' missing or not an object"
+    for name, obj in m["objects"].items():
+        if not isinstance(obj, dict) or not _is_int(obj.get("size")) or obj["size"] < 0 \
+                or not _is_int(obj.get("crc32c")):
+            return f"object entry {name!r} lacks an integer 'size' or 'crc32c'"
+    for name, a in m["arrays"].items():
+        if not isinstance(a, dict):
+            return f"array entry {name!r} is not an object"
+        if not _ints(a.get("shape"), 0) or not _ints(a.get("chunks"), 1) or len(a["shape"]) != len(a["chunks"]):
+            return f"array {name!r} lacks a valid 'shape' and 'chunks'"
+        if a.get("dtype") not in ITEMSIZE:
+            return f"array {name!r} has unknown dtype {a.get('dtype')!r}"
+        rows = a.get("inner_rows")
+        if rows is not None and not (_is_int(rows) and rows > 0 and a["chunks"]):
+            return f"array {name!r} has invalid 'inner_rows' {rows!r}"
+    return None
 
 
 def _check(name: str, t: torch.Tensor, arrays: dict) -> str | None:
@@ -100,7 +151,7 @@ def load_step(st, d: str, state: dict, rank: int, values: bool = True) -> dict:
         size = int(_obj(manifest, d, key)["size"])
         index_reqs.append((f"{d}/{key}", size - index_nbytes(spec), size))
     indexes = {}
-    for (spec, _, _, cell, _, _), req, raw in zip(sharded, index_reqs, _read(st, index_reqs)):
+    for (spec, _, _, cell, _, _), req, raw in zip(sharded, index_reqs, _read(st, manifest, d, index_reqs)):
         stats["bytes_read"] += len(raw)
         indexes[(spec.name, cell)] = decode_index(req[0], raw, spec)
     # phase 2: data, read straight into the target where a block lands contiguously in it
@@ -132,10 +183,7 @@ def load_step(st, d: str, state: dict, rank: int, values: bool = True) -> dict:
                 bufs += [blk.data, blk.crc]
                 blocks.append(blk)
             reads.append((key, group[0][1], bufs, sum(g[2] for g in group)))
-    try:
-        got = st.read_into([(k, start, bufs) for k, start, bufs, _ in reads])
-    except FileNotFoundError as exc:
-        raise CheckpointCorrupt(str(exc.filename or exc), "object missing") from exc
+    got = _storage_read(st, manifest, d, st.read_into, [(k, start, bufs) for k, start, bufs, _ in reads])
     for (key, _, _, want), n in zip(reads, got):
         if n != want:
             raise CheckpointCorrupt(key, f"object truncated ({n} of {want} bytes read)")
@@ -150,11 +198,49 @@ def load_step(st, d: str, state: dict, rank: int, values: bool = True) -> dict:
     return stats
 
 
-def _read(st, reqs):
+def _read(st, manifest: dict, d: str, reqs: list[tuple[str, int, int]]) -> list[bytes]:
+    return _storage_read(st, manifest, d, st.read_ranges, reqs)
+
+
+def _storage_read(st, manifest: dict, d: str, read, reqs: list) -> list:
+    """``read(reqs)``: ranged reads of objects of step dir ``d``. An object that is missing or
+    shorter than the manifest says raises CheckpointCorrupt naming it. A local disk reads a
+    short object short (the caller checks), but S3 refuses a range past its end (HTTP 416:
+    OSError EINVAL), and a batch's error need not name its object: then each object of the
+    batch is looked at once. Other errors (the storage unreachable or refusing) are raised as
+    they came: they say nothing about this step, which must not be skipped or quarantined."""
     try:
-        return st.read_ranges(reqs)
-    except FileNotFoundError as exc:
-        raise CheckpointCorrupt(str(exc.filename or exc), "object missing") from exc
+        return read(reqs)
+    except OSError as exc:
+        if not (isinstance(exc, FileNotFoundError) or exc.errno == errno.EINVAL):
+            raise
+        bad = _find_bad_object(st, manifest, d, [r[0] for r in reqs], exc)
+        if bad is None:
+            raise
+        log.warning("ckpt_object_corrupt", object=bad.object, reason=bad.reason)
+        raise bad from exc
+
+
+def _find_bad_object(st, manifest: dict, d: str, keys: list[str], exc: OSError) -> CheckpointCorrupt | None:
+    """The first of ``keys`` that is missing or not the size the manifest lists (the object
+    the error names, if any, first); None when every one is whole."""
+    def probe(key: str) -> CheckpointCorrupt | None:
+        want = manifest["objects"].get(key[len(d) + 1:], {}).get("size")
+        try:
+            size = st.size(key)
+        except FileNotFoundError:
+            return CheckpointCorrupt(key, "object missing")
+        if size != want:
+            return CheckpointCorrupt(key, f"truncated or unreadable: {size} bytes where the manifest "
+                                          f"lists {want} ({exc})")
+        return None
+
+    keys = sorted(set(keys))
+    named = [k for k in keys if exc.filename and st.path(k) == exc.filename]
+    for found in map(probe, named):
+        if found is not None:
+            return found
+    return next((f for f in st._pool.map(probe, [k for k in keys if k not in named]) if f), None)
 
 
 def _contiguous(spans: list) -> list[list]:
@@ -209,31 +295,35 @@ def _apply_values(st, d: str, manifest: dict, state: dict, rank: int) -> None:
     obj = manifest["objects"].get(key)
     if obj is None:
         return
-    raw = _read(st, [(f"{d}/{key}", 0, int(obj["size"]))])[0]
+    raw = _read(st, manifest, d, [(f"{d}/{key}", 0, int(obj["size"]))])[0]
     if crc32c.crc32c(raw) != int(obj["crc32c"]):
         raise CheckpointCorrupt(f"{d}/{key}", "fails its crc32c checksum")
     _merge(state, json.loads(raw))
 
 
 def _merge(state: dict, saved: dict) -> None:
+    """Fill ``state`` with saved JSON values in place. Saved keys are strings (``flatten``
+    saves ``str(key)``): each goes back under the state's own key of that spelling
+    (``optim[0]``, not a new ``optim["0"]``), or is added as saved."""
+    spelled = {str(k): k for k in state}
     for k, v in saved.items():
-        if isinstance(v, dict) and isinstance(state.get(k), dict):
-            _merge(state[k], v)
-        elif not isinstance(state.get(k), torch.Tensor):
-            state[k] = v
+        key = k if k in state else spelled.get(k, k)
+        cur = state.get(key)
+        if isinstance(v, dict) and isinstance(cur, dict):
+            _merge(cur, v)
+        elif not isinstance(cur, torch.Tensor):
+            state[key] = v
 
 
 def verify_step(st, d: str) -> tuple[list[str], int, int]:
     """Re-read every object of a committed step; (problems, objects, bytes)."""
     try:
         manifest = read_manifest(st, d)
-    except (CheckpointNotFound, CheckpointCorrupt) as exc:
+    except CheckpointError as exc:
         return [str(exc)], 0, 0
     problems: list[str] = []
     for name, meta in manifest["arrays"].items():
         spec = ArraySpec.from_json(name, meta)
-        if spec.dtype not in TORCH_DTYPES:
-            problems.append(f"{name}: unknown dtype {spec.dtype}")
         if any(n == 0 for n in spec.shape):
             continue
         for cell in layout.all_cells(spec.shape, spec.chunks):

@@ -12,7 +12,8 @@ from marind.log import get_logger
 
 log = get_logger(__name__)
 MANIFEST = "manifest.json"
-TRASH = ".deleted-"   # a deleted step renamed out of sight, its files removed right after
+TRASH = ".deleted-"
+MAX_STEP = 10**10 - 1   # step directories name the step in 10 digits   # a deleted step renamed out of sight, its files removed right after
 
 
 def step_dir(step: int) -> str:
@@ -34,8 +35,10 @@ def committed_steps(st) -> list[int]:
 
 
 def apply_retention(st, keep_last: int | None, keep_every: int | None,
-                    in_flight: set[int] | None = None, trash: list | None = None) -> list[int]:
+                    in_flight: set[int] | None = None, trash: list | None = None,
+                    keep: set[int] | None = None) -> list[int]:
     """Delete steps past ``keep_last``/``keep_every`` and uncommitted leftovers; returns them.
+    ``keep``: committed steps never deleted here (the step just committed).
 
     With ``trash`` (a list), a doomed step is uncommitted here and its objects
     are left for the caller to remove once the save that triggered retention has
@@ -46,7 +49,7 @@ def apply_retention(st, keep_last: int | None, keep_every: int | None,
     uncommitted step, which the next retention removes as a leftover).
     """
     committed = committed_steps(st)
-    doomed = retention.steps_to_delete(committed, keep_last, keep_every)
+    doomed = retention.steps_to_delete(committed, keep_last, keep_every, keep or set())
     doomed += retention.leftovers_to_delete(all_step_dirs(st), committed, in_flight or set())
     for s in doomed:
         d = step_dir(s)

@@ -160,6 +160,7 @@ class Storage:
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
+            _fsync_dir(os.path.dirname(path))   # the rename itself survives a power cut
         else:
             self.fs.pipe_file(path, data)  # an S3 PUT is atomic
 
@@ -257,6 +258,25 @@ class Storage:
             return os.path.getsize(path)
         self.fs.invalidate_cache(os.path.dirname(path))
         return int(self.fs.info(path)["size"])
+
+    def object_sizes(self, key: str) -> dict[str, int]:
+        """Every object under ``key``, at any depth: {key relative to ``key``: size in bytes}."""
+        root = self.path(key)
+        if self.local:
+            out = {}
+            for dirpath, _dirs, files in os.walk(root):
+                for name in files:
+                    full = os.path.join(dirpath, name)
+                    out[os.path.relpath(full, root).replace(os.sep, "/")] = os.path.getsize(full)
+            return out
+        self.fs.invalidate_cache(root)
+        try:
+            found = self.fs.find(root, detail=True)
+        except FileNotFoundError:
+            return {}
+        prefix = root.rstrip("/") + "/"
+        return {p[len(prefix):]: int(info["size"]) for p, info in found.items()
+                if p.startswith(prefix) and info.get("type") != "directory"}
 
     def list_dir(self, key: str = "") -> list[str]:
         """Names (not paths) of the entries directly under ``key``; [] when absent."""
@@ -361,6 +381,19 @@ def _write_direct(path: str, pieces: list, nbytes: int) -> None:
             pass
         raise
     os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass   # a filesystem that cannot fsync a directory
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, view: memoryview) -> None:

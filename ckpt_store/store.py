@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import operator
 import threading
 import time
 import warnings
@@ -31,18 +32,17 @@ import torch
 import torch.distributed as dist
 
 from ckpt_store import snapshot
-from ckpt_store.errors import (CheckpointCorrupt, CheckpointError, CheckpointNotFound,
-                               CheckpointSaveFailed)
+from ckpt_store.errors import (CheckpointCorrupt, CheckpointError, CheckpointFormatUnsupported,
+                               CheckpointNotFound, CheckpointSaveFailed)
 from ckpt_store.executors import ProcessWriter, ThreadWriter
 from ckpt_store.gather import SMALL_ARRAY_BYTES, gather_small
-from ckpt_store.loader import load_step, read_manifest
+from ckpt_store.loader import FORMAT, load_step, read_manifest
 from ckpt_store.plan import flatten, plan_array
-from ckpt_store.steps import all_step_dirs, apply_retention, committed_steps, parse_step_dir, step_dir
+from ckpt_store.steps import MAX_STEP, all_step_dirs, apply_retention, committed_steps, parse_step_dir, step_dir
 from ckpt_store.storage import Storage
 from marind.log import get_logger
 
 log = get_logger(__name__)
-FORMAT = 1
 #: niceness of an async save's encode/write threads (measured in bench/ckpt_bench.py)
 BACKGROUND_NICE = 10
 
@@ -70,7 +70,8 @@ class PendingSave:
         self.finished_at: float | None = None   # time.perf_counter() when it committed or failed
 
     def _finish(self, error: BaseException | None, timings: dict | None = None) -> None:
-        self._copied.set()
+        """The writer is done with this save (``_copied`` is the copy's own: only the thread
+        that copies sets it, so nothing reuses the arena while that thread still writes it)."""
         if self._done.is_set():
             return
         self.timings.update(timings or {})
@@ -109,6 +110,10 @@ class CheckpointStore:
         ``gather_small_bytes``: sharded arrays of at most this many bytes are gathered and
         written whole by one rank (one object instead of one per shard; 0: never)."""
         self.url = url
+        keep_last = _count("keep_last", keep_last, minimum=0)
+        keep_every = _count("keep_every", keep_every, minimum=1)
+        if not commit_timeout_s or commit_timeout_s <= 0:
+            raise ValueError(f"commit_timeout_s={commit_timeout_s!r}: use a number of seconds > 0")
         self.storage = Storage(url, storage_options, io_threads=io_threads, rate_limit=io_rate_limit,
                                direct_io=direct_io)
         self.keep_last = keep_last
@@ -153,9 +158,11 @@ class CheckpointStore:
 
     # -- save ------------------------------------------------------------------------------
     def save(self, step: int, state: dict, async_: bool = True) -> PendingSave:
+        step = _step_number(step)
         prev = self._pending
         if prev is not None:
             prev._done.wait()
+            prev._copied.wait()    # its snapshot thread is out of the arena too
             if prev._error is not None and not prev.observed:
                 prev.observed = True
                 raise CheckpointSaveFailed(f"previous checkpoint step {prev.step} did not commit: "
@@ -201,9 +208,13 @@ class CheckpointStore:
         telling the writer as the copy goes (it writes what is copied meanwhile). ``ready``: on
         the snapshot thread, the CUDA event its own stream waits for (see ``protect``)."""
         owned = [(p, _version(p.local)) for p in plans if p.owned]
-        job["slots"], copies = snapshot.reserve(plans, self._arena)
-        job["arena_size"] = self._arena.size
-        writer.submit(job, pending)
+        try:
+            job["slots"], copies = snapshot.reserve(plans, self._arena)
+            job["arena_size"] = self._arena.size
+            writer.submit(job, pending)
+        except BaseException as exc:
+            pending._finish(exc)     # it never reached the writer: nothing else would finish it
+            raise
         try:
             cuda = next((p.local.device for p, _ in owned if p.local.device.type == "cuda"), None)
             if cuda is not None and ready is not None:
@@ -228,11 +239,10 @@ class CheckpointStore:
     def _copy_in_background(self, plans: list, job: dict, pending: PendingSave, writer) -> None:
         try:
             self._copy(plans, job, pending, writer, pending._ready)
-        except BaseException as exc:  # noqa: BLE001 - surfaced at wait() / the next save()
+        except BaseException as exc:  # noqa: BLE001 - the writer fails the save: raised at wait() / next save()
             log.warning("ckpt_snapshot_failed", step=job["step"], error=str(exc))
-            pending._finish(exc)
-            return
-        pending._copied.set()
+        finally:
+            pending._copied.set()
 
     def _ensure_writer(self):
         if self._writer is None:
@@ -259,9 +269,17 @@ class CheckpointStore:
         if self.storage.exists(f"{d}/manifest.json"):
             raise CheckpointError(f"checkpoint step {step} is already committed under {self.url}; "
                                   "save under a new step number")
-        if rank == 0 and self.storage.list_dir(d):
-            log.info("ckpt_clear_leftover", step=step)
-            self.storage.delete_prefix(d)
+        if rank == 0:
+            if self.storage.list_dir(d):
+                log.info("ckpt_clear_leftover", step=step)
+                self.storage.delete_prefix(d)
+            newer = next((s for s in reversed(all_step_dirs(self.storage)) if s > step
+                          and self.storage.exists(f"{step_dir(s)}/manifest.json")), None)
+            if newer is not None:
+                log.warning("ckpt_save_below_newest", step=step, newest=newer,
+                            hint="load() with no step picks the newest committed step while it exists; "
+                                 "retention keeps it and this run's latest; delete the newer steps "
+                                 "if this run replaces them")
         if world > 1:
             dist.barrier()
 
@@ -282,6 +300,8 @@ class CheckpointStore:
             try:
                 read_manifest(self.storage, step_dir(s))
                 return s
+            except CheckpointFormatUnsupported:
+                raise     # a newer marind's step: never fall back past it silently
             except CheckpointError:
                 continue
         return None
@@ -300,13 +320,20 @@ class CheckpointStore:
         if not candidates:
             raise CheckpointNotFound(f"no committed checkpoint under {self.url}")
         for s in candidates:
-            error = None
+            error = fatal = None
             try:
                 self.last_load_stats = load_step(self.storage, step_dir(s), state, rank)
-            except CheckpointCorrupt as exc:
+            except (CheckpointCorrupt, CheckpointNotFound) as exc:   # NotFound: retention deleted it meanwhile
                 error = exc
-            if _all_ok(error is None):
+            except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
+                fatal = exc
+            outcome = _agree(LOAD_FATAL if fatal else LOAD_SKIP if error else LOAD_OK)
+            if outcome == LOAD_OK:
                 return state
+            if outcome == LOAD_FATAL:
+                if fatal is not None:
+                    raise fatal
+                raise CheckpointError(f"checkpoint step {s} failed to load on another rank (see its log)")
             warnings.warn(f"skipping checkpoint step {s}: {error or 'corrupt on another rank'}",
                           stacklevel=2)
             log.warning("ckpt_skip_corrupt", step=s, error=str(error))
@@ -326,15 +353,23 @@ class CheckpointStore:
         d = step_dir(step)
         if rank == 0:
             try:
-                manifest = self.storage.read_json(f"{d}/manifest.json")
-            except Exception:  # noqa: BLE001 - a corrupt manifest is itself the reason
-                manifest = None
-            self.storage.write_json_atomic(f"{d}/manifest.corrupt.json",
-                                           {"reason": reason, "at": _now(), "manifest": manifest})
-            self.storage.delete_prefix(f"{d}/manifest.json")
-            log.warning("ckpt_quarantined", step=step, reason=reason)
+                self._uncommit(d, reason)
+                log.warning("ckpt_quarantined", step=step, reason=reason)
+            except Exception as exc:  # noqa: BLE001 - a read-only store: the older steps are still tried
+                log.warning("ckpt_quarantine_failed", step=step, error=f"{type(exc).__name__}: {exc}")
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
+
+    def _uncommit(self, d: str, reason: str) -> None:
+        if not self.storage.exists(f"{d}/manifest.json"):
+            return    # gone already (retention, or another reader quarantined it)
+        try:
+            manifest = self.storage.read_json(f"{d}/manifest.json")
+        except Exception:  # noqa: BLE001 - a corrupt manifest is itself the reason
+            manifest = None
+        self.storage.write_json_atomic(f"{d}/manifest.corrupt.json",
+                                       {"reason": reason, "at": _now(), "manifest": manifest})
+        self.storage.delete_prefix(f"{d}/manifest.json")
 
     def load_arrays(self, state: dict, step: int) -> dict:
         """Fill only the tensors of ``state`` (no JSON values), from ``step``; for tools."""
@@ -351,12 +386,20 @@ class CheckpointStore:
         return apply_retention(self.storage, self.keep_last, self.keep_every, in_flight)
 
     def close(self) -> None:
-        if self._pending is not None:
-            self._pending._done.wait()
+        """Wait for the save in flight, stop the writer; raises if the last save failed and
+        nobody has seen that yet (a run must not end as if its last checkpoint were safe)."""
+        pending = self._pending
+        if pending is not None:
+            pending._done.wait()
+            pending._copied.wait()
         if self._writer is not None:
             _close_writer(self._writer, self._arena)
             self._writer = None
         self.storage.close()
+        if pending is not None and pending._error is not None and not pending.observed:
+            pending.observed = True
+            raise CheckpointSaveFailed(f"checkpoint step {pending.step} did not commit: "
+                                       f"{pending._error}") from pending._error
 
 
 def _close_writer(writer, arena) -> None:
@@ -406,15 +449,46 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _all_ok(ok: bool) -> bool:
-    """Agree across ranks (foreground, default group) whether every rank loaded clean."""
+LOAD_OK, LOAD_SKIP, LOAD_FATAL = 0, 1, 2   # a step's load, worst over the ranks wins
+
+
+def _agree(outcome: int) -> int:
+    """The worst ``outcome`` over all ranks (foreground, default group): every rank then
+    takes the same branch (return, try an older step, or raise)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return ok
+        return outcome
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    flag = torch.tensor([outcome], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
+
+
+def _step_number(step) -> int:
+    """``step`` as a plain int in the range a step directory can name, or a one-line error."""
+    if isinstance(step, bool):
+        raise TypeError(f"checkpoint step must be an integer, not {step!r}")
+    try:
+        n = operator.index(step)
+    except TypeError:
+        raise TypeError(f"checkpoint step must be an integer, not {type(step).__name__} {step!r}") from None
+    if not 0 <= n <= MAX_STEP:
+        raise ValueError(f"checkpoint step {n} is out of range: use 0 to {MAX_STEP}")
+    return n
+
+
+def _count(name: str, value, minimum: int) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"{name}={value!r}: use an integer >= {minimum} or None")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}={value!r}: use an integer >= {minimum} or None") from None
+    if n < minimum:
+        raise ValueError(f"{name}={n}: use an integer >= {minimum} or None")
+    return n
 
 
 def _now() -> str:

@@ -70,8 +70,9 @@ def run_save(st, job: dict, arena: memoryview, on_commit, handoff: SnapshotHando
     log.info("ckpt_committed", step=job["step"], rank=rank, seconds=round(timings["commit_s"], 3))
     trash: list[str] = []
     if rank == 0:
-        try:
-            apply_retention(st, job.get("keep_last"), job.get("keep_every"), in_flight=set(), trash=trash)
+        try:   # the step just committed stays, even below the newest (a run resumed from an older step)
+            apply_retention(st, job.get("keep_last"), job.get("keep_every"), in_flight=set(), trash=trash,
+                            keep={job["step"]})
         except Exception as exc:  # noqa: BLE001 - retention never fails a committed save
             log.warning("ckpt_retention_failed", error=str(exc))
     on_commit(timings)
@@ -80,6 +81,15 @@ def run_save(st, job: dict, arena: memoryview, on_commit, handoff: SnapshotHando
             st.delete_prefix(key)
         except Exception as exc:  # noqa: BLE001
             log.warning("ckpt_trash_delete_failed", key=key, error=str(exc))
+
+
+def fail_part(st, job: dict, error: str) -> None:
+    """This rank's part of ``job`` failed before ``run_save`` could say so: tell the others
+    now (rank 0: the abort marker; any other rank: its error marker), not at their timeout."""
+    if job["rank"] == 0:
+        write_abort_marker(st, job["dir"], error)
+    else:
+        write_error_marker(st, job["dir"], job["rank"], error)
 
 
 def _json_bytes(obj) -> bytes:
@@ -116,11 +126,11 @@ def write_rank_part(st, d: str, rank: int, chunks: list, values: dict, meta: lis
             key, size, crc = fut.result()
             objects[key] = {"size": size, "crc32c": crc}
         handoff.wait_complete(timeout_s)
-        st.make_durable([f"{d}/{key}" for key in objects])
         data = json.dumps(values, sort_keys=True).encode()
         vkey = values_key(d, rank)
         st.write(vkey, [data])
         objects[vkey[len(d) + 1:]] = {"size": len(data), "crc32c": crc32c.crc32c(data)}
+        st.make_durable([f"{d}/{key}" for key in objects])   # before the marker that lists them
         st.write_json_atomic(_marker(d, "rank", rank), {"rank": rank, "objects": objects})
     except BaseException as exc:
         write_error_marker(st, d, rank, str(exc))
@@ -167,6 +177,8 @@ def commit(st, d: str, step: int, world: int, specs: list[ArraySpec], layouts: d
             items.append((f"{d}/{key}", [data]))
             objects[key] = {"size": len(data), "crc32c": crc32c.crc32c(data)}
         st.write_many(items)
+        st.make_durable([key for key, _ in items])
+        _check_present(st, d, objects)
         manifest = {"format": fmt, "step": step, "world": saved_layout, "created_at": saved_layout["saved_at"],
                     "arrays": {s.name: {**s.to_json(), "layout": layouts[s.name]} for s in specs},
                     "objects": objects}
@@ -177,27 +189,51 @@ def commit(st, d: str, step: int, world: int, specs: list[ArraySpec], layouts: d
         raise
 
 
+def _check_present(st, d: str, objects: dict) -> None:
+    """Rank 0, right before the manifest: every object the ranks listed is there, whole.
+
+    One listing of the step (a LIST per 1000 objects on S3). It catches what no
+    rank saw fail: a step directory deleted or renamed under a save in flight
+    (another store's retention on the same URL) must fail the save, never
+    commit a checkpoint with holes.
+    """
+    present = st.object_sizes(d)
+    bad = sorted(k for k, o in objects.items() if present.get(k) != o["size"])
+    if bad:
+        raise CheckpointSaveFailed(
+            f"{len(bad)} objects of {d} are missing or cut short right before its commit (first {bad[0]!r}); "
+            "was the step deleted under the save, e.g. by another job saving to the same URL?")
+
+
 def _collect(st, d: str, world: int, timeout_s: float) -> dict:
-    """Wait for every rank's done marker; one listing of the marker dir per poll."""
+    """Wait for every rank's done marker; one listing of the marker dir per poll. A storage
+    error while polling is retried until the deadline (a blip must not fail the save)."""
     deadline = time.monotonic() + timeout_s
     objects: dict = {}
     waiting = set(range(world))
     markers = f"{d}/{MARKERS}"
+    last_error = None
     while waiting:
-        present = set(st.list_dir(markers))
-        for r in sorted(waiting):
-            error = _marker(d, "error", r)
-            if error.rsplit("/", 1)[1] in present:
-                err = st.read_json(error).get("error")
-                raise CheckpointSaveFailed(f"rank {r} failed to write its part: {err}")
-            done = _marker(d, "rank", r)
-            if done.rsplit("/", 1)[1] in present:
-                objects.update(st.read_json(done)["objects"])
-                waiting.discard(r)
+        try:
+            present = set(st.list_dir(markers))
+            for r in sorted(waiting):
+                error = _marker(d, "error", r)
+                if error.rsplit("/", 1)[1] in present:
+                    err = st.read_json(error).get("error")
+                    raise CheckpointSaveFailed(f"rank {r} failed to write its part: {err}")
+                done = _marker(d, "rank", r)
+                if done.rsplit("/", 1)[1] in present:
+                    objects.update(st.read_json(done)["objects"])
+                    waiting.discard(r)
+        except CheckpointSaveFailed:
+            raise
+        except Exception as exc:  # noqa: BLE001 - retried; reported if it outlasts the deadline
+            last_error = exc
         if waiting:
             if time.monotonic() > deadline:
+                why = f"; last storage error: {last_error}" if last_error else " (crashed or storage unreachable)"
                 raise CheckpointSaveFailed(f"ranks {sorted(waiting)} did not finish their part "
-                                           f"within {timeout_s}s (crashed or storage unreachable)")
+                                           f"within {timeout_s}s{why}")
             time.sleep(_poll(st))
     return objects
 
@@ -214,11 +250,20 @@ def wait_for_commit(st, d: str, timeout_s: float, background: bool = False) -> N
     answer's latency, so an object store is asked less often."""
     deadline = time.monotonic() + timeout_s
     polls = 0
-    while not st.exists(f"{d}/manifest.json"):
-        if polls % ABORT_EVERY == 0 and st.exists(f"{d}/{MARKERS}/abort.json"):
-            err = st.read_json(f"{d}/{MARKERS}/abort.json").get("error")
-            raise CheckpointSaveFailed(f"rank 0 aborted the commit: {err}")
+    last_error = None
+    while True:
+        try:   # a storage error while polling is retried until the deadline
+            if st.exists(f"{d}/manifest.json"):
+                return
+            if polls % ABORT_EVERY == 0 and st.exists(f"{d}/{MARKERS}/abort.json"):
+                err = st.read_json(f"{d}/{MARKERS}/abort.json").get("error")
+                raise CheckpointSaveFailed(f"rank 0 aborted the commit: {err}")
+        except CheckpointSaveFailed:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            last_error = exc
         if time.monotonic() > deadline:
-            raise CheckpointSaveFailed(f"no commit within {timeout_s}s (rank 0 crashed or storage down)")
+            why = f"; last storage error: {last_error}" if last_error else " (rank 0 crashed or storage down)"
+            raise CheckpointSaveFailed(f"no commit within {timeout_s}s{why}")
         polls += 1
         time.sleep(_poll(st, background))

@@ -29,7 +29,7 @@ import threading
 
 from ckpt_store.handoff import SnapshotHandoff
 from ckpt_store.storage import Storage
-from ckpt_store.writer import run_save
+from ckpt_store.writer import fail_part, run_save
 
 PR_SET_PDEATHSIG = 1
 
@@ -50,20 +50,25 @@ def _work(st: Storage, arena_fd: int, jobs: queue.Queue, reply) -> None:
         if item is None:
             return
         job, handoff = item
-        if job["arena_size"] != size:
-            mm, size = mmap.mmap(arena_fd, job["arena_size"], prot=mmap.PROT_READ), job["arena_size"]
         sent = []
 
         def on_commit(timings, step=job["step"]):
             reply.write(json.dumps({"step": step, "ok": True, "timings": timings}) + "\n")
             sent.append(True)
 
+        started = False
         try:
-            run_save(st, job, memoryview(mm), on_commit, handoff)
+            if job["arena_size"] != size:   # the arena grew (0: this rank owns no chunk yet)
+                mm = mmap.mmap(arena_fd, job["arena_size"], prot=mmap.PROT_READ) if job["arena_size"] else None
+                size = job["arena_size"]
+            started = True
+            run_save(st, job, memoryview(mm) if mm is not None else memoryview(b""), on_commit, handoff)
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            error = f"{type(exc).__name__}: {exc}"
+            if not started:
+                fail_part(st, job, f"rank {job['rank']}'s writer could not start its part: {error}")
             if not sent:
-                reply.write(json.dumps({"step": job["step"], "ok": False,
-                                        "error": f"{type(exc).__name__}: {exc}"}) + "\n")
+                reply.write(json.dumps({"step": job["step"], "ok": False, "error": error}) + "\n")
 
 
 def main() -> int:

@@ -2,37 +2,48 @@
 
 s3:// URLs take credentials and endpoint from the environment
 (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, MARIND_S3_ENDPOINT or AWS_ENDPOINT_URL).
+Storage that cannot be reached fails with one line naming the endpoint and the
+fix (exit 1); refused credentials, or a URL that is a file, exit 2.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import sys
+
+from marind.errors import MarindError, UsageError
 
 
 def register(sub) -> None:
     ckpt = sub.add_parser("ckpt", help="list, inspect, verify and export checkpoints")
     cs = ckpt.add_subparsers(dest="ckpt_command", metavar="SUBCOMMAND", parser_class=type(ckpt))
-    p = cs.add_parser("ls", help="committed steps under URL")
+    p = cs.add_parser("ls", help="committed steps under URL; exit 1 if any step's manifest is unreadable",
+                      description="List every committed step under URL. A step whose manifest cannot be "
+                                  "read is listed as CORRUPT (or UNSUPPORTED: written by a newer marind) "
+                                  "with the reason, and the command then exits 1.")
     p.add_argument("url")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(handler=ls)
+    p.add_argument("--json", action="store_true",
+                   help='{"url", "steps": [{"step", "arrays", "objects", "bytes", "world_size", '
+                        '"created_at", "error"}]}; "error" is null for a readable step')
+    p.set_defaults(handler=_guard(ls))
     p = cs.add_parser("inspect", help="arrays, shapes, dtypes, sizes and saved layout of a step")
     p.add_argument("url")
-    p.add_argument("--step", type=int, help="default: the latest committed step")
+    p.add_argument("--step", type=int, help="default: the latest committed step that reads clean")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(handler=inspect)
+    p.set_defaults(handler=_guard(inspect))
     p = cs.add_parser("verify", help="re-read every object of a step; exit 1 on any problem")
     p.add_argument("url")
-    p.add_argument("--step", type=int, help="default: the latest committed step")
-    p.set_defaults(handler=verify)
+    p.add_argument("--step", type=int, help="default: the newest committed step (corrupt or not)")
+    p.set_defaults(handler=_guard(verify))
     p = cs.add_parser("export", help="consolidate a step into one safetensors file")
     p.add_argument("url")
     p.add_argument("--step", type=int, required=True)
     p.add_argument("--format", choices=["safetensors"], default="safetensors")
     p.add_argument("--group", default="model", help="arrays under this group (default model; '' = all)")
     p.add_argument("out")
-    p.set_defaults(handler=export)
+    p.set_defaults(handler=_guard(export))
     ckpt.set_defaults(handler=lambda args: (ckpt.print_help(sys.stderr), 2)[1])
 
 
@@ -41,6 +52,54 @@ def _store(url: str):
     from ckpt_store.export import env_storage_options
 
     return CheckpointStore(url, storage_options=env_storage_options(url))
+
+
+def _guard(handler):
+    """Run ``handler``, turning storage failures into one-line errors that name the fix."""
+    @functools.wraps(handler)
+    def run(args) -> int:
+        try:
+            return handler(args)
+        except MarindError:
+            raise       # already one line naming the problem
+        except Exception as exc:
+            mapped = _storage_error(args.url, exc)
+            if mapped is None:
+                raise
+            raise mapped from exc
+    return run
+
+
+def _storage_error(url: str, exc: BaseException) -> Exception | None:
+    """A one-line error with its fix for a storage failure (None: not one this knows)."""
+    from ckpt_store.errors import CheckpointStorageUnavailable
+
+    try:
+        import aiohttp
+        import botocore.exceptions as boto
+        unreachable: tuple = (ConnectionError, boto.ConnectionError, aiohttp.ClientConnectionError)
+        no_creds: tuple = (boto.NoCredentialsError, boto.PartialCredentialsError)
+    except ImportError:    # no s3fs stack installed: only local stores
+        unreachable, no_creds = (ConnectionError,), ()
+    s3 = url.startswith(("s3://", "s3a://"))
+    seen, cause = 0, exc
+    while cause is not None and seen < 8:   # the library may have wrapped it
+        if isinstance(cause, no_creds):
+            return UsageError(f"no S3 credentials for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+        if s3 and isinstance(cause, unreachable):
+            endpoint = os.environ.get("MARIND_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
+            where = f"S3 endpoint {endpoint}" if endpoint else "the default AWS S3 endpoint"
+            return CheckpointStorageUnavailable(
+                f"cannot reach {where} for {url} (check MARIND_S3_ENDPOINT / AWS_ENDPOINT_URL "
+                "and that the server is up)")
+        if s3 and isinstance(cause, PermissionError):
+            return UsageError(f"S3 refused access to {url} ({cause}): check AWS_ACCESS_KEY_ID / "
+                              "AWS_SECRET_ACCESS_KEY and the bucket's permissions")
+        if isinstance(cause, NotADirectoryError):
+            return UsageError(f"checkpoint URL {url} is a file, not a directory: pass the store's "
+                              "root directory (the one holding step-* directories)")
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1
+    return None
 
 
 def _step(store, step: int | None) -> int:
@@ -61,24 +120,56 @@ def _size(n: float) -> str:
     return str(n)
 
 
+def _newest(store, step: int | None) -> int:
+    """``step``, or the newest committed step (one with a manifest), readable or not."""
+    from ckpt_store import CheckpointNotFound
+
+    if step is not None:
+        return step
+    steps = store.steps()
+    if not steps:
+        raise CheckpointNotFound(f"no committed checkpoint under {store.url}")
+    return steps[-1]
+
+
 def ls(args) -> int:
+    from ckpt_store import CheckpointCorrupt, CheckpointError, CheckpointNotFound
+    from ckpt_store.errors import CheckpointFormatUnsupported
+
     store = _store(args.url)
-    rows = []
+    rows, bad = [], []
     for step in store.steps():
-        m = store.manifest(step)
+        try:
+            m = store.manifest(step)
+        except CheckpointNotFound:
+            continue    # deleted (retention) since the listing
+        except CheckpointError as exc:
+            mark = "UNSUPPORTED" if isinstance(exc, CheckpointFormatUnsupported) else "CORRUPT"
+            reason = exc.reason if isinstance(exc, CheckpointCorrupt) else str(exc)
+            rows.append({"step": step, "arrays": None, "objects": None, "bytes": None,
+                         "world_size": None, "created_at": None, "error": f"{mark}: {reason}"})
+            bad.append(step)
+            continue
         rows.append({"step": step, "arrays": len(m["arrays"]), "objects": len(m["objects"]),
                      "bytes": sum(int(o["size"]) for o in m["objects"].values()),
-                     "world_size": m.get("world", {}).get("world_size"), "created_at": m.get("created_at")})
+                     "world_size": m.get("world", {}).get("world_size"), "created_at": m.get("created_at"),
+                     "error": None})
     if args.json:
         print(json.dumps({"url": args.url, "steps": rows}))
-        return 0
-    if not rows:
+    elif not rows:
         print(f"No checkpoints under {args.url}.")
-        return 0
-    print(f"{'STEP':>10}  {'ARRAYS':>6}  {'OBJECTS':>7}  {'SIZE':>10}  {'WORLD':>5}  CREATED")
-    for r in rows:
-        print(f"{r['step']:>10}  {r['arrays']:>6}  {r['objects']:>7}  {_size(r['bytes']):>10}  "
-              f"{r['world_size'] or '?':>5}  {r['created_at'] or ''}")
+    else:
+        print(f"{'STEP':>10}  {'ARRAYS':>6}  {'OBJECTS':>7}  {'SIZE':>10}  {'WORLD':>5}  CREATED")
+        for r in rows:
+            if r["error"]:
+                print(f"{r['step']:>10}  {r['error']}")
+                continue
+            print(f"{r['step']:>10}  {r['arrays']:>6}  {r['objects']:>7}  {_size(r['bytes']):>10}  "
+                  f"{r['world_size'] or '?':>5}  {r['created_at'] or ''}")
+    if bad:
+        sys.stderr.write(f"Error: {len(bad)} of {len(rows)} steps cannot be read (steps {bad}); "
+                         f"see `marind ckpt verify {args.url} --step {bad[-1]}`\n")
+        return 1
     return 0
 
 
@@ -109,7 +200,7 @@ def inspect(args) -> int:
 
 def verify(args) -> int:
     store = _store(args.url)
-    step = _step(store, args.step)
+    step = _newest(store, args.step)
     report = store.verify(step)
     for p in report.problems:
         print(f"PROBLEM {p}")

@@ -78,5 +78,7 @@ def test_retention_keeps_newest_last_n_and_every_k():
     assert retention.steps_to_delete(steps, keep_last=2, keep_every=30) == [10, 20, 40]
     assert retention.steps_to_delete(steps, keep_last=0, keep_every=None) == [10, 20, 30, 40, 50]
     assert retention.steps_to_delete(steps, keep_last=None, keep_every=None) == []
+    # a run that resumed from step 20 just committed 25: it keeps that and the newest
+    assert retention.steps_to_delete(steps + [25], keep_last=1, keep_every=None, keep={25}) == [10, 20, 30, 40, 50]
     assert retention.leftovers_to_delete([5, 10, 15, 20, 25], [10, 20], {25}) == [5, 15]
     assert retention.leftovers_to_delete([5, 25], [], set()) == []

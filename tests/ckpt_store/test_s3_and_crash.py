@@ -105,3 +105,33 @@ def test_s3_retention_uncommits_the_old_step_at_once_and_deletes_its_objects(s3,
     target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
     CheckpointStore(s3_url, storage_options=s3.storage_options).load(target)
     assert all(torch.equal(target["model"][k], state["model"][k]) for k in state["model"])
+
+
+def test_a_rank_waiting_for_the_commit_rides_out_a_storage_blip(s3_private):
+    """A rank polling for rank 0's manifest keeps polling through an outage shorter than
+    ``commit_timeout_s`` (failing there would split the ranks: rank 0 commits the step)."""
+    import threading
+
+    from ckpt_store.storage import Storage
+    from ckpt_store.writer import wait_for_commit
+
+    opts = {**s3_private.storage_options,
+            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1, "read_timeout": 2}}
+    st = Storage(s3_private.url("blip"), opts)
+    outcome: list = []
+
+    def wait():
+        try:
+            wait_for_commit(st, "step-0000000001", timeout_s=120)
+            outcome.append(None)
+        except Exception as exc:  # noqa: BLE001 - the test's answer
+            outcome.append(exc)
+
+    poller = threading.Thread(target=wait, daemon=True)
+    poller.start()
+    s3_private.stop()
+    time.sleep(1.0)       # polls every 50 ms: a score of them meet a server that is not there
+    s3_private.start()
+    st.write_json_atomic("step-0000000001/manifest.json", {"committed": True})
+    poller.join(60)
+    assert outcome == [None], outcome

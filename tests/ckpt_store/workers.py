@@ -164,3 +164,31 @@ def save_big(url: str, step: int, mb: int, rate: float | None = None, commit_tim
         return {"ok": True, "seconds": time.monotonic() - t0}
     except Exception as exc:  # noqa: BLE001 - reported to the test
         return {"ok": False, "error": str(exc)}
+
+
+def tiny_replicated(url: str, commit_timeout_s: float) -> dict:
+    """One small replicated tensor over the ranks: only one rank owns its chunk, so the others
+    save a part with no chunk at all (and, on a first save, an empty snapshot arena)."""
+    store = CheckpointStore(url, commit_timeout_s=commit_timeout_s)
+    try:
+        store.save(1, {"model": {"w": torch.ones(4)}, "extra": {"rank": dist.get_rank()}}, async_=False)
+        return {"ok": True, "steps": store.steps()}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"ok": False, "error": str(exc)}
+    finally:
+        store.close()
+
+
+def load_fails_on_one_rank(url: str) -> dict:
+    """Rank 1 asks for a shape the checkpoint does not have; rank 0 loads clean. Every rank
+    must come back with an error (none left waiting in load's agreement)."""
+    store = CheckpointStore(url)
+    store.save(1, {"model": {"w": torch.ones(8)}}, async_=False)
+    shape = 8 if dist.get_rank() == 0 else 9
+    try:
+        store.load({"model": {"w": torch.zeros(shape)}})
+        return {"raised": None}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"raised": type(exc).__name__, "error": str(exc)}
+    finally:
+        store.close()

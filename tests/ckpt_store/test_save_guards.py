@@ -1,0 +1,126 @@
+"""Saves (and one load) at the edges: a rank with nothing to write, bad step numbers, a job
+the writer cannot take, a step saved below the newest, a step deleted under its save, a
+failure nobody waited for, a load that fails on one rank only."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from ckpt_store import CheckpointError, CheckpointSaveFailed, CheckpointStore
+from ckpt_store.store import PendingSave
+from tests.support.procs import run_torch_workers
+
+
+@pytest.fixture(params=["file", "memory"])
+def url(request, tmp_path):
+    if request.param == "file":
+        return f"file://{tmp_path}/ckpt"
+    return f"memory://guards-{uuid.uuid4().hex[:8]}"
+
+
+def test_a_save_of_json_values_only_commits(tmp_path):
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", commit_timeout_s=20)   # the writer process
+    store.save(1, {"extra": {"epoch": 3}}, async_=False)
+    state = {"extra": {"epoch": 0}}
+    store.load(state)
+    assert store.steps() == [1] and state == {"extra": {"epoch": 3}}
+    store.close()
+
+
+def test_ranks_that_own_no_chunk_commit_with_the_one_that_does(tmp_path):
+    url = f"file://{tmp_path}/ckpt"
+    results = run_torch_workers("tests.ckpt_store.workers:tiny_replicated", 2, timeout=120,
+                                url=url, commit_timeout_s=30)
+    assert results == [{"ok": True, "steps": [1]}] * 2, results
+
+
+def test_bad_step_numbers_and_retention_counts_are_refused(url):
+    store = CheckpointStore(url)
+    state = {"w": torch.ones(3)}
+    for bad, kind in ((-1, ValueError), (10**10, ValueError), (2.5, TypeError), ("7", TypeError),
+                      (True, TypeError)):
+        with pytest.raises(kind, match="checkpoint step"):
+            store.save(bad, state, async_=False)
+    store.save(np.int64(3), state, async_=False)   # any integer type is a step
+    assert store.steps() == [3]
+    for kwargs in ({"keep_last": -1}, {"keep_every": 0}, {"keep_last": 1.5}, {"commit_timeout_s": 0}):
+        with pytest.raises((TypeError, ValueError), match=next(iter(kwargs))):
+            CheckpointStore(url, **kwargs)
+
+
+def test_a_job_the_writer_cannot_take_leaves_the_next_save_working(tmp_path):
+    store = CheckpointStore(f"file://{tmp_path}/ckpt")
+    store.save(1, {"w": torch.ones(3)}, async_=False)
+    with pytest.raises(TypeError):   # not JSON: refused before it is queued
+        store._writer.submit({"step": 2, "rank": 0, "bad": object()}, PendingSave(2))
+    pending = store.save(3, {"w": torch.ones(3)})
+    pending.wait(timeout=60)         # answered by its own reply, not the refused job's
+    assert store.steps() == [1, 3]
+    store.close()
+
+
+def test_a_step_saved_below_the_newest_is_kept_by_retention(url):
+    store = CheckpointStore(url, keep_last=1)
+    state = {"w": torch.ones(3)}
+    store.save(200, state, async_=False)
+    store.save(150, state, async_=False)    # a run resumed from an older step
+    assert store.steps() == [150, 200]
+    store.save(160, state, async_=False)
+    assert store.steps() == [160, 200]
+    store.save(210, state, async_=False)    # past the abandoned step: plain keep_last again
+    assert store.steps() == [210]
+
+
+def test_a_step_deleted_under_its_save_never_commits(url):
+    slow = CheckpointStore(url, io_rate_limit=4e6)              # 8 MiB: about 2 s of writes
+    other = CheckpointStore(url, keep_last=1)
+    big = {f"w{i}": torch.randn((1 << 20) // 4) for i in range(8)}
+    pending = slow.save(5, big)
+    deadline = time.monotonic() + 30
+    while not slow.storage.list_dir("step-0000000005/w0") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    other.save(10, {"w": torch.ones(3)}, async_=False)   # its retention removes step 5 as a leftover
+    with pytest.raises(CheckpointSaveFailed, match="step 5 did not commit"):
+        pending.wait(timeout=60)
+    assert slow.steps() == [10]
+    slow.close()
+    other.close()
+
+
+def test_close_raises_a_failed_save_nobody_waited_for(tmp_path):
+    root = tmp_path / "ckpt"
+    store = CheckpointStore(f"file://{root}", io_rate_limit=20_000)
+    store.save(1, {"model": {"w": torch.ones(64)}}, async_=False)
+    store.save(2, {"model": {"w": torch.ones(64)}})
+    (root / "step-0000000002").mkdir(parents=True, exist_ok=True)
+    (root / "step-0000000002" / "model").write_text("a file where a directory must go")
+    with pytest.raises(CheckpointSaveFailed, match="step 2 did not commit"):
+        store.close()
+    assert CheckpointStore(f"file://{root}").steps() == [1]
+
+
+def test_close_after_a_failure_that_was_seen_does_not_raise(tmp_path):
+    root = tmp_path / "ckpt"
+    store = CheckpointStore(f"file://{root}", io_rate_limit=20_000)
+    pending = store.save(2, {"model": {"w": torch.ones(64)}})
+    (root / "step-0000000002").mkdir(parents=True, exist_ok=True)
+    (root / "step-0000000002" / "model").write_text("a file where a directory must go")
+    with pytest.raises(CheckpointSaveFailed):
+        pending.wait(timeout=60)
+    store.close()
+    assert not os.path.exists(root / "step-0000000002" / "manifest.json")
+    with pytest.raises(CheckpointError):
+        CheckpointStore(f"file://{root}").load({"model": {"w": torch.zeros(64)}})
+
+
+def test_a_load_that_fails_on_one_rank_raises_on_every_rank(tmp_path):
+    results = run_torch_workers("tests.ckpt_store.workers:load_fails_on_one_rank", 2, timeout=120,
+                                url=f"file://{tmp_path}/ckpt")
+    assert results[1]["raised"] == "CheckpointMismatch", results
+    assert results[0]["raised"] == "CheckpointError" and "another rank" in results[0]["error"], results
