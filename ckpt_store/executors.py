@@ -120,16 +120,20 @@ class _Child:
         finally:
             os.close(w)
             self._started.set()
-        with os.fdopen(r, "r") as replies:
-            for line in replies:
-                msg = json.loads(line)
-                with self._lock:
-                    job, pending = self._inflight.pop(0)
-                if msg.get("ok"):
-                    pending._finish(None, msg.get("timings"))
-                else:
-                    log.warning("ckpt_save_failed", step=job["step"], rank=job["rank"], error=msg.get("error"))
-                    pending._finish(CheckpointSaveFailed(msg.get("error", "writer failed")))
+        try:
+            with os.fdopen(r, "r") as replies:
+                for line in replies:
+                    msg = json.loads(line)
+                    with self._lock:
+                        job, pending = self._inflight.pop(0)
+                    if msg.get("ok"):
+                        pending._finish(None, msg.get("timings"))
+                    else:
+                        log.warning("ckpt_save_failed", step=job["step"], rank=job["rank"], error=msg.get("error"))
+                        pending._finish(CheckpointSaveFailed(msg.get("error", "writer failed")))
+        except Exception as exc:  # noqa: BLE001 - a reply cut short: replies no longer match saves
+            log.warning("ckpt_writer_reply_unreadable", error=f"{type(exc).__name__}: {exc}")
+            self.proc.kill()      # its saves in flight fail below, as for a writer that died
         code = self.proc.wait()
         with self._lock:
             self.dead = True
@@ -208,11 +212,14 @@ class ProcessWriter:
                 try:
                     self._child = _Child(self._st, self._arena, self._config)
                 except CheckpointSaveFailed as exc:
+                    fail_part(self._st, job, str(exc))
                     pending._finish(exc)
                     return
             if self._child.submit(job, pending):
                 return
-        pending._finish(CheckpointSaveFailed("the checkpoint writer process keeps dying at start"))
+        error = "the checkpoint writer process keeps dying at start"
+        fail_part(self._st, job, error)
+        pending._finish(CheckpointSaveFailed(error))
 
     def copied(self, slots: int, complete: bool = False) -> None:
         if self._child is not None:

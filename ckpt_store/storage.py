@@ -50,7 +50,8 @@ class Storage:
                  rate_limit: float | None = None, direct_io: bool = True):
         if "://" not in url:
             url = "file://" + os.path.abspath(url)
-        self.url = url.rstrip("/")
+        scheme, rest = url.split("://", 1)
+        self.url = f"{scheme}://{rest.rstrip('/')}"   # "memory://" stays a URL, never a local "memory:"
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **s3_defaults(self.url, storage_options))
         self.root = self.root.rstrip("/")
         protocols = {self.fs.protocol} if isinstance(self.fs.protocol, str) else set(self.fs.protocol)

@@ -40,6 +40,7 @@ from ckpt_store.loader import FORMAT, load_step, read_manifest
 from ckpt_store.plan import flatten, plan_array
 from ckpt_store.steps import MAX_STEP, all_step_dirs, apply_retention, committed_steps, parse_step_dir, step_dir
 from ckpt_store.storage import Storage
+from ckpt_store.writer import fail_part
 from marind.log import get_logger
 
 log = get_logger(__name__)
@@ -185,11 +186,18 @@ class CheckpointStore:
         pending = PendingSave(step)
         pending.timings["prepare_s"] = prepare_s     # step dir checked, chunks planned
         if async_ and self._protected:
-            pending._copied.clear()
             pending._ready = _cuda_event(plans)
+            copier = threading.Thread(target=self._copy_in_background, args=(plans, job, pending, writer),
+                                      name="ckpt-snapshot", daemon=True)
+            pending._copied.clear()
             self._pending = pending
-            threading.Thread(target=self._copy_in_background, args=(plans, job, pending, writer),
-                             name="ckpt-snapshot", daemon=True).start()
+            try:
+                copier.start()
+            except BaseException as exc:   # no thread: nothing would release the save or the arena
+                pending._copied.set()
+                pending._finish(exc)
+                pending.observed = True
+                raise
             pending.timings["blocked_s"] = time.perf_counter() - t0
             return pending
         self._pending = pending
@@ -213,6 +221,8 @@ class CheckpointStore:
             job["arena_size"] = self._arena.size
             writer.submit(job, pending)
         except BaseException as exc:
+            fail_part(self.storage, job, f"rank {job['rank']} could not hand its part to its writer: "
+                                         f"{type(exc).__name__}: {exc}")   # the others stop waiting now
             pending._finish(exc)     # it never reached the writer: nothing else would finish it
             raise
         try:
@@ -321,23 +331,27 @@ class CheckpointStore:
             raise CheckpointNotFound(f"no committed checkpoint under {self.url}")
         for s in candidates:
             error = fatal = None
+            outcome = LOAD_OK
             try:
                 self.last_load_stats = load_step(self.storage, step_dir(s), state, rank)
-            except (CheckpointCorrupt, CheckpointNotFound) as exc:   # NotFound: retention deleted it meanwhile
-                error = exc
+            except CheckpointNotFound as exc:    # deleted meanwhile (retention): skip, nothing to uncommit
+                error, outcome = exc, LOAD_GONE
+            except CheckpointCorrupt as exc:
+                error, outcome = exc, LOAD_CORRUPT
             except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
-                fatal = exc
-            outcome = _agree(LOAD_FATAL if fatal else LOAD_SKIP if error else LOAD_OK)
+                fatal, outcome = exc, LOAD_FATAL
+            outcome = _agree(outcome)
             if outcome == LOAD_OK:
                 return state
             if outcome == LOAD_FATAL:
                 if fatal is not None:
                     raise fatal
                 raise CheckpointError(f"checkpoint step {s} failed to load on another rank (see its log)")
-            warnings.warn(f"skipping checkpoint step {s}: {error or 'corrupt on another rank'}",
-                          stacklevel=2)
-            log.warning("ckpt_skip_corrupt", step=s, error=str(error))
-            self._quarantine(s, rank, str(error or "corrupt on another rank"))
+            why = str(error or ("corrupt on another rank" if outcome == LOAD_CORRUPT else "gone on another rank"))
+            warnings.warn(f"skipping checkpoint step {s}: {why}", stacklevel=2)
+            log.warning("ckpt_skip_step", step=s, error=why)
+            if outcome == LOAD_CORRUPT:
+                self._quarantine(s, rank, why)
         raise CheckpointNotFound(f"no committed checkpoint under {self.url} loads clean "
                                  f"(tried steps {candidates})")
 
@@ -449,7 +463,7 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-LOAD_OK, LOAD_SKIP, LOAD_FATAL = 0, 1, 2   # a step's load, worst over the ranks wins
+LOAD_OK, LOAD_GONE, LOAD_CORRUPT, LOAD_FATAL = 0, 1, 2, 3   # a step's load; the worst over the ranks wins
 
 
 def _agree(outcome: int) -> int:

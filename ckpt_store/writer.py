@@ -44,19 +44,20 @@ def run_save(st, job: dict, arena: memoryview, on_commit, handoff: SnapshotHando
     caller's copy into ``arena`` got."""
     t0 = time.perf_counter()
     d, rank = job["dir"], job["rank"]
-    specs = {name: ArraySpec.from_json(name, meta) for name, meta in job["arrays"].items()}
-    chunks = [(s["key"], specs[s["array"]], arena[s["offset"]:s["offset"] + s["nbytes"]], s["valid_rows"])
-              for s in job["slots"]]
-    # the writer of an array's first chunk writes its zarr.json too (rank 0 fills any gap)
-    firsts = {chunk_key(n, (0,) * len(spec.shape)): spec for n, spec in specs.items()}
-    meta = [(f"{spec.name}/zarr.json", _json_bytes(array_metadata(spec, {"marind": job["arrays"][spec.name]["layout"]})))
-            for spec in (firsts.get(s["key"]) for s in job["slots"]) if spec is not None]
     try:
+        specs = {name: ArraySpec.from_json(name, meta) for name, meta in job["arrays"].items()}
+        chunks = [(s["key"], specs[s["array"]], arena[s["offset"]:s["offset"] + s["nbytes"]], s["valid_rows"])
+                  for s in job["slots"]]
+        # the writer of an array's first chunk writes its zarr.json too (rank 0 fills any gap)
+        firsts = {chunk_key(n, (0,) * len(spec.shape)): spec for n, spec in specs.items()}
+        meta = [(f"{spec.name}/zarr.json",
+                 _json_bytes(array_metadata(spec, {"marind": job["arrays"][spec.name]["layout"]})))
+                for spec in (firsts.get(s["key"]) for s in job["slots"]) if spec is not None]
         write_rank_part(st, d, rank, chunks, job["values"], meta, nice=job.get("background_nice", 0),
                         handoff=handoff, timeout_s=job["commit_timeout_s"])
     except BaseException as exc:
-        if rank == 0:    # the others stop waiting for a commit that will not come
-            write_abort_marker(st, d, f"rank 0 failed to write its part: {exc}")
+        # the others stop waiting for a part (rank 0: a commit) that will not come
+        fail_part(st, job, f"rank {rank} failed to write its part: {exc}")
         raise
     del chunks
     timings = {"write_s": time.perf_counter() - t0}
@@ -197,7 +198,14 @@ def _check_present(st, d: str, objects: dict) -> None:
     (another store's retention on the same URL) must fail the save, never
     commit a checkpoint with holes.
     """
-    present = st.object_sizes(d)
+    for attempt in range(3):    # a listing that fails (a storage blip) is tried again
+        try:
+            present = st.object_sizes(d)
+            break
+        except Exception:  # noqa: BLE001
+            if attempt == 2:
+                raise
+            time.sleep(0.5 * (attempt + 1))
     bad = sorted(k for k, o in objects.items() if present.get(k) != o["size"])
     if bad:
         raise CheckpointSaveFailed(

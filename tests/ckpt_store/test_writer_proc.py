@@ -3,6 +3,8 @@ writer never commits (its save fails at wait(), the next save starts a fresh one
 
 from __future__ import annotations
 
+import json
+
 import os
 import signal
 import subprocess
@@ -124,6 +126,9 @@ def test_a_writer_that_cannot_start_fails_the_save_at_wait(tmp_path, monkeypatch
     pending = store.save(1, _state(1.0))
     with pytest.raises(CheckpointSaveFailed, match="cannot start the checkpoint writer"):
         pending.wait(timeout=60)
+    # rank 0's abort marker: the other ranks of a real job stop waiting now, not at their timeout
+    abort = json.loads((tmp_path / "ckpt" / "step-0000000001" / ".marind" / "abort.json").read_text())
+    assert "cannot start the checkpoint writer" in abort["error"]
     monkeypatch.undo()
     store.save(2, _state(2.0)).wait(timeout=60)   # the next save starts a writer
     assert store.steps() == [2] and _loads(store, 2.0)
