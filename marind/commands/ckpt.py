@@ -51,7 +51,16 @@ def _store(url: str):
     from ckpt_store import CheckpointStore
     from ckpt_store.export import env_storage_options
 
-    return CheckpointStore(url, storage_options=env_storage_options(url))
+    store = CheckpointStore(url, storage_options=env_storage_options(url))
+    if store.storage.s3:   # a mistyped bucket is an error, not an empty store
+        bucket = store.storage.root.split("/", 1)[0]
+        try:
+            store.storage.fs.call_s3("head_bucket", Bucket=bucket)
+        except FileNotFoundError:
+            endpoint = os.environ.get("MARIND_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
+            raise UsageError(f"no S3 bucket {bucket!r} at {endpoint}: check the URL "
+                             "(s3://BUCKET/PREFIX)") from None
+    return store
 
 
 def _guard(handler):

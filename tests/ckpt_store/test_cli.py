@@ -203,6 +203,18 @@ def test_refused_or_missing_s3_credentials_name_the_fix(s3, s3_url, capsys, monk
     assert f"S3 refused access to {s3_url}" in line and "check AWS_ACCESS_KEY_ID" in line
 
 
+def test_a_mistyped_s3_bucket_is_an_error_not_an_empty_store(s3, capsys, monkeypatch):
+    monkeypatch.setenv("MARIND_S3_ENDPOINT", s3.endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.storage_options["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.storage_options["secret"])
+    res = _run(capsys, "ls", "s3://no-such-bucket-here/ckpt")
+    assert res.returncode == 2
+    line = _one_error_line(res)
+    assert "no S3 bucket 'no-such-bucket-here'" in line and "s3://BUCKET/PREFIX" in line, line
+    res = _run(capsys, "ls", f"s3://{s3.bucket}/never-saved")   # the bucket is there: just empty
+    assert res.returncode == 0 and "No checkpoints" in res.stdout
+
+
 def test_a_url_that_is_a_file_is_one_line_naming_it(tmp_path, capsys):
     victim = tmp_path / "not-a-store"
     victim.write_text("")
