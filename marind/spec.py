@@ -226,6 +226,7 @@ class CheckpointSpec:
     every_seconds: float | None = _f(None, "duration?")
     async_: bool = _f(True, "bool", key="async")
     keep_last: int = _f(3, "int")         # 0 = keep all
+    keep_every: int = _f(0, "int")        # also keep every step divisible by this, for good; 0 = off
     wait_timeout: float = _f(600.0, "duration")
 
 
@@ -446,6 +447,7 @@ def validate_spec(spec: RunSpec, *, check_worlds: bool = True) -> None:
     if c.every_seconds is not None:
         _positive(c.every_seconds, "checkpoint.every_seconds")
     _positive(c.keep_last, "checkpoint.keep_last", zero_ok=True)
+    _positive(c.keep_every, "checkpoint.keep_every", zero_ok=True)
     _positive(spec.fault.nan_at_step, "fault.nan_at_step", zero_ok=True)
     _validate_fault(spec)
     if check_worlds:

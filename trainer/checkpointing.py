@@ -80,7 +80,8 @@ class Checkpointer:
         self.store = None
         if c.url:
             from ckpt_store import CheckpointStore
-            self.store = CheckpointStore(checkpoint_url(c.url), keep_last=c.keep_last or None)
+            self.store = CheckpointStore(checkpoint_url(c.url), keep_last=c.keep_last or None,
+                                         keep_every=c.keep_every or None)
             if hasattr(optimizer, "register_step_pre_hook"):
                 self.store.protect(optimizer)   # async snapshots overlap the next forward/backward
         self.pending = None

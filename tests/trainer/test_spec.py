@@ -112,6 +112,13 @@ def test_wrong_type():
     assert "checkpoint.async must be true or false" in _err(BASE.replace("async = true", "async = 1"))
 
 
+def test_keep_every_keeps_checkpoints_for_good():
+    assert load_spec(BASE).checkpoint.keep_every == 0    # off unless asked for
+    spec = load_spec(BASE.replace("keep_last = 3", "keep_last = 3\nkeep_every = 1000"))
+    assert spec.checkpoint.keep_every == 1000
+    assert "checkpoint.keep_every" in _err(BASE.replace("keep_last = 3", "keep_last = 3\nkeep_every = -5"))
+
+
 def test_tp_must_divide_heads():
     msg = _err(BASE.replace("tp = 1", "tp = 3"))
     assert "parallel.tp" in msg and "n_heads" in msg
