@@ -326,7 +326,7 @@ class CheckpointStore:
         if step is not None:
             self.last_load_stats = load_step(self.storage, step_dir(step), state, rank)
             return state
-        candidates = list(reversed(self.steps()))
+        candidates = list(reversed(_rank0_steps(self.steps if rank == 0 else None)))
         if not candidates:
             raise CheckpointNotFound(f"no committed checkpoint under {self.url}")
         for s in candidates:
@@ -371,7 +371,7 @@ class CheckpointStore:
                 log.warning("ckpt_quarantined", step=step, reason=reason)
             except Exception as exc:  # noqa: BLE001 - a read-only store: the older steps are still tried
                 log.warning("ckpt_quarantine_failed", step=step, error=f"{type(exc).__name__}: {exc}")
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if _distributed():
             dist.barrier()
 
     def _uncommit(self, d: str, reason: str) -> None:
@@ -466,16 +466,53 @@ def _rank_world() -> tuple[int, int]:
 LOAD_OK, LOAD_GONE, LOAD_CORRUPT, LOAD_FATAL = 0, 1, 2, 3   # a step's load; the worst over the ranks wins
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _collective_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+
+
 def _agree(outcome: int) -> int:
     """The worst ``outcome`` over all ranks (foreground, default group): every rank then
     takes the same branch (return, try an older step, or raise)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not _distributed():
         return outcome
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-        else torch.device("cpu")
-    flag = torch.tensor([outcome], dtype=torch.int32, device=device)
+    flag = torch.tensor([outcome], dtype=torch.int32, device=_collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return int(flag.item())
+
+
+def _rank0_steps(list_steps) -> list[int]:
+    """Rank 0's committed steps, on every rank (``list_steps``: rank 0's lister, None elsewhere).
+
+    One listing for the whole job instead of one per rank (on S3 a LIST plus a HEAD per
+    step, times every rank), and every rank then tries the same steps in the same order:
+    listings taken a moment apart can differ, and a load whose ranks walk different lists
+    would leave some of them waiting in a collective. A listing that fails on rank 0 is
+    raised on every rank."""
+    if not _distributed():
+        return list_steps()
+    device = _collective_device()
+    steps, error = [], None
+    if list_steps is not None:
+        try:
+            steps = list_steps()
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+            error = exc
+    count = torch.tensor([-1 if error is not None else len(steps)], dtype=torch.int64, device=device)
+    dist.broadcast(count, src=0)
+    if int(count.item()) < 0:
+        if error is not None:
+            raise error
+        raise CheckpointError("rank 0 could not list the checkpoint steps (see its log)")
+    buf = torch.tensor(steps if list_steps is not None else [0] * int(count.item()), dtype=torch.int64,
+                       device=device)
+    if buf.numel():
+        dist.broadcast(buf, src=0)
+    return [int(s) for s in buf.tolist()]
 
 
 def _step_number(step) -> int:

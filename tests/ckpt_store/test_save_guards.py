@@ -124,3 +124,22 @@ def test_a_load_that_fails_on_one_rank_raises_on_every_rank(tmp_path):
                                 url=f"file://{tmp_path}/ckpt")
     assert results[1]["raised"] == "CheckpointMismatch", results
     assert results[0]["raised"] == "CheckpointError" and "another rank" in results[0]["error"], results
+
+
+def test_every_rank_of_a_load_tries_rank_0s_steps_in_the_same_order(tmp_path):
+    """Listings taken a moment apart can differ (a step committed or deleted in between);
+    here rank 1 does not see step 2 at all. The ranks must still agree on one step."""
+    import shutil
+
+    seen_by_0, seen_by_1 = tmp_path / "a", tmp_path / "b"
+    store = CheckpointStore(f"file://{seen_by_0}")
+    for step in (1, 2):
+        store.save(step, {"model": {"w": torch.full((4,), float(step))}, "extra": {"step": step}},
+                   async_=False)
+    store.close()
+    shutil.copytree(seen_by_0, seen_by_1)
+    shutil.rmtree(seen_by_1 / "step-0000000002")
+    results = run_torch_workers("tests.ckpt_store.workers:load_newest", 2, timeout=120,
+                                urls=[f"file://{seen_by_0}", f"file://{seen_by_1}"])
+    assert results == [{"step": 1, "w": [1.0] * 4}] * 2, results
+    assert CheckpointStore(f"file://{seen_by_0}").steps() == [1, 2]   # gone elsewhere is not corrupt here
