@@ -97,7 +97,16 @@ def ckpt_roundtrip(root: Path) -> dict:
               "extra": {}}
     store.load(target, step=1)
     same = all(torch.equal(state["model"][k], target["model"][k]) for k in ("w", "b"))
-    return {"ok": same and target["model"]["w"].device.type == "cuda" and store.verify(1).ok}
+    # a bigger state grows the pinned snapshot arena: the old mapping is unpinned, the new one pinned
+    bigger = {"model": {"w": torch.randn(4096, 1024, device=dev)}}
+    store.save(2, bigger, async_=True).wait()
+    back = {"model": {"w": torch.zeros(4096, 1024, device=dev)}}
+    store.load(back, step=2)
+    grown = torch.equal(bigger["model"]["w"], back["model"]["w"])
+    verified = store.verify(1).ok and store.verify(2).ok
+    store.close()
+    return {"ok": same and grown and verified and target["model"]["w"].device.type == "cuda",
+            "grown_arena_ok": grown}
 
 
 def main() -> int:

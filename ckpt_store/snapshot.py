@@ -39,6 +39,7 @@ class HostArena:
         if nbytes <= self.size:
             return
         size = max(nbytes, 1) + (1 << 20)
+        self._unpin()      # the old mapping goes: its pages must not stay page-locked
         os.ftruncate(self.fd, size)
         self._mm = mmap.mmap(self.fd, size)
         self.buf = torch.frombuffer(self._mm, dtype=torch.uint8)
@@ -55,10 +56,19 @@ class HostArena:
         except Exception:  # noqa: BLE001 - unpinned copies are slower, still correct
             self._pinned = False
 
+    def _unpin(self) -> None:
+        if self._pinned and self.buf is not None:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
+            except Exception:  # noqa: BLE001 - the process is going anyway
+                pass
+        self._pinned = False
+
     def view(self) -> memoryview:
         return memoryview(self._mm) if self._mm is not None else memoryview(b"")
 
     def close(self) -> None:
+        self._unpin()
         self.buf = None
         self._mm = None  # the mapping goes when the last view of it does
         if self.fd is not None:
