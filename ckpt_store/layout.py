@@ -183,12 +183,21 @@ def all_cells(shape: tuple[int, ...], chunks: tuple[int, ...]):
 
 
 def owned_cells(shape: tuple[int, ...], chunks: tuple[int, ...], pieces: dict[int, list[Piece]],
-                rank: int, salt: int) -> list[tuple[tuple[int, ...], Piece]]:
+                rank: int, salt: int, copies: tuple[int, int] = (0, 1)) -> list[tuple[tuple[int, ...], Piece]]:
     """The chunks ``rank`` writes. Holders of a chunk take turns (offset by ``salt``), so
     replicated arrays spread their writes over the replicas. Every chunk has one writer;
-    returns (cell, the writer's piece holding it)."""
+    returns (cell, the writer's piece holding it).
+
+    ``copies``: (which, how many) identical copies of this layout the world holds (a
+    DTensor on a sub-mesh: each sibling sub-mesh holds the same replica). The copies take
+    turns too, so each chunk still has exactly one writer in the whole world."""
+    which, count = copies
     out = []
     for linear, cell in enumerate(all_cells(shape, chunks)):
+        turn = salt + linear
+        if turn % count != which:
+            continue
+        turn //= count
         region = cell_box(cell, chunks, shape)
         holders = []
         for r in sorted(pieces):
@@ -198,7 +207,7 @@ def owned_cells(shape: tuple[int, ...], chunks: tuple[int, ...], pieces: dict[in
                     break
         if not holders:
             raise ValueError(f"chunk {cell} of an array of shape {shape} is held by no rank")
-        writer, piece = holders[(salt + linear) % len(holders)]
+        writer, piece = holders[turn % len(holders)]
         if writer == rank:
             out.append((cell, piece))
     return out

@@ -70,9 +70,15 @@ def mesh_ranks(mesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
     if hit is None or hit[0] is not mesh:
         if len(_MESHES) > 256:
             _MESHES.clear()
-        hit = (mesh, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape))
+        hit = (mesh, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), _mesh_copies(mesh))
         _MESHES[id(mesh)] = hit
     return hit[1], hit[2]
+
+
+def mesh_copies(mesh) -> tuple[int, int]:
+    """``_mesh_copies`` of ``mesh``, cached with its ranks."""
+    mesh_ranks(mesh)
+    return _MESHES[id(mesh)][3]
 
 
 def local_pieces(t: torch.Tensor, rank: int) -> tuple[list, torch.Tensor]:
@@ -93,7 +99,7 @@ def plan_array(name: str, t: torch.Tensor, rank: int, world: int, salt: int,
         mesh = t.device_mesh
         ranks, mesh_shape = mesh_ranks(mesh)
         where = (ranks, mesh_shape, tuple(layout.placement_spec(p) for p in t.placements),
-                 tuple(mesh.mesh_dim_names or ()), tuple(str(p) for p in t.placements))
+                 tuple(mesh.mesh_dim_names or ()), tuple(str(p) for p in t.placements), mesh_copies(mesh))
         local = t._local_tensor
     else:
         where = None
@@ -108,13 +114,14 @@ def _static_plan(name, shape, dtype, itemsize, rank, world, salt, inner_bytes, w
     """The part of a plan that depends only on shapes and layout (cached: every save of a
     training run asks for the same ones)."""
     if where is not None:
-        ranks, mesh_shape, specs, dim_names, placement_names = where
+        ranks, mesh_shape, specs, dim_names, placement_names, copies = where
         pieces = layout.pieces_from_specs(shape, ranks, mesh_shape, specs)
         how = {"mesh_shape": list(mesh_shape), "mesh_dim_names": list(dim_names),
                "placements": list(placement_names)}
     else:
         pieces = layout.replicated_pieces(shape, world)
         how = {"replicated": True}
+        copies = (0, 1)
     mine = tuple(pieces.get(rank, []))
     chunks = layout.chunk_grid(shape, pieces)
     rows = None
@@ -122,8 +129,37 @@ def _static_plan(name, shape, dtype, itemsize, rank, world, salt, inner_bytes, w
         r = layout.inner_rows(chunks, itemsize, inner_bytes)
         rows = r if r < chunks[0] else None
     spec = ArraySpec(name, shape, dtype, chunks, rows)
-    owned = tuple(layout.owned_cells(shape, chunks, pieces, rank, salt))
+    owned = tuple(layout.owned_cells(shape, chunks, pieces, rank, salt, copies))
     return spec, mine, owned, how
+
+
+def _mesh_copies(mesh) -> tuple[int, int]:
+    """(which, how many): the sub-meshes of ``mesh``'s root mesh that are copies of it.
+
+    A DTensor on ``root["dp"]`` of a (dp, tp) mesh (FSDP2 over a parameter that
+    tensor parallelism leaves alone) is held by every tp rank, each on its own
+    dp sub-mesh, with the same values: the tp coordinate says which copy this
+    rank is in, and the copies take turns writing chunks (``owned_cells``). Every
+    rank holds every array of a save (checked before any writing), so the copies
+    all exist. A mesh that is its own root, or a sub-mesh whose dims the root does
+    not name (a flattened dim), counts as the only copy: its chunks are then
+    written once per copy, with the same bytes.
+    """
+    try:
+        root = mesh._get_root_mesh()
+    except Exception:  # noqa: BLE001 - an older DeviceMesh: no sub-meshes to tell apart
+        return (0, 1)
+    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+    if root is mesh or not names or not root_names or any(n not in root_names for n in names):
+        return (0, 1)
+    coord = root.get_coordinate()
+    if coord is None:
+        return (0, 1)
+    which, count = 0, 1
+    for i, name in enumerate(root_names):
+        if name not in names:
+            which, count = which * root.mesh.shape[i] + coord[i], count * root.mesh.shape[i]
+    return (which, count)
 
 
 def _check_placements(t: DTensor) -> None:

@@ -20,6 +20,7 @@ A step without ``manifest.json`` does not exist for readers.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import operator
 import threading
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ckpt_store import snapshot
 from ckpt_store.errors import (CheckpointCorrupt, CheckpointError, CheckpointFormatUnsupported,
@@ -37,7 +39,7 @@ from ckpt_store.errors import (CheckpointCorrupt, CheckpointError, CheckpointFor
 from ckpt_store.executors import ProcessWriter, ThreadWriter
 from ckpt_store.gather import SMALL_ARRAY_BYTES, gather_small
 from ckpt_store.loader import FORMAT, load_step, read_manifest
-from ckpt_store.plan import flatten, plan_array
+from ckpt_store.plan import flatten, mesh_ranks, plan_array
 from ckpt_store.steps import MAX_STEP, all_step_dirs, apply_retention, committed_steps, parse_step_dir, step_dir
 from ckpt_store.storage import Storage
 from ckpt_store.writer import fail_part
@@ -171,7 +173,7 @@ class CheckpointStore:
         rank, world = _rank_world()
         t0 = time.perf_counter()
         tensors, values = flatten(state)
-        self._prepare_step_dir(step, rank, world)
+        self._prepare_step_dir(step, rank, world, tensors)
         plans = [plan_array(name, tensors[name], rank, world, salt=i, inner_bytes=self.inner_chunk_bytes)
                  for i, name in enumerate(sorted(tensors))]
         plans = gather_small(plans, tensors, rank, world, self.gather_small_bytes, self.inner_chunk_bytes)
@@ -187,7 +189,10 @@ class CheckpointStore:
         pending.timings["prepare_s"] = prepare_s     # step dir checked, chunks planned
         if async_ and self._protected:
             pending._ready = _cuda_event(plans)
-            copier = threading.Thread(target=self._copy_in_background, args=(plans, job, pending, writer),
+            # the versions the copy must find: read now, so a change made right after save()
+            # returns (before the copy thread runs) is caught too
+            copier = threading.Thread(target=self._copy_in_background,
+                                      args=(plans, job, pending, writer, _versions(plans)),
                                       name="ckpt-snapshot", daemon=True)
             pending._copied.clear()
             self._pending = pending
@@ -211,11 +216,14 @@ class CheckpointStore:
             pending.wait()
         return pending
 
-    def _copy(self, plans: list, job: dict, pending: PendingSave, writer, ready=None) -> None:
+    def _copy(self, plans: list, job: dict, pending: PendingSave, writer, ready=None,
+              versions: list | None = None) -> None:
         """Hand ``job`` to ``writer``, then snapshot the chunks this rank writes into the arena,
         telling the writer as the copy goes (it writes what is copied meanwhile). ``ready``: on
         the snapshot thread, the CUDA event its own stream waits for (see ``protect``)."""
-        owned = [(p, _version(p.local)) for p in plans if p.owned]
+        if versions is None:
+            versions = _versions(plans)
+        owned = [(p, v) for p, v in zip(plans, versions) if p.owned]
         try:
             job["slots"], copies = snapshot.reserve(plans, self._arena)
             job["arena_size"] = self._arena.size
@@ -246,9 +254,9 @@ class CheckpointStore:
             raise
         writer.copied(len(job["slots"]), complete=True)
 
-    def _copy_in_background(self, plans: list, job: dict, pending: PendingSave, writer) -> None:
+    def _copy_in_background(self, plans: list, job: dict, pending: PendingSave, writer, versions) -> None:
         try:
-            self._copy(plans, job, pending, writer, pending._ready)
+            self._copy(plans, job, pending, writer, pending._ready, versions)
         except BaseException as exc:  # noqa: BLE001 - the writer fails the save: raised at wait() / next save()
             log.warning("ckpt_snapshot_failed", step=job["step"], error=str(exc))
         finally:
@@ -269,11 +277,13 @@ class CheckpointStore:
         """The writer process's pid (None before the first save, or with a thread writer)."""
         return getattr(self._writer, "pid", None)
 
-    def _prepare_step_dir(self, step: int, rank: int, world: int) -> None:
+    def _prepare_step_dir(self, step: int, rank: int, world: int, tensors: dict) -> None:
         """Refuse a committed step; rank 0 clears leftovers of an earlier failed attempt.
 
-        Runs in the caller's thread; the barrier (default group, foreground) keeps
-        the other ranks from writing before the leftovers are gone.
+        Runs in the caller's thread; the layout agreement (one all-reduce on the
+        default group, foreground) keeps the other ranks from writing before the
+        leftovers are gone, and refuses, on every rank, a save whose ranks differ
+        in step or arrays (``_agree_layout``).
         """
         d = step_dir(step)
         if self.storage.exists(f"{d}/manifest.json"):
@@ -291,7 +301,7 @@ class CheckpointStore:
                                  "retention keeps it and this run's latest; delete the newer steps "
                                  "if this run replaces them")
         if world > 1:
-            dist.barrier()
+            _agree_layout(step, tensors)
 
     def wait(self) -> None:
         """Wait for the save in flight, if any (raises if it failed)."""
@@ -438,6 +448,10 @@ def _writer_kind(writer: str, storage: Storage, storage_options) -> str:
     return writer
 
 
+def _versions(plans: list) -> list:
+    return [_version(p.local) for p in plans]
+
+
 def _version(t: torch.Tensor) -> int | None:
     """``t``'s version counter (bumped by every in-place change); None where it has none."""
     try:
@@ -483,6 +497,74 @@ def _agree(outcome: int) -> int:
     flag = torch.tensor([outcome], dtype=torch.int32, device=_collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return int(flag.item())
+
+
+def _layout_rows(step: int, tensors: dict) -> list:
+    """What every rank of a save must agree on: the step, and each array's name, global
+    shape, dtype, mesh shape and placements (not the mesh's ranks: sibling sub-meshes differ)."""
+    rows: list = [step]
+    for name in sorted(tensors):
+        t = tensors[name]
+        where = None
+        if isinstance(t, DTensor):
+            where = [list(mesh_ranks(t.device_mesh)[1]), [str(p) for p in t.placements]]
+        rows.append([name, list(t.shape), str(t.dtype), where])
+    return rows
+
+
+def _agree_layout(step: int, tensors: dict) -> None:
+    """Refuse, on every rank and before anything is written, a save whose ranks disagree.
+
+    One all-reduce of a 62-bit digest of ``_layout_rows``; only when the digests
+    differ do the ranks exchange the rows themselves, to name the difference.
+    Ranks that save different steps, or hold different arrays (a pipeline
+    stage's own layers: not supported, every rank must hold every array, sharded
+    or replicated), would otherwise commit a checkpoint with holes, or wait on
+    each other in a collective that never matches.
+    """
+    rows = _layout_rows(step, tensors)
+    raw = json.dumps(rows).encode()
+    digest = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big") >> 2
+    both = torch.tensor([digest, -digest], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(both, op=dist.ReduceOp.MIN)
+    if int(both[0]) == -int(both[1]):
+        return
+    raise CheckpointError(f"checkpoint step {step}: the ranks disagree on what they save "
+                          f"({_layout_difference(_all_gather_json(rows))}); every rank must call save() "
+                          "with the same step and the same arrays (shapes, dtypes, placements)")
+
+
+def _layout_difference(per_rank: list) -> str:
+    steps = {r: rows[0] for r, rows in enumerate(per_rank)}
+    if len(set(steps.values())) > 1:
+        return f"steps by rank: {steps}"
+    tables = [{row[0]: row[1:] for row in rows[1:]} for rows in per_rank]
+    for name in sorted(set().union(*tables)):
+        holders = [r for r, table in enumerate(tables) if name in table]
+        if len(holders) < len(tables):
+            return f"array {name!r} is held by ranks {holders} only"
+        kinds = {json.dumps(table[name]) for table in tables}
+        if len(kinds) > 1:
+            first = tables[0][name]
+            other = next(r for r, table in enumerate(tables) if table[name] != first)
+            return f"array {name!r} is {first} on rank 0 but {tables[other][name]} on rank {other}"
+    return "their digests differ"
+
+
+def _all_gather_json(obj) -> list:
+    """Every rank's ``obj`` (JSON), through two all-gathers of byte tensors (no pickle)."""
+    device = _collective_device()
+    data = json.dumps(obj).encode()
+    world = dist.get_world_size()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    width = max(int(s) for s in sizes)
+    buf = torch.zeros(width, dtype=torch.uint8, device=device)
+    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bufs = [torch.zeros_like(buf) for _ in range(world)]
+    dist.all_gather(bufs, buf)
+    return [json.loads(bytes(b[:int(s)].cpu().tolist())) for b, s in zip(bufs, sizes)]
 
 
 def _rank0_steps(list_steps) -> list[int]:

@@ -143,3 +143,38 @@ def test_every_rank_of_a_load_tries_rank_0s_steps_in_the_same_order(tmp_path):
                                 urls=[f"file://{seen_by_0}", f"file://{seen_by_1}"])
     assert results == [{"step": 1, "w": [1.0] * 4}] * 2, results
     assert CheckpointStore(f"file://{seen_by_0}").steps() == [1, 2]   # gone elsewhere is not corrupt here
+
+
+def test_sub_mesh_copies_write_each_chunk_once_and_load_exactly(tmp_path):
+    import json
+
+    from tests.ckpt_store import workers
+
+    root = tmp_path / "ckpt"
+    run_torch_workers("tests.ckpt_store.workers:sub_meshes", 4, timeout=150, url=f"file://{root}")
+    markers = sorted((root / "step-0000000001" / ".marind").glob("rank-*.json"))
+    writes: dict = {}
+    for marker in markers:
+        for key in json.loads(marker.read_text())["objects"]:
+            if "/c/" in key:
+                writes.setdefault(key, []).append(marker.name)
+    assert len(markers) == 4 and writes
+    assert {k: v for k, v in writes.items() if len(v) > 1} == {}   # no chunk written by two ranks
+    assert len({m for v in writes.values() for m in v}) > 1          # and the copies shared the work
+    store = CheckpointStore(f"file://{root}")
+    target = {"model": {"norm": torch.zeros(10, 7), "emb": torch.zeros(10, 7),
+                        "wb": torch.zeros(9, 6, dtype=torch.bfloat16)}}
+    store.load(target, step=1)
+    assert torch.equal(target["model"]["norm"], workers.expected("model/w"))
+    assert torch.equal(target["model"]["emb"], workers.expected("optim/w/exp_avg"))
+    assert torch.equal(target["model"]["wb"], workers.expected("model/wb"))
+    assert store.verify(1).ok
+
+
+@pytest.mark.parametrize("mode,names", [("step", "steps by rank"), ("array", "'model/only_here' is held by ranks [1] only")])
+def test_ranks_that_disagree_on_what_they_save_all_refuse(tmp_path, mode, names):
+    results = run_torch_workers("tests.ckpt_store.workers:disagreeing_save", 2, timeout=120,
+                                url=f"file://{tmp_path}/ckpt", mode=mode)
+    assert [r["raised"] for r in results] == ["CheckpointError"] * 2, results
+    assert all(names in r["error"] for r in results), results
+    assert CheckpointStore(f"file://{tmp_path}/ckpt").steps() == []

@@ -200,3 +200,35 @@ def load_newest(urls: list[str]) -> dict:
     state = {"model": {"w": torch.zeros(4)}, "extra": {"step": -1}}
     store.load(state)
     return {"step": state["extra"]["step"], "w": state["model"]["w"].tolist()}
+
+
+def sub_meshes(url: str) -> dict:
+    """4 ranks on a (dp, tp) mesh; arrays on its sub-meshes, as FSDP2 leaves a parameter
+    that tensor parallelism does not touch (each tp rank holds the same dp-sharded copy)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    state = {"model": {
+        "norm": distribute_tensor(expected("model/w"), mesh["dp"], [Shard(0)]),
+        "emb": distribute_tensor(expected("optim/w/exp_avg"), mesh["tp"], [Replicate()]),
+        "wb": distribute_tensor(expected("model/wb"), mesh["tp"], [Shard(1)])}}
+    store = CheckpointStore(url, inner_chunk_bytes=64, gather_small_bytes=0)
+    store.save(1, state, async_=False)
+    return {"ok": True}
+
+
+def disagreeing_save(url: str, mode: str) -> dict:
+    """Rank 1 saves another step, or holds an array the others lack: every rank must refuse."""
+    rank = dist.get_rank()
+    state = {"model": {"w": torch.ones(4)}}
+    step = 1
+    if mode == "step" and rank == 1:
+        step = 2
+    if mode == "array" and rank == 1:
+        state["model"]["only_here"] = torch.ones(2)
+    store = CheckpointStore(url, commit_timeout_s=30)
+    try:
+        store.save(step, state, async_=False)
+        return {"raised": None}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"raised": type(exc).__name__, "error": str(exc)}
+    finally:
+        store.close()
