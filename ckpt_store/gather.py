@@ -32,8 +32,9 @@ GATHER_BUDGET_BYTES = 64 << 20
 def small_sharded(plan: ArrayPlan, tensor: torch.Tensor, limit: int, world: int) -> bool:
     """Would ``plan`` write a small array as several objects, split along dim 0 only?
     (Those become inner chunks of one object: a rank that loads its old rows reads just them.)
-    Only arrays on a mesh of the whole world: every rank holds those, so every rank picks
-    the same ones (a pipeline stage's arrays, on a mesh of its own ranks, are left as they are)."""
+    Only arrays on a mesh of the whole world (``save`` has checked that every rank holds
+    the same arrays, so every rank picks the same ones; arrays on a sub-mesh are left as
+    they are)."""
     spec = plan.spec
     grid = layout.grid_shape(spec.shape, spec.chunks)
     return (isinstance(tensor, DTensor) and len(grid) > 0 and grid[0] > 1 and math.prod(grid[1:]) == 1

@@ -159,6 +159,11 @@ def _mesh_copies(mesh) -> tuple[int, int]:
     for i, name in enumerate(root_names):
         if name not in names:
             which, count = which * root.mesh.shape[i] + coord[i], count * root.mesh.shape[i]
+    # the names must say where the mesh lies: its ranks are the root's with the other coordinates fixed
+    mine = root.mesh[tuple(slice(None) if n in names else coord[i] for i, n in enumerate(root_names))]
+    order = [n for n in root_names if n in names]
+    if order != list(names) or mine.flatten().tolist() != mesh.mesh.flatten().tolist():
+        return (0, 1)
     return (which, count)
 
 
