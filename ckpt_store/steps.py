@@ -12,8 +12,8 @@ from marind.log import get_logger
 
 log = get_logger(__name__)
 MANIFEST = "manifest.json"
-TRASH = ".deleted-"
-MAX_STEP = 10**10 - 1   # step directories name the step in 10 digits   # a deleted step renamed out of sight, its files removed right after
+TRASH = ".deleted-"   # a deleted step renamed out of sight, its files removed right after
+MAX_STEP = 10**10 - 1   # step directories name the step in 10 digits
 
 
 def step_dir(step: int) -> str:

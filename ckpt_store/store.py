@@ -597,14 +597,19 @@ def _rank0_steps(list_steps) -> list[int]:
     return [int(s) for s in buf.tolist()]
 
 
+def _integer(value, error: str) -> int:
+    """``value`` as a plain int (any integer type, not a bool), or TypeError(``error``)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(error)
+
+
 def _step_number(step) -> int:
     """``step`` as a plain int in the range a step directory can name, or a one-line error."""
-    if isinstance(step, bool):
-        raise TypeError(f"checkpoint step must be an integer, not {step!r}")
-    try:
-        n = operator.index(step)
-    except TypeError:
-        raise TypeError(f"checkpoint step must be an integer, not {type(step).__name__} {step!r}") from None
+    n = _integer(step, f"checkpoint step must be an integer, not {type(step).__name__} {step!r}")
     if not 0 <= n <= MAX_STEP:
         raise ValueError(f"checkpoint step {n} is out of range: use 0 to {MAX_STEP}")
     return n
@@ -613,12 +618,7 @@ def _step_number(step) -> int:
 def _count(name: str, value, minimum: int) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool):
-        raise TypeError(f"{name}={value!r}: use an integer >= {minimum} or None")
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}={value!r}: use an integer >= {minimum} or None") from None
+    n = _integer(value, f"{name}={value!r}: use an integer >= {minimum} or None")
     if n < minimum:
         raise ValueError(f"{name}={n}: use an integer >= {minimum} or None")
     return n

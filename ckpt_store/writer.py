@@ -56,8 +56,9 @@ def run_save(st, job: dict, arena: memoryview, on_commit, handoff: SnapshotHando
         write_rank_part(st, d, rank, chunks, job["values"], meta, nice=job.get("background_nice", 0),
                         handoff=handoff, timeout_s=job["commit_timeout_s"])
     except BaseException as exc:
-        # the others stop waiting for a part (rank 0: a commit) that will not come
-        fail_part(st, job, f"rank {rank} failed to write its part: {exc}")
+        # the others stop waiting for a part (rank 0: a commit) that will not come; rank 0
+        # names the failing rank in its error (``_collect``), the others in theirs
+        fail_part(st, job, str(exc))
         raise
     del chunks
     timings = {"write_s": time.perf_counter() - t0}
@@ -100,7 +101,8 @@ def _json_bytes(obj) -> bytes:
 def write_rank_part(st, d: str, rank: int, chunks: list, values: dict, meta: list = (),
                     nice: int = 0, *, handoff: SnapshotHandoff, timeout_s: float = 600.0) -> dict:
     """Encode + write this rank's chunks ``(key, spec, buffer, valid_rows)``, metadata objects
-    ``(key, bytes)`` and JSON values, then its done marker (or, on failure, its error marker).
+    ``(key, bytes)`` and JSON values, then its done marker (on failure the caller, ``run_save``,
+    writes the error marker: ``fail_part``).
     ``nice``: run the encoding and writes on I/O threads that much nicer (async saves).
     ``handoff``: chunk ``i`` is written once the caller copied it; the done marker only
     once the whole copy is complete (``handoff.py``)."""
@@ -119,23 +121,19 @@ def write_rank_part(st, d: str, rank: int, chunks: list, values: dict, meta: lis
         st.write(f"{d}/{key}", [data], crc=crc)
         return key, len(data), crc
 
-    try:
-        pool = st.pool(nice)
-        futures = [pool.submit(one, i, c) for i, c in enumerate(chunks)] + [pool.submit(small, m) for m in meta]
-        wait(futures)  # all writes are over before this returns or raises: the snapshot is free
-        for fut in futures:
-            key, size, crc = fut.result()
-            objects[key] = {"size": size, "crc32c": crc}
-        handoff.wait_complete(timeout_s)
-        data = json.dumps(values, sort_keys=True).encode()
-        vkey = values_key(d, rank)
-        st.write(vkey, [data])
-        objects[vkey[len(d) + 1:]] = {"size": len(data), "crc32c": crc32c.crc32c(data)}
-        st.make_durable([f"{d}/{key}" for key in objects])   # before the marker that lists them
-        st.write_json_atomic(_marker(d, "rank", rank), {"rank": rank, "objects": objects})
-    except BaseException as exc:
-        write_error_marker(st, d, rank, str(exc))
-        raise
+    pool = st.pool(nice)
+    futures = [pool.submit(one, i, c) for i, c in enumerate(chunks)] + [pool.submit(small, m) for m in meta]
+    wait(futures)  # all writes are over before this returns or raises: the snapshot is free
+    for fut in futures:
+        key, size, crc = fut.result()
+        objects[key] = {"size": size, "crc32c": crc}
+    handoff.wait_complete(timeout_s)
+    data = json.dumps(values, sort_keys=True).encode()
+    vkey = values_key(d, rank)
+    st.write(vkey, [data])
+    objects[vkey[len(d) + 1:]] = {"size": len(data), "crc32c": crc32c.crc32c(data)}
+    st.make_durable([f"{d}/{key}" for key in objects])   # before the marker that lists them
+    st.write_json_atomic(_marker(d, "rank", rank), {"rank": rank, "objects": objects})
     return objects
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
 
 import numpy as np
 import pytest
@@ -15,13 +14,6 @@ import torch
 from ckpt_store import CheckpointError, CheckpointSaveFailed, CheckpointStore
 from ckpt_store.store import PendingSave
 from tests.support.procs import run_torch_workers
-
-
-@pytest.fixture(params=["file", "memory"])
-def url(request, tmp_path):
-    if request.param == "file":
-        return f"file://{tmp_path}/ckpt"
-    return f"memory://guards-{uuid.uuid4().hex[:8]}"
 
 
 def test_a_save_of_json_values_only_commits(tmp_path):

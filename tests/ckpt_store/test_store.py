@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 import warnings
 
 import numpy as np
@@ -39,13 +38,6 @@ def _equal(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     return a == b
-
-
-@pytest.fixture(params=["file", "memory"])
-def url(request, tmp_path):
-    if request.param == "file":
-        return f"file://{tmp_path}/ckpt"
-    return f"memory://ckpt-{uuid.uuid4().hex[:8]}"
 
 
 def test_save_load_roundtrip_and_layout(url):
