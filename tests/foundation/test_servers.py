@@ -60,9 +60,23 @@ def test_etcd_restart_keeps_data_and_down_is_reported(etcd_private):
     etcd_private.stop()
     with pytest.raises(ControlPlaneUnavailable, match="etcd unreachable"):
         client.get("/t/k")
+    time.sleep(3)  # an outage long enough for gRPC's reconnect backoff to grow past 1 s
+    with pytest.raises(ControlPlaneUnavailable, match="etcd unreachable"):
+        client.get("/t/k")
     etcd_private.start()
-    client = EtcdClient(etcd_private.endpoint, prefix="/t")
-    assert client.get("/t/k")[0] == b"kept"
+    # A client made after the restart must not inherit the dead connection's backoff
+    # (gRPC shares subchannels per process by default: this first call failed).
+    fresh = EtcdClient(etcd_private.endpoint, prefix="/t")
+    assert fresh.get("/t/k")[0] == b"kept"
+    # and the long-lived one reconnects by itself
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            assert client.get("/t/k")[0] == b"kept"
+            break
+        except ControlPlaneUnavailable:
+            assert time.monotonic() < deadline, "the old client never reconnected"
+            time.sleep(0.1)
 
 
 def test_s3_write_read_list(s3, s3_url):
