@@ -2,8 +2,9 @@
 
 ``load_step`` reads only the chunks (and, inside sharded chunks, only the
 inner chunks) that intersect this rank's box of each target tensor; every
-piece read is checked against its crc32c. All mismatched or missing keys
-are reported at once, before anything is read.
+piece read is checked against its crc32c, and an object read whole against
+the manifest's crc32c of the object too. All mismatched or missing keys are
+reported at once, before anything is read.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from ckpt_store.errors import (CheckpointCorrupt, CheckpointError, CheckpointFor
                                CheckpointMismatch, CheckpointNotFound)
 from ckpt_store.layout import Box
 from ckpt_store.plan import flatten, local_pieces
-from ckpt_store.zarr_format import (EMPTY, ITEMSIZE, ArraySpec, chunk_key, decode_index,
-                                    dtype_name, index_nbytes, tensor_bytes)
+from ckpt_store.zarr_format import (EMPTY, ITEMSIZE, ArraySpec, chunk_key, chunks_digest, decode_index,
+                                    dtype_name, embedded_crcs, index_nbytes, tensor_bytes)
 from marind.log import get_logger
 
 log = get_logger(__name__)
@@ -76,7 +77,7 @@ def _manifest_problem(m: dict) -> str | None:
         return "'arrays' or 'objects' missing or not an object"
     for name, obj in m["objects"].items():
         if not isinstance(obj, dict) or not _is_int(obj.get("size")) or obj["size"] < 0 \
-                or not _is_int(obj.get("crc32c")):
+                or not _is_int(obj.get("crc32c")) or not _is_int(obj.get("chunks_crc32c", 0)):
             return f"object entry {name!r} lacks an integer 'size' or 'crc32c'"
     for name, a in m["arrays"].items():
         if not isinstance(a, dict):
@@ -150,10 +151,11 @@ def load_step(st, d: str, state: dict, rank: int, values: bool = True) -> dict:
         key = chunk_key(spec.name, cell)
         size = int(_obj(manifest, d, key)["size"])
         index_reqs.append((f"{d}/{key}", size - index_nbytes(spec), size))
-    indexes = {}
+    indexes, index_raw = {}, {}
     for (spec, _, _, cell, _, _), req, raw in zip(sharded, index_reqs, _read(st, manifest, d, index_reqs)):
         stats["bytes_read"] += len(raw)
         indexes[(spec.name, cell)] = decode_index(req[0], raw, spec)
+        index_raw[req[0]] = (raw, indexes[(spec.name, cell)])
     # phase 2: data, read straight into the target where a block lands contiguously in it
     reads, blocks = [], []
     for job in jobs:
@@ -178,8 +180,8 @@ def load_step(st, d: str, state: dict, rank: int, values: bool = True) -> dict:
                 spans.append((k, off, nb, Box((full_off[0] + k * rows, *full_off[1:]), spec.inner_shape)))
         for group in _contiguous(spans):
             bufs = []
-            for k, _, nb, bbox in group:
-                blk = _Block(key, spec, k, nb, bbox, box, host)
+            for k, off, nb, bbox in group:
+                blk = _Block(key, spec, k, off, nb, bbox, box, host)
                 bufs += [blk.data, blk.crc]
                 blocks.append(blk)
             reads.append((key, group[0][1], bufs, sum(g[2] for g in group)))
@@ -189,7 +191,9 @@ def load_step(st, d: str, state: dict, rank: int, values: bool = True) -> dict:
             raise CheckpointCorrupt(key, f"object truncated ({n} of {want} bytes read)")
         stats["bytes_read"] += n
         stats["objects"] += 1
-    for blk in st._pool.map(_Block.check, blocks):
+    checked = list(st._pool.map(_Block.check, blocks))
+    _check_whole_objects(manifest, d, checked, index_raw)
+    for blk in checked:
         blk.place()
     for local, host in hosts:
         local.copy_(host)
@@ -243,6 +247,38 @@ def _find_bad_object(st, manifest: dict, d: str, keys: list[str], exc: OSError) 
     return next((f for f in st._pool.map(probe, [k for k in keys if k not in named]) if f), None)
 
 
+def _check_whole_objects(manifest: dict, d: str, blocks: list, index_raw: dict) -> None:
+    """Check every chunk object this rank read all of against the manifest's ``chunks_crc32c``
+    (``zarr_format.chunks_digest``). Each piece's own crc32c passes an object that is whole
+    but not this save's (a chunk copied in from another step, a stale read of an overwritten
+    object), and so does the object's crc32c, which depends on its pieces' lengths only. A
+    rank that reads part of an object (a reshard) cannot tell; ``verify`` reads them whole."""
+    by_key: dict[str, dict] = {}
+    for blk in blocks:
+        by_key.setdefault(blk.key, {}).setdefault(blk.k, blk)
+    for key, got in sorted(by_key.items()):
+        obj = manifest["objects"][key[len(d) + 1:]]
+        if "chunks_crc32c" not in obj:
+            continue    # written before the field existed
+        tail = []
+        if key in index_raw:
+            raw, index = index_raw[key]
+            if set(got) != {k for k in range(len(index)) if int(index[k][0]) != EMPTY}:
+                continue
+            tail = [raw[-4:]]
+        parts = sorted(got.values(), key=lambda b: b.offset)
+        end = 0
+        for blk in parts:
+            if blk.offset != end:
+                break
+            end += len(blk.data) + 4
+        else:
+            if chunks_digest([b.crc for b in parts] + tail) != obj["chunks_crc32c"]:
+                log.warning("ckpt_object_corrupt", object=key, reason="not the object the manifest lists")
+                raise CheckpointCorrupt(key, "holds other data than the manifest lists, though every "
+                                             "chunk passes its checksum: an object of another save")
+
+
 def _contiguous(spans: list) -> list[list]:
     """Group (k, offset, nbytes, box) spans into runs that lie back to back in the object."""
     groups: list[list] = []
@@ -258,9 +294,10 @@ class _Block:
     """One encoded (inner) chunk to read: into the target directly when it lies whole and
     contiguous inside it, else into a scratch buffer copied over after its check."""
 
-    def __init__(self, key: str, spec: ArraySpec, k, nbytes: int, block: Box, box: Box,
+    def __init__(self, key: str, spec: ArraySpec, k, offset: int, nbytes: int, block: Box, box: Box,
                  host: torch.Tensor):
         self.key, self.spec, self.what = key, spec, "chunk" if k is None else f"inner chunk {k}"
+        self.k, self.offset = k, offset
         self.block, self.box, self.host = block, box, host
         want = block.numel * spec.itemsize
         if nbytes != want + 4:
@@ -322,11 +359,13 @@ def verify_step(st, d: str) -> tuple[list[str], int, int]:
     except CheckpointError as exc:
         return [str(exc)], 0, 0
     problems: list[str] = []
+    specs: dict[str, ArraySpec] = {}    # chunk object key -> its array
     for name, meta in manifest["arrays"].items():
         spec = ArraySpec.from_json(name, meta)
         if any(n == 0 for n in spec.shape):
             continue
         for cell in layout.all_cells(spec.shape, spec.chunks):
+            specs[chunk_key(name, cell)] = spec
             if chunk_key(name, cell) not in manifest["objects"]:
                 problems.append(f"{d}/{chunk_key(name, cell)}: chunk missing from the manifest")
     keys = sorted(manifest["objects"])
@@ -343,6 +382,13 @@ def verify_step(st, d: str) -> tuple[list[str], int, int]:
             return f"{d}/{key}: size {len(raw)} != {obj['size']} (truncated or overwritten)", len(raw)
         if crc32c.crc32c(raw) != int(obj["crc32c"]):
             return f"{d}/{key}: crc32c mismatch (corrupt)", len(raw)
+        if key in specs and "chunks_crc32c" in obj:
+            try:
+                digest = chunks_digest(embedded_crcs(f"{d}/{key}", raw, specs[key]))
+            except CheckpointCorrupt as exc:
+                return str(exc), len(raw)
+            if digest != obj["chunks_crc32c"]:
+                return f"{d}/{key}: other data than the manifest lists (an object of another save)", len(raw)
         return None, len(raw)
 
     total = 0

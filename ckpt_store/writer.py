@@ -111,22 +111,21 @@ def write_rank_part(st, d: str, rank: int, chunks: list, values: dict, meta: lis
     def one(index, item):
         key, spec, buf, valid_rows = item
         handoff.wait_slot(index, timeout_s)
-        pieces, size, crc = encode_chunk(buf, spec, valid_rows)
+        pieces, size, crc, digest = encode_chunk(buf, spec, valid_rows)
         st.write(f"{d}/{key}", pieces, crc=crc)
-        return key, size, crc
+        return key, {"size": size, "crc32c": crc, "chunks_crc32c": digest}
 
     def small(item):
         key, data = item
         crc = crc32c.crc32c(data)
         st.write(f"{d}/{key}", [data], crc=crc)
-        return key, len(data), crc
+        return key, {"size": len(data), "crc32c": crc}
 
     pool = st.pool(nice)
     futures = [pool.submit(one, i, c) for i, c in enumerate(chunks)] + [pool.submit(small, m) for m in meta]
     wait(futures)  # all writes are over before this returns or raises: the snapshot is free
     for fut in futures:
-        key, size, crc = fut.result()
-        objects[key] = {"size": size, "crc32c": crc}
+        key, objects[key] = fut.result()
     handoff.wait_complete(timeout_s)
     data = json.dumps(values, sort_keys=True).encode()
     vkey = values_key(d, rank)

@@ -138,8 +138,33 @@ def slot_nbytes(spec: ArraySpec) -> int:
     return math.prod(spec.chunks) * spec.itemsize
 
 
-def encode_chunk(buf, spec: ArraySpec, valid_rows: int) -> tuple[list, int, int]:
-    """Encode one chunk -> (pieces, size, crc32c of the object).
+def chunks_digest(crcs) -> int:
+    """The manifest's ``chunks_crc32c`` of a chunk object: the crc32c of the 4-byte crc32c
+    that ends each of its encoded pieces (inner chunks in object order, then the shard index).
+    The object's own crc32c cannot tell two objects of one shape apart: each piece ends in
+    the crc32c of its body, so by CRC's residue property the crc32c of the whole depends on
+    the pieces' lengths only. This one changes with the data."""
+    return crc32c.crc32c(b"".join(bytes(c) for c in crcs))
+
+
+def embedded_crcs(key: str, raw, spec: ArraySpec) -> list:
+    """The crc32c tails of a whole chunk object's pieces, in object order (for ``chunks_digest``)."""
+    raw = memoryview(raw)
+    if not spec.inner_rows:
+        return [raw[-4:]]
+    n = index_nbytes(spec)
+    index = decode_index(key, raw[max(0, len(raw) - n):], spec)
+    spans = sorted((int(off), int(nb)) for off, nb in index if int(off) != EMPTY)
+    tails = []
+    for off, nb in spans:
+        if nb < 4 or off + nb > len(raw) - n:
+            raise CheckpointCorrupt(key, f"shard index points past the data (offset {off}, {nb} bytes)")
+        tails.append(raw[off + nb - 4:off + nb])
+    return tails + [raw[-4:]]
+
+
+def encode_chunk(buf, spec: ArraySpec, valid_rows: int) -> tuple[list, int, int, int]:
+    """Encode one chunk -> (pieces, size, crc32c of the object, ``chunks_digest``).
 
     ``buf``: the whole chunk, C order, zero-padded past the array's edge (as
     Zarr stores edge chunks); ``valid_rows``: rows (dim 0) inside the array.
@@ -167,7 +192,7 @@ def encode_chunk(buf, spec: ArraySpec, valid_rows: int) -> tuple[list, int, int]
     for p in pieces:
         crc = crc32c.crc32c(p, crc)
         size += memoryview(p).nbytes
-    return pieces, size, crc
+    return pieces, size, crc, chunks_digest(pieces[1::2])
 
 
 def index_nbytes(spec: ArraySpec) -> int:
@@ -183,7 +208,7 @@ def _check_crc(key: str, raw: memoryview, what: str) -> memoryview:
     return body
 
 
-def decode_index(key: str, raw: bytes, spec: ArraySpec) -> np.ndarray:
+def decode_index(key: str, raw, spec: ArraySpec) -> np.ndarray:
     if len(raw) != index_nbytes(spec):
         raise CheckpointCorrupt(key, f"shard index truncated ({len(raw)} of {index_nbytes(spec)} bytes)")
     body = _check_crc(key, memoryview(raw), "shard index")

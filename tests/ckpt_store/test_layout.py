@@ -1,15 +1,18 @@
-"""Pure layout math and retention decisions, exhaustively, without processes."""
+"""Pure layout math, chunk encoding and retention decisions, exhaustively, without processes."""
 
 from __future__ import annotations
 
 import itertools
 
+import crc32c
+import numpy as np
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ckpt_store import layout, retention
+from ckpt_store.zarr_format import ArraySpec, chunks_digest, embedded_crcs, encode_chunk
 
 
 @pytest.mark.parametrize("n", range(0, 23))
@@ -82,3 +85,19 @@ def test_retention_keeps_newest_last_n_and_every_k():
     assert retention.steps_to_delete(steps + [25], keep_last=1, keep_every=None, keep={25}) == [10, 20, 30, 40, 50]
     assert retention.leftovers_to_delete([5, 10, 15, 20, 25], [10, 20], {25}) == [5, 15]
     assert retention.leftovers_to_delete([5, 25], [], set()) == []
+
+
+@pytest.mark.parametrize("inner_rows", [None, 2], ids=["plain", "sharded"])
+def test_chunks_digest_tells_same_shaped_objects_apart_where_their_crc32c_cannot(inner_rows):
+    spec = ArraySpec("w", (8, 4), "float32", (8, 4), inner_rows)
+    objects = []
+    for seed in (1, 2):
+        data = np.random.default_rng(seed).standard_normal((8, 4)).astype("<f4").tobytes()
+        pieces, size, crc, digest = encode_chunk(data, spec, valid_rows=8)
+        raw = b"".join(bytes(p) for p in pieces)
+        assert size == len(raw) and crc == crc32c.crc32c(raw)
+        assert digest == chunks_digest(embedded_crcs("w/c/0/0", raw, spec)), "the reader's digest is the writer's"
+        objects.append((crc, digest))
+    (crc1, digest1), (crc2, digest2) = objects
+    assert crc1 == crc2, "each piece ends in its own crc32c: the whole object's depends on lengths only"
+    assert digest1 != digest2

@@ -136,3 +136,14 @@ def test_json_values_under_integer_keys_are_filled_in_place(tmp_path):
     store.load(target)
     assert target["optim"] == {0: {"step": 5, "lr": 0.1}, 1: {"step": 5}}
     assert target["optim"][0] is inner
+
+
+@pytest.mark.parametrize("key", ["model/w/c/0/0", "model/v/c/0"], ids=["sharded-object", "plain-chunk"])
+def test_an_object_of_another_save_is_corrupt_though_its_chunks_are_whole(tmp_path, key):
+    # step 1's object is whole and self-consistent (every inner crc32c passes), but not step 2's
+    store = _two_steps(f"file://{tmp_path}/ckpt")
+    root = tmp_path / "ckpt"
+    (root / D2 / key).write_bytes((root / "step-0000000001" / key).read_bytes())
+    assert store.verify(2).problems == [f"{D2}/{key}: other data than the manifest lists (an object of "
+                                        "another save)"]
+    _check_corrupt_then_fallback(store, key)
