@@ -8,8 +8,12 @@ commit (from the save call to the moment it completed, as seen by rank 0; the
 training loop only polls between steps), training step time while a
 background save runs vs the steps just before it (a shared machine's load
 drifts),
-same-layout load, reshard load 4 -> 2 ranks, bytes read per byte needed,
-and the disk's raw sequential write rate. Medians over ``--repeats``.
+same-layout load, reshard load 4 -> 2 ranks (local loads twice each repeat:
+from the disk with the page cache dropped first, which is ``load_s``, then
+from memory, ``load_warm_s``; DCP writes through the page cache and marind
+around it, so a load timed as found would compare memory with disk), bytes
+read per byte needed, and the disk's raw sequential write and read rates.
+Medians over ``--repeats``.
 
     python bench/ckpt_bench.py            # full (~10 min on 2 cores)
     python bench/ckpt_bench.py --quick    # tiny state, checks the output shape
@@ -85,6 +89,53 @@ def _rm(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
         os.sync()   # see _bench_target: a timed save must not pay for an earlier delete
     dist.barrier()
+
+
+def _evict(root: str) -> None:
+    """Rank 0 drops ``root``'s files from the page cache (each flushed first: only clean pages
+    go), then all ranks meet. DCP writes through the page cache and marind's local saves
+    bypass it (O_DIRECT), so a load timed right after the saves would read one from memory
+    and the other from disk; a restore after a failure reads from the disk."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        for dirpath, _, files in os.walk(root):
+            for f in files:
+                fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+    dist.barrier()
+
+
+def _timed_loads(load_fns: dict, make_target, repeats: int, evict_root: str | None) -> dict:
+    """``{system: load(target)}`` taking turns in alternating order, each into a fresh
+    ``make_target()`` built outside the timing: each repeat, a load from the disk (page cache
+    dropped first: ``_evict``) and then the same load again from memory. Without
+    ``evict_root`` (S3: the server's cache is the server's) every load is as found."""
+    out = {system: {"cold": [], "warm": []} for system in load_fns}
+
+    def one(system: str) -> float:
+        target = make_target()
+        return _timed(lambda: load_fns[system](target))
+
+    for i in range(repeats):
+        for system in (list(load_fns) if i % 2 == 0 else list(reversed(load_fns))):
+            if evict_root:
+                _evict(evict_root)
+                out[system]["cold"].append(one(system))
+            out[system]["warm"].append(one(system))
+    return out
+
+
+def _load_fields(times: dict) -> dict:
+    """load_s: from the disk where the cache was dropped, else as found; load_warm_s: from memory."""
+    cold, warm = times["cold"], times["warm"]
+    return {"load_s": statistics.median(cold or warm), "load_warm_s": statistics.median(warm) if cold else None,
+            "load_all_s": [round(x, 3) for x in cold or warm], "load_warm_all_s": [round(x, 3) for x in warm]
+            if cold else None}
 
 
 def _steps_while(done, model, optim, dim: int, limit: int = 200) -> list[float]:
@@ -277,18 +328,13 @@ def _bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: in
                        for k in ("prepare_s", "blocked_s", "write_s", "commit_s")},
         sync_phases_all_s=[{k: round(p.get(k, 0.0), 3) for k in ("prepare_s", "blocked_s", "write_s", "commit_s")}
                            for p in phases])
-    loads = {"marind": [], "dcp": []}
     cid = res["dcp"]["checkpoint_id"]
-    for i in range(repeats):
-        for system in (("marind", "dcp") if i % 2 == 0 else ("dcp", "marind")):
-            target = _state(model, optim)
-            if system == "marind":
-                loads[system].append(_timed(lambda: mk.load(target)))
-            else:
-                loads[system].append(_timed(lambda: dcp.load(target, checkpoint_id=_cid(cid),
-                                                             storage_reader=_dcp_reader(cid, opts))))
-    for system, ts in loads.items():
-        res[system]["load_s"] = statistics.median(ts)
+    loads = _timed_loads({
+        "marind": mk.load,
+        "dcp": lambda target: dcp.load(target, checkpoint_id=_cid(cid), storage_reader=_dcp_reader(cid, opts)),
+    }, lambda: _state(model, optim), repeats, url if local else None)
+    for system, times in loads.items():
+        res[system].update(_load_fields(times))
     st = mk.last_load_stats
     res["marind"]["read_amplification"] = st["bytes_read"] / max(1, st["bytes_needed"])
     res["marind"]["step"] = mk.latest()
@@ -343,15 +389,21 @@ def reshard_worker(dim: int, layers: int, repeats: int, marind_url: str, dcp_id:
     model, optim = _model(dim, layers, dist.get_world_size())
     _train_step(model, optim, dim)
     store = CheckpointStore(marind_url, storage_options=opts)
-    mk, dc, amp = [], [], []
-    for _ in range(repeats):
-        target = _state(model, optim)
-        mk.append(_timed(lambda: store.load(target)))
+    amp = []
+
+    def marind_load(target):
+        store.load(target)
         st = store.last_load_stats
         amp.append(st["bytes_read"] / max(1, st["bytes_needed"]))
-        target = _state(model, optim)
-        dc.append(_timed(lambda: dcp.load(target, checkpoint_id=_cid(dcp_id), storage_reader=_dcp_reader(dcp_id, opts))))
-    return {"marind_load_s": statistics.median(mk), "dcp_load_s": statistics.median(dc),
+
+    root = None if marind_url.startswith("s3://") else os.path.dirname(marind_url.removeprefix("file://"))
+    loads = _timed_loads({"marind": marind_load, "dcp": lambda target: dcp.load(
+        target, checkpoint_id=_cid(dcp_id), storage_reader=_dcp_reader(dcp_id, opts))},
+        lambda: _state(model, optim), repeats, root)
+    fields = {system: _load_fields(times) for system, times in loads.items()}
+    return {"marind_load_s": fields["marind"]["load_s"], "dcp_load_s": fields["dcp"]["load_s"],
+            "marind_load_warm_s": fields["marind"]["load_warm_s"], "dcp_load_warm_s": fields["dcp"]["load_warm_s"],
+            "marind_load_all_s": fields["marind"]["load_all_s"], "dcp_load_all_s": fields["dcp"]["load_all_s"],
             "marind_read_amplification": max(amp)} if dist.get_rank() == 0 else {}
 
 
@@ -432,6 +484,41 @@ def disk_write_rate(directory: str, mb: int, repeats: int = 3) -> dict:
     return out
 
 
+def disk_read_rate(directory: str, mb: int, repeats: int = 3) -> float | None:
+    """Raw sequential read rate (MB/s) of ``directory``'s disk: one stream of 4 MiB O_DIRECT
+    reads of a file written for it, median of ``repeats`` (None where O_DIRECT is refused).
+    A load from a cold cache cannot beat it by much (each rank reads its own objects)."""
+    import mmap
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    path = os.path.join(directory, "rawread.bin")
+    buf = mmap.mmap(-1, 4 << 20)
+    buf[:] = os.urandom(4 << 20)
+    try:
+        with open(path, "wb") as fh:
+            for _ in range(mb // 4):
+                fh.write(buf)
+            fh.flush()
+            os.fsync(fh.fileno())
+        rates = []
+        for _ in range(repeats):
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                t0 = time.perf_counter()
+                while os.readv(fd, [buf]) == len(buf):
+                    pass
+                rates.append(mb // 4 * 4 / (time.perf_counter() - t0))
+            finally:
+                os.close(fd)
+        return round(statistics.median(rates), 1)
+    except OSError:
+        return None
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+
+
 def _ratio(a, b):
     return round(a / b, 3) if a is not None and b else None
 
@@ -459,6 +546,7 @@ def main(argv=None) -> int:
     try:
         raw = disk_write_rate(str(root), 64 if args.quick else 512)
         result["disk_write_MBps"], result["disk_write_MBps_by_path"] = raw["best"], raw
+        result["disk_read_MBps"] = disk_read_rate(str(root), 64 if args.quick else 512)
         s3_url = s3_opts = None
         if not args.no_s3:
             s3 = SeaweedS3(root / "s3").start()
@@ -497,6 +585,7 @@ def _ratios(res: dict) -> dict:
         out[target] = {
             "sync_save_vs_dcp": _ratio(m["sync_save_s"], d["sync_save_s"]),
             "load_vs_dcp": _ratio(m["load_s"], d["load_s"]),
+            "load_warm_vs_dcp": _ratio(m.get("load_warm_s"), d.get("load_warm_s")),
             "async_blocked_vs_own_sync": _ratio(m["async_blocked_s"], m["sync_save_s"]),
             "async_commit_vs_own_sync": _ratio(m["async_commit_s"], m["sync_save_s"]),
             "step_slowdown_during_save": _ratio(m["step_during_save_s"], m["step_before_save_s"]),
@@ -516,10 +605,15 @@ def _ratios(res: dict) -> dict:
             out[target]["step_slowdown_from_writers_alone"] = round(1 / (1 - share), 3) if share < 1 else None
     rs = res.get("reshard_4_to_2_local") or {}
     out["reshard_load_vs_dcp"] = _ratio(rs.get("marind_load_s"), rs.get("dcp_load_s"))
+    out["reshard_load_warm_vs_dcp"] = _ratio(rs.get("marind_load_warm_s"), rs.get("dcp_load_warm_s"))
     if res.get("local") and res.get("disk_write_MBps"):
         mbps = res["state_bytes"] / 1e6 / res["local"]["marind"]["sync_save_s"]
         out["local_save_MBps"] = round(mbps, 1)
         out["local_save_vs_raw_disk"] = round(mbps / (res["disk_write_MBps"] * 1.048576), 3)
+    if res.get("local") and res.get("disk_read_MBps"):
+        mbps = res["state_bytes"] / 1e6 / res["local"]["marind"]["load_s"]
+        out["local_load_MBps"] = round(mbps, 1)
+        out["local_load_vs_raw_disk_read"] = round(mbps / (res["disk_read_MBps"] * 1.048576), 3)
     return out
 
 

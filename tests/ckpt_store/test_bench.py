@@ -25,6 +25,11 @@ def test_ckpt_bench_quick_prints_one_json_object():
         assert result[target]["marind"]["read_amplification"] <= 1.1, result[target]["marind"]
     assert {"marind_load_s", "dcp_load_s", "marind_read_amplification"} <= set(result["reshard_4_to_2_local"])
     assert result["disk_write_MBps"] > 0 and "sync_save_vs_dcp" in result["ratios"]["local"]
+    assert result["disk_read_MBps"] > 0 and "local_load_vs_raw_disk_read" in result["ratios"]
+    for who in ("marind", "dcp"):   # local loads: from the disk (cache dropped) and again from memory
+        times = result["local"][who]
+        assert len(times["load_all_s"]) == len(times["load_warm_all_s"]) == result["repeats"], times
+    assert result["s3"]["marind"]["load_warm_s"] is None, "an S3 load is timed as found"
     for target in ("local", "s3"):   # the ranks' writer processes did the background work
         # (the quick state's saves may cost a writer less than one clock tick: >= 0, not None)
         assert result[target]["marind"]["writer_cpu_during_async_s"] >= 0, result[target]["marind"]
