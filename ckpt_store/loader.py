@@ -77,8 +77,10 @@ def _manifest_problem(m: dict) -> str | None:
         return "'arrays' or 'objects' missing or not an object"
     for name, obj in m["objects"].items():
         if not isinstance(obj, dict) or not _is_int(obj.get("size")) or obj["size"] < 0 \
-                or not _is_int(obj.get("crc32c")) or not _is_int(obj.get("chunks_crc32c", 0)):
+                or not _is_int(obj.get("crc32c")):
             return f"object entry {name!r} lacks an integer 'size' or 'crc32c'"
+        if not _is_int(obj.get("chunks_crc32c", 0)):
+            return f"object entry {name!r} has a non-integer 'chunks_crc32c'"
     for name, a in m["arrays"].items():
         if not isinstance(a, dict):
             return f"array entry {name!r} is not an object"

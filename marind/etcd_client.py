@@ -34,7 +34,7 @@ _TRANSIENT = (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError,
 # stayed "unreachable" for 12.6 s more, and after a few minutes it would stay so for up to
 # 2 minutes, outliving a node lease. Its subchannels are also shared per process, so
 # a client made after the restart inherited the old one's backoff and failed its first
-# call. Retry at most once a second, with a subchannel of our own.
+# call. Retry about once a second (gRPC adds 20% jitter), with a subchannel of our own.
 GRPC_OPTIONS = (
     ("grpc.use_local_subchannel_pool", 1),
     ("grpc.initial_reconnect_backoff_ms", 200),
@@ -87,7 +87,9 @@ class EtcdClient:
     def _connect(self, parsed, secure, tls, user, password) -> None:
         timeout = self.timeout
         host, port, _ = parsed[0]
-        if len(parsed) == 1:
+        if len(parsed) == 1 and (not secure or tls.ca_cert):
+            # (an https endpoint without a CA file takes the path below: etcd3.client would
+            # open a plaintext channel to it; ssl_channel_credentials uses the system roots)
             self._client = etcd3.client(
                 host=host, port=port, timeout=timeout, user=user, password=password,
                 ca_cert=tls.ca_cert if secure else None,

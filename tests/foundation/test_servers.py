@@ -94,3 +94,11 @@ def test_s3_restart_keeps_data(s3_private):
     s3_private.restart()
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_private.storage_options)
     assert fs.cat(f"{s3_private.bucket}/keep/x") == b"payload"
+
+
+def test_an_https_endpoint_never_falls_back_to_plaintext(etcd):
+    # https:// without a CA file: TLS with the system's roots, so a plaintext etcd is not
+    # reached (the client once opened a plaintext channel to it, and the get succeeded)
+    client = EtcdClient(etcd.endpoint.replace("http://", "https://"), prefix="/t", timeout=2)
+    with pytest.raises(ControlPlaneUnavailable, match="etcd unreachable"):
+        client.get("/t/k")
