@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import wait
+from typing import Callable
 
 import crc32c
 
@@ -213,34 +214,50 @@ def _check_present(st, d: str, objects: dict) -> None:
 def _collect(st, d: str, world: int, timeout_s: float) -> dict:
     """Wait for every rank's done marker; one listing of the marker dir per poll. A storage
     error while polling is retried until the deadline (a blip must not fail the save)."""
-    deadline = time.monotonic() + timeout_s
     objects: dict = {}
     waiting = set(range(world))
     markers = f"{d}/{MARKERS}"
-    last_error = None
-    while waiting:
+
+    def done(_polls: int) -> bool:
+        present = set(st.list_dir(markers))
+        for r in sorted(waiting):
+            error = _marker(d, "error", r)
+            if error.rsplit("/", 1)[1] in present:
+                err = st.read_json(error).get("error")
+                raise CheckpointSaveFailed(f"rank {r} failed to write its part: {err}")
+            marker = _marker(d, "rank", r)
+            if marker.rsplit("/", 1)[1] in present:
+                objects.update(st.read_json(marker)["objects"])
+                waiting.discard(r)
+        return not waiting
+
+    _poll_until(done, timeout_s, _poll(st),
+                lambda: f"ranks {sorted(waiting)} did not finish their part within {timeout_s}s",
+                "crashed or storage unreachable")
+    return objects
+
+
+def _poll_until(done: Callable[[int], bool], timeout_s: float, interval: float,
+                timed_out: Callable[[], str], cause: str) -> None:
+    """Call ``done(polls so far)`` every ``interval`` seconds until it returns True. It raises
+    CheckpointSaveFailed to stop at once; any other error (a storage blip) is retried until
+    ``timeout_s``, and the timeout's error, ``timed_out()``, then names the last one (or,
+    without one, the likely ``cause``)."""
+    deadline = time.monotonic() + timeout_s
+    polls, last_error = 0, None
+    while True:
         try:
-            present = set(st.list_dir(markers))
-            for r in sorted(waiting):
-                error = _marker(d, "error", r)
-                if error.rsplit("/", 1)[1] in present:
-                    err = st.read_json(error).get("error")
-                    raise CheckpointSaveFailed(f"rank {r} failed to write its part: {err}")
-                done = _marker(d, "rank", r)
-                if done.rsplit("/", 1)[1] in present:
-                    objects.update(st.read_json(done)["objects"])
-                    waiting.discard(r)
+            if done(polls):
+                return
         except CheckpointSaveFailed:
             raise
         except Exception as exc:  # noqa: BLE001 - retried; reported if it outlasts the deadline
             last_error = exc
-        if waiting:
-            if time.monotonic() > deadline:
-                why = f"; last storage error: {last_error}" if last_error else " (crashed or storage unreachable)"
-                raise CheckpointSaveFailed(f"ranks {sorted(waiting)} did not finish their part "
-                                           f"within {timeout_s}s{why}")
-            time.sleep(_poll(st))
-    return objects
+        if time.monotonic() > deadline:
+            why = f"; last storage error: {last_error}" if last_error else f" ({cause})"
+            raise CheckpointSaveFailed(f"{timed_out()}{why}")
+        polls += 1
+        time.sleep(interval)
 
 
 def _poll(st, background: bool = False) -> float:
@@ -252,23 +269,15 @@ def _poll(st, background: bool = False) -> float:
 def wait_for_commit(st, d: str, timeout_s: float, background: bool = False) -> None:
     """The other ranks: wait for rank 0's manifest (or its abort marker, looked at every
     ``ABORT_EVERY`` polls). ``background``: an async save, where nobody waits on the
-    answer's latency, so an object store is asked less often."""
-    deadline = time.monotonic() + timeout_s
-    polls = 0
-    last_error = None
-    while True:
-        try:   # a storage error while polling is retried until the deadline
-            if st.exists(f"{d}/manifest.json"):
-                return
-            if polls % ABORT_EVERY == 0 and st.exists(f"{d}/{MARKERS}/abort.json"):
-                err = st.read_json(f"{d}/{MARKERS}/abort.json").get("error")
-                raise CheckpointSaveFailed(f"rank 0 aborted the commit: {err}")
-        except CheckpointSaveFailed:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            last_error = exc
-        if time.monotonic() > deadline:
-            why = f"; last storage error: {last_error}" if last_error else " (rank 0 crashed or storage down)"
-            raise CheckpointSaveFailed(f"no commit within {timeout_s}s{why}")
-        polls += 1
-        time.sleep(_poll(st, background))
+    answer's latency, so an object store is asked less often. A storage error while
+    polling is retried until the deadline."""
+    def done(polls: int) -> bool:
+        if st.exists(f"{d}/manifest.json"):
+            return True
+        if polls % ABORT_EVERY == 0 and st.exists(f"{d}/{MARKERS}/abort.json"):
+            err = st.read_json(f"{d}/{MARKERS}/abort.json").get("error")
+            raise CheckpointSaveFailed(f"rank 0 aborted the commit: {err}")
+        return False
+
+    _poll_until(done, timeout_s, _poll(st, background), lambda: f"no commit within {timeout_s}s",
+                "rank 0 crashed or storage down")
