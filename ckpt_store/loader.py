@@ -2,9 +2,9 @@
 
 ``load_step`` reads only the chunks (and, inside sharded chunks, only the
 inner chunks) that intersect this rank's box of each target tensor; every
-piece read is checked against its crc32c, and an object read whole against
-the manifest's crc32c of the object too. All mismatched or missing keys are
-reported at once, before anything is read.
+piece read is checked against its crc32c, and a chunk object read whole
+against the manifest's ``chunks_crc32c`` too. All mismatched or missing keys
+are reported at once, before anything is read.
 """
 
 from __future__ import annotations
@@ -153,11 +153,10 @@ def load_step(st, d: str, state: dict, rank: int, values: bool = True) -> dict:
         key = chunk_key(spec.name, cell)
         size = int(_obj(manifest, d, key)["size"])
         index_reqs.append((f"{d}/{key}", size - index_nbytes(spec), size))
-    indexes, index_raw = {}, {}
-    for (spec, _, _, cell, _, _), req, raw in zip(sharded, index_reqs, _read(st, manifest, d, index_reqs)):
+    indexes = {}   # object key -> (decoded shard index, the index's crc32c tail)
+    for (spec, _, _, _, _, _), req, raw in zip(sharded, index_reqs, _read(st, manifest, d, index_reqs)):
         stats["bytes_read"] += len(raw)
-        indexes[(spec.name, cell)] = decode_index(req[0], raw, spec)
-        index_raw[req[0]] = (raw, indexes[(spec.name, cell)])
+        indexes[req[0]] = (decode_index(req[0], raw, spec), raw[-4:])
     # phase 2: data, read straight into the target where a block lands contiguously in it
     reads, blocks = [], []
     for job in jobs:
@@ -171,7 +170,7 @@ def load_step(st, d: str, state: dict, rank: int, values: bool = True) -> dict:
                 raise CheckpointCorrupt(key, f"object has {size} bytes in the manifest, expected {want}")
             spans = [(None, 0, want, Box(full_off, spec.chunks))]
         else:
-            index, rows = indexes[(spec.name, cell)], spec.inner_rows
+            (index, _), rows = indexes[key], spec.inner_rows
             lo = inter.offset[0] - cbox.offset[0]
             hi = lo + inter.shape[0]
             spans = []
@@ -194,7 +193,7 @@ def load_step(st, d: str, state: dict, rank: int, values: bool = True) -> dict:
         stats["bytes_read"] += n
         stats["objects"] += 1
     checked = list(st._pool.map(_Block.check, blocks))
-    _check_whole_objects(manifest, d, checked, index_raw)
+    _check_whole_objects(manifest, d, checked, indexes)
     for blk in checked:
         blk.place()
     for local, host in hosts:
@@ -249,7 +248,7 @@ def _find_bad_object(st, manifest: dict, d: str, keys: list[str], exc: OSError) 
     return next((f for f in st._pool.map(probe, [k for k in keys if k not in named]) if f), None)
 
 
-def _check_whole_objects(manifest: dict, d: str, blocks: list, index_raw: dict) -> None:
+def _check_whole_objects(manifest: dict, d: str, blocks: list, indexes: dict) -> None:
     """Check every chunk object this rank read all of against the manifest's ``chunks_crc32c``
     (``zarr_format.chunks_digest``). Each piece's own crc32c passes an object that is whole
     but not this save's (a chunk copied in from another step, a stale read of an overwritten
@@ -263,11 +262,11 @@ def _check_whole_objects(manifest: dict, d: str, blocks: list, index_raw: dict) 
         if "chunks_crc32c" not in obj:
             continue    # written before the field existed
         tail = []
-        if key in index_raw:
-            raw, index = index_raw[key]
+        if key in indexes:
+            index, index_tail = indexes[key]
             if set(got) != {k for k in range(len(index)) if int(index[k][0]) != EMPTY}:
                 continue
-            tail = [raw[-4:]]
+            tail = [index_tail]
         parts = sorted(got.values(), key=lambda b: b.offset)
         end = 0
         for blk in parts:

@@ -64,21 +64,27 @@ def flatten(state: dict, prefix: str = "") -> tuple[dict[str, torch.Tensor], dic
 _MESHES: dict[int, tuple] = {}
 
 
-def mesh_ranks(mesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(global ranks in C order, mesh shape) of a DeviceMesh; cached (``mesh.mesh`` is slow)."""
+def _mesh_info(mesh) -> tuple:
+    """(mesh, global ranks in C order, mesh shape, ``_mesh_copies``), cached by mesh
+    (``mesh.mesh`` is slow)."""
     hit = _MESHES.get(id(mesh))
     if hit is None or hit[0] is not mesh:
         if len(_MESHES) > 256:
             _MESHES.clear()
         hit = (mesh, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), _mesh_copies(mesh))
         _MESHES[id(mesh)] = hit
-    return hit[1], hit[2]
+    return hit
+
+
+def mesh_ranks(mesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global ranks in C order, mesh shape) of a DeviceMesh; cached."""
+    _, ranks, shape, _ = _mesh_info(mesh)
+    return ranks, shape
 
 
 def mesh_copies(mesh) -> tuple[int, int]:
     """``_mesh_copies`` of ``mesh``, cached with its ranks."""
-    mesh_ranks(mesh)
-    return _MESHES[id(mesh)][3]
+    return _mesh_info(mesh)[3]
 
 
 def local_pieces(t: torch.Tensor, rank: int) -> tuple[list, torch.Tensor]:
