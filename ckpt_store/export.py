@@ -13,6 +13,11 @@ from marind.log import get_logger
 log = get_logger(__name__)
 
 
+def env_s3_endpoint() -> str | None:
+    """The S3 endpoint the environment names: MARIND_S3_ENDPOINT, else AWS_ENDPOINT_URL."""
+    return os.environ.get("MARIND_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
+
+
 def env_storage_options(url: str) -> dict | None:
     """s3fs options from the environment: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, and the
     endpoint from MARIND_S3_ENDPOINT or AWS_ENDPOINT_URL (None for non-s3 URLs)."""
@@ -22,7 +27,7 @@ def env_storage_options(url: str) -> dict | None:
     if os.environ.get("AWS_ACCESS_KEY_ID"):
         opts["key"] = os.environ["AWS_ACCESS_KEY_ID"]
         opts["secret"] = os.environ.get("AWS_SECRET_ACCESS_KEY", "")
-    endpoint = os.environ.get("MARIND_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
+    endpoint = env_s3_endpoint()
     if endpoint:
         opts["client_kwargs"] = {"endpoint_url": endpoint,
                                  "region_name": os.environ.get("AWS_REGION", "us-east-1")}

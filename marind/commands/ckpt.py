@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import sys
 
 from marind.errors import MarindError, UsageError
@@ -49,7 +48,7 @@ def register(sub) -> None:
 
 def _store(url: str):
     from ckpt_store import CheckpointStore
-    from ckpt_store.export import env_storage_options
+    from ckpt_store.export import env_s3_endpoint, env_storage_options
 
     store = CheckpointStore(url, storage_options=env_storage_options(url))
     if store.storage.s3:   # a mistyped bucket is an error, not an empty store
@@ -57,7 +56,7 @@ def _store(url: str):
         try:
             store.storage.fs.call_s3("head_bucket", Bucket=bucket)
         except FileNotFoundError:
-            endpoint = os.environ.get("MARIND_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
+            endpoint = env_s3_endpoint() or "AWS S3"
             raise UsageError(f"no S3 bucket {bucket!r} at {endpoint}: check the URL "
                              "(s3://BUCKET/PREFIX)") from None
     return store
@@ -82,6 +81,7 @@ def _guard(handler):
 def _storage_error(url: str, exc: BaseException) -> Exception | None:
     """A one-line error with its fix for a storage failure (None: not one this knows)."""
     from ckpt_store.errors import CheckpointStorageUnavailable
+    from ckpt_store.export import env_s3_endpoint
 
     try:
         import aiohttp
@@ -96,7 +96,7 @@ def _storage_error(url: str, exc: BaseException) -> Exception | None:
         if isinstance(cause, no_creds):
             return UsageError(f"no S3 credentials for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
         if s3 and isinstance(cause, unreachable):
-            endpoint = os.environ.get("MARIND_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
+            endpoint = env_s3_endpoint()
             where = f"S3 endpoint {endpoint}" if endpoint else "the default AWS S3 endpoint"
             return CheckpointStorageUnavailable(
                 f"cannot reach {where} for {url} (check MARIND_S3_ENDPOINT / AWS_ENDPOINT_URL "
