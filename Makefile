@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all chaos bench clean
+.PHONY: setup demo lint test test-all chaos bench clean
 
 setup: $(VENV)/.setup-stamp
 
@@ -26,8 +26,14 @@ $(VENV)/.setup-stamp: pyproject.toml
 demo: setup
 	$(PY) -m marind.demo
 
-# The CI suite: everything except the long chaos scenarios' full forms (`make chaos`).
-test: setup
+# ruff (lint) and mypy (types) over the shipped packages; the layering rules of tools/import_graph.py.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(PY) tools/import_graph.py --check
+
+# The CI suite: lint, then everything except the long chaos scenarios' full forms (`make chaos`).
+test: setup lint
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 

@@ -28,7 +28,7 @@ def env(extra: dict | None = None) -> dict:
 
 
 def make_data(root: Path, n_docs: int = 60) -> str:
-    from trainer import corpus
+    from marind.trainer import corpus
     prefix = root / "data" / "corpus"
     prefix.parent.mkdir(parents=True, exist_ok=True)
     corpus.write_example_dataset(prefix, n_docs)
@@ -54,7 +54,8 @@ def start_nodes(root: Path, names: list[str], etcd: str, prefix: str, timeout: f
                 ) -> list[subprocess.Popen]:
     """One agent per node name; returns once every one has registered in etcd."""
     import time
-    from marind.etcd_client import EtcdClient
+
+    from marind.core.etcd_client import EtcdClient
     agents = [start_agent(root, n, etcd, prefix) for n in names]
     with EtcdClient(etcd, prefix=prefix) as client:
         deadline = time.time() + timeout

@@ -34,9 +34,13 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench._cluster import env as _env, kill_tree as _kill_tree, make_data as _make_data  # noqa: E402
-from bench._cluster import start_agent as _agent, stop_agent, submit as _submit  # noqa: E402
-from marind.etcd_client import EtcdClient  # noqa: E402
+from bench._cluster import env as _env  # noqa: E402
+from bench._cluster import kill_tree as _kill_tree  # noqa: E402
+from bench._cluster import make_data as _make_data  # noqa: E402
+from bench._cluster import start_agent as _agent  # noqa: E402
+from bench._cluster import stop_agent  # noqa: E402
+from bench._cluster import submit as _submit  # noqa: E402
+from marind.core.etcd_client import EtcdClient  # noqa: E402
 from marind.local_etcd import LocalEtcd  # noqa: E402
 
 SPEC = """
@@ -96,7 +100,7 @@ def _spec(root: Path, name: str, data: str, *, nodes="1", nproc=2, steps=20, eve
 def _plain_run(root: Path, data: str, steps: int, warmup: int, tag: str) -> list[float]:
     spec = _spec(root, f"plain-{tag}", data, steps=steps, preset=THROUGHPUT_PRESET)
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          "-m", "trainer", str(spec)], env=_env(), capture_output=True, text=True,
+                          "-m", "marind.trainer", str(spec)], env=_env(), capture_output=True, text=True,
                          timeout=900, cwd=REPO)
     return _step_tps(res.stdout + res.stderr, warmup)
 

@@ -55,7 +55,7 @@ nodes = "{nodes}"
 nproc_per_node = {nproc}
 max_restarts = 1000
 hang_timeout = "120s"
-entrypoint = "trainer"
+entrypoint = "marind.trainer"
 [model]
 preset = "tiny"
 [data]

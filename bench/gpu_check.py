@@ -37,7 +37,7 @@ SPEC = """
 name = "gpu-check"
 nodes = "1"
 nproc_per_node = {nproc}
-entrypoint = "trainer"
+entrypoint = "marind.trainer"
 [model]
 preset = "tiny"
 [data]
@@ -71,11 +71,11 @@ def run_trainer(root: Path, nproc: int, steps: int, data: str) -> dict:
     spec = root / f"spec-{steps}.toml"
     spec.write_text(SPEC.format(nproc=nproc, data=data, steps=steps, ckpt=root / "ckpt"))
     env = dict(os.environ, PYTHONPATH=str(REPO), MARIND_LOG_JSON="1", OMP_NUM_THREADS="1",
-               **zygote_env("gpu-check", root, "trainer"))
+               **zygote_env("gpu-check", root, "marind.trainer"))
     t0 = time.time()
     res = subprocess.run([sys.executable, "-c", _PDEATHSIG_SHIM, str(os.getpid()),
                           sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          f"--nproc-per-node={nproc}", "-m", "marind.zygote_stub", "trainer", str(spec)],
+                          f"--nproc-per-node={nproc}", "-m", "marind.zygote_stub", "marind.trainer", str(spec)],
                          env=env, capture_output=True, text=True, timeout=900, cwd=root)
     text = res.stdout + res.stderr
     steps_seen = _steps_in(text)
@@ -87,6 +87,7 @@ def run_trainer(root: Path, nproc: int, steps: int, data: str) -> dict:
 
 def ckpt_roundtrip(root: Path) -> dict:
     import torch
+
     from ckpt_store import CheckpointStore
     dev = torch.device("cuda", 0)
     state = {"model": {"w": torch.randn(513, 77, device=dev), "b": torch.randn(3, device=dev).to(torch.bfloat16)},
@@ -115,6 +116,7 @@ def main() -> int:
     parser.add_argument("--nproc", type=int, default=0, help="ranks (default: GPUs, at most 2)")
     args = parser.parse_args()
     import torch
+
     from marind.distributed import backend_for, device_for_local_rank
     result: dict = {"bench": "gpu_check", "torch": torch.__version__, "cuda": torch.version.cuda,
                     "gpus": torch.cuda.device_count()}
@@ -125,7 +127,7 @@ def main() -> int:
     zygote.preload("trainer")
     result["zygote_cuda_clean"] = {"ok": zygote.fork_unsafe_reason() is None}
     root = Path(tempfile.mkdtemp(prefix="marind-gpu-check-"))
-    from trainer import corpus
+    from marind.trainer import corpus
     corpus.write_example_dataset(root / "corpus", 60)
     nproc = args.nproc or max(1, min(2, torch.cuda.device_count()))
     first = run_trainer(root, nproc, args.steps, str(root / "corpus"))

@@ -44,8 +44,8 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (  # no
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler  # noqa: E402
 
+from marind.core.netutil import free_port  # noqa: E402
 from marind.local_etcd import LocalEtcd  # noqa: E402
-from marind.netutil import free_port  # noqa: E402
 from marind.rendezvous import create_etcd3_handler  # noqa: E402
 from marind.rendezvous.handler import use_frame_method_names  # noqa: E402
 

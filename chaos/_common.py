@@ -16,12 +16,12 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from marind.errors import ControlPlaneUnavailable, MarindError
-from marind.etcd_client import EtcdClient
-from marind.log import get_logger
+from marind.core.errors import ControlPlaneUnavailable, MarindError
+from marind.core.etcd_client import EtcdClient
+from marind.core.log import get_logger
 
 EXIT_ACTED = 0
 EXIT_NOTHING = 1

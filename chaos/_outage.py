@@ -8,7 +8,7 @@ import time
 
 from chaos._common import NothingToDo, emit
 from chaos._servers import ServerNotFound, ServerState, discover, live_pid, load_state, start, stop
-from marind.log import get_logger
+from marind.core.log import get_logger
 
 log = get_logger("chaos.outage")
 

@@ -26,8 +26,8 @@ from urllib.parse import urlsplit
 
 import psutil
 
+from marind.core.netutil import port_open
 from marind.local_etcd import stop_server_pid, write_server_state
-from marind.netutil import port_open
 
 
 class ServerNotFound(LookupError):

@@ -20,7 +20,7 @@ from datetime import datetime
 
 import psutil
 
-from marind.etcd_client import EtcdClient
+from marind.core.etcd_client import EtcdClient
 
 # A record's start time and the OS's process create time come from two clocks' readings;
 # allow this much skew before calling a process "younger than its record".

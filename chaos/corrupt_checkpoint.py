@@ -21,9 +21,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from chaos._ckpt import (add_root_args, committed_steps, read_manifest, resolve_root,  # noqa: E402
-                         step_dir_name)
-from chaos._common import NothingToDo, base_parser, connect, emit, run, seeded_rng  # noqa: E402
+from chaos._ckpt import add_root_args, committed_steps, read_manifest, resolve_root, step_dir_name
+from chaos._common import NothingToDo, base_parser, connect, emit, run, seeded_rng
 
 
 def choose_object(objects: dict, rng, key: str | None, within: str = "") -> str:

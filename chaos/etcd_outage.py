@@ -20,8 +20,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from chaos._common import base_parser, connect, resolve_etcd, run, seeded_rng  # noqa: E402
-from chaos._outage import add_outage_args, find_server, outage, require_job  # noqa: E402
+from chaos._common import base_parser, connect, resolve_etcd, run, seeded_rng
+from chaos._outage import add_outage_args, find_server, outage, require_job
 
 
 def main(argv: list[str] | None = None) -> int:

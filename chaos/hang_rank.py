@@ -22,12 +22,21 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import psutil  # noqa: E402
+import psutil
 
-from chaos._common import (NothingToDo, add_wait_args, base_parser, connect, emit,  # noqa: E402
-                           run, seeded_rng, wait_for_step, wait_until)
-from chaos._targets import find_workers  # noqa: E402
-from marind.log import get_logger  # noqa: E402
+from chaos._common import (
+    NothingToDo,
+    add_wait_args,
+    base_parser,
+    connect,
+    emit,
+    run,
+    seeded_rng,
+    wait_for_step,
+    wait_until,
+)
+from chaos._targets import find_workers
+from marind.core.log import get_logger
 
 log = get_logger("chaos.hang_rank")
 
@@ -69,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         created = psutil.Process(worker.pid).create_time()
         os.kill(worker.pid, signal.SIGSTOP)
     except (ProcessLookupError, psutil.NoSuchProcess):
-        raise NothingToDo(f"worker rank {worker.rank} (pid {worker.pid}) exited before the signal")
+        raise NothingToDo(f"worker rank {worker.rank} (pid {worker.pid}) exited before the signal") from None
     target = f"{args.job}/rank-{worker.rank}"
     emit("hang", target=target, pid=worker.pid, rank=worker.rank, node=worker.node,
          signal="SIGSTOP", seconds=args.seconds, seed=args.seed)

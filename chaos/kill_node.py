@@ -25,14 +25,31 @@ from urllib.parse import urlsplit
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import psutil  # noqa: E402
+import psutil
 
-from chaos._servers import listens_on  # noqa: E402
-from chaos._common import (NothingToDo, add_wait_args, base_parser, connect, emit,  # noqa: E402
-                           resolve_etcd, run, seeded_rng, wait_for_step, wait_until)
-from chaos._targets import (NodeTarget, agent_is_genuine, job_node_records, live_process,  # noqa: E402
-                            local_nodes, node_records, this_host_names)
-from marind.log import get_logger  # noqa: E402
+from chaos._common import (
+    NothingToDo,
+    add_wait_args,
+    base_parser,
+    connect,
+    emit,
+    resolve_etcd,
+    run,
+    seeded_rng,
+    wait_for_step,
+    wait_until,
+)
+from chaos._servers import listens_on
+from chaos._targets import (
+    NodeTarget,
+    agent_is_genuine,
+    job_node_records,
+    live_process,
+    local_nodes,
+    node_records,
+    this_host_names,
+)
+from marind.core.log import get_logger
 
 log = get_logger("chaos.kill_node")
 

@@ -23,11 +23,21 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from chaos._ckpt import add_root_args, add_save_wait_args, resolve_root, wait_for_save  # noqa: E402
-from chaos._common import (NothingToDo, add_wait_args, base_parser, connect, emit,  # noqa: E402
-                           parse_signal, run, seeded_rng, wait_for_step, wait_until)
-from chaos._targets import find_workers  # noqa: E402
-from marind.log import get_logger  # noqa: E402
+from chaos._ckpt import add_root_args, add_save_wait_args, resolve_root, wait_for_save
+from chaos._common import (
+    NothingToDo,
+    add_wait_args,
+    base_parser,
+    connect,
+    emit,
+    parse_signal,
+    run,
+    seeded_rng,
+    wait_for_step,
+    wait_until,
+)
+from chaos._targets import find_workers
+from marind.core.log import get_logger
 
 log = get_logger("chaos.kill_random_rank")
 

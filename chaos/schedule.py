@@ -28,8 +28,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from chaos._common import EXIT_ACTED, EXIT_NOTHING, base_parser, run, seeded_rng  # noqa: E402
-from marind.log import get_logger  # noqa: E402
+from chaos._common import EXIT_ACTED, EXIT_NOTHING, base_parser, run, seeded_rng
+from marind.core.log import get_logger
 
 log = get_logger("chaos.schedule")
 CHAOS_DIR = Path(__file__).resolve().parent

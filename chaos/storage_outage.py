@@ -21,10 +21,10 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from chaos._ckpt import add_root_args, add_save_wait_args, resolve_root, wait_for_save  # noqa: E402
-from chaos._common import base_parser, connect, run, seeded_rng  # noqa: E402
-from chaos._outage import add_outage_args, find_server, outage, require_job  # noqa: E402
-from marind.log import get_logger  # noqa: E402
+from chaos._ckpt import add_root_args, add_save_wait_args, resolve_root, wait_for_save
+from chaos._common import base_parser, connect, run, seeded_rng
+from chaos._outage import add_outage_args, find_server, outage, require_job
+from marind.core.log import get_logger
 
 log = get_logger("chaos.storage_outage")
 

@@ -4,9 +4,15 @@ The store classes load on first use, so the writer process (``python -m
 ckpt_store.writer_proc``) runs without importing torch.
 """
 
-from ckpt_store.errors import (CheckpointCorrupt, CheckpointError, CheckpointFormatUnsupported,
-                               CheckpointMismatch, CheckpointNotFound, CheckpointSaveFailed,
-                               CheckpointStorageUnavailable)
+from ckpt_store.errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointFormatUnsupported,
+    CheckpointMismatch,
+    CheckpointNotFound,
+    CheckpointSaveFailed,
+    CheckpointStorageUnavailable,
+)
 
 __all__ = ["CheckpointStore", "PendingSave", "VerifyReport", "CheckpointError",
            "CheckpointNotFound", "CheckpointCorrupt", "CheckpointMismatch", "CheckpointSaveFailed",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from marind.errors import MarindError, NotFound
+from marind.core.errors import MarindError, NotFound
 
 
 class CheckpointError(MarindError):

@@ -28,7 +28,7 @@ from ckpt_store.errors import CheckpointSaveFailed
 from ckpt_store.handoff import SnapshotHandoff
 from ckpt_store.steps import MANIFEST
 from ckpt_store.writer import fail_part, run_save
-from marind.log import get_logger
+from marind.core.log import get_logger
 
 log = get_logger(__name__)
 _ROOT = str(Path(__file__).resolve().parents[1])   # holds the ckpt_store and marind packages
@@ -64,7 +64,7 @@ class ThreadWriter:
                 return
             job, pending, handoff = item
             try:
-                run_save(self._st, job, self._arena.view(), lambda t: pending._finish(None, t), handoff)
+                run_save(self._st, job, self._arena.view(), lambda t, pending=pending: pending._finish(None, t), handoff)
             except BaseException as exc:  # noqa: BLE001 - surfaced at wait()/next save()
                 log.warning("ckpt_save_failed", step=job["step"], rank=job["rank"], error=str(exc))
                 if not pending.done():

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from ckpt_store.zarr_format import TORCH_DTYPES
-from marind.log import get_logger
+from marind.core.log import get_logger
 
 log = get_logger(__name__)
 

@@ -40,15 +40,15 @@ class Box:
         base = base or (0,) * len(self.offset)
         return tuple(slice(o - b, o - b + s) for o, b, s in zip(self.offset, base, self.shape))
 
-    def contains(self, other: "Box") -> bool:
+    def contains(self, other: Box) -> bool:
         return all(a <= b and be <= ae for a, b, ae, be in zip(self.offset, other.offset, self.end, other.end))
 
-    def intersect(self, other: "Box") -> "Box | None":
+    def intersect(self, other: Box) -> Box | None:
         lo = tuple(max(a, b) for a, b in zip(self.offset, other.offset))
         hi = tuple(min(a, b) for a, b in zip(self.end, other.end))
-        if any(h <= l for l, h in zip(lo, hi)):
+        if any(h <= a for a, h in zip(lo, hi)):
             return None
-        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+        return Box(lo, tuple(h - a for a, h in zip(lo, hi)))
 
 
 def full_box(shape: tuple[int, ...]) -> Box:

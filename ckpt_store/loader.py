@@ -15,16 +15,30 @@ import math
 
 import crc32c
 import torch
-from torch.distributed.tensor import DTensor
 
 from ckpt_store import layout
-from ckpt_store.errors import (CheckpointCorrupt, CheckpointError, CheckpointFormatUnsupported,
-                               CheckpointMismatch, CheckpointNotFound)
+from ckpt_store.errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointFormatUnsupported,
+    CheckpointMismatch,
+    CheckpointNotFound,
+)
 from ckpt_store.layout import Box
 from ckpt_store.plan import flatten, local_pieces
-from ckpt_store.zarr_format import (EMPTY, ITEMSIZE, ArraySpec, chunk_key, chunks_digest, decode_index,
-                                    dtype_name, embedded_crcs, index_nbytes, tensor_bytes)
-from marind.log import get_logger
+from ckpt_store.zarr_format import (
+    EMPTY,
+    ITEMSIZE,
+    ArraySpec,
+    chunk_key,
+    chunks_digest,
+    decode_index,
+    dtype_name,
+    embedded_crcs,
+    index_nbytes,
+    tensor_bytes,
+)
+from marind.core.log import get_logger
 
 log = get_logger(__name__)
 MANIFEST = "manifest.json"
@@ -313,7 +327,7 @@ class _Block:
         self.data = tensor_bytes(self.tensor) if want else bytearray(0)
         self.crc = bytearray(4)
 
-    def check(self) -> "_Block":
+    def check(self) -> _Block:
         if crc32c.crc32c(self.data) != int.from_bytes(self.crc, "little"):
             raise CheckpointCorrupt(self.key, f"{self.what} fails its crc32c checksum")
         return self

@@ -18,8 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ckpt_store import layout
-from ckpt_store.layout import Box
-from ckpt_store.zarr_format import ArraySpec, chunk_key, dtype_name
+from ckpt_store.zarr_format import ArraySpec, dtype_name
 
 INNER_CHUNK_BYTES = 1 << 20
 

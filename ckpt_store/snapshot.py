@@ -103,7 +103,7 @@ def fill(copies: list[tuple], arena: HostArena, on_progress=None, every_bytes: i
     since = 0
     for i, (plan, cbox, piece, offset, nbytes) in enumerate(copies):
         spec = plan.spec
-        src = plan.local[tuple(slice(l + o - b, l + o - b + s) for l, o, b, s in
+        src = plan.local[tuple(slice(a + o - b, a + o - b + s) for a, o, b, s in
                                zip(piece.local, cbox.offset, piece.box.offset, cbox.shape))]
         if src.device.type == "cuda" and not cuda:
             cuda = True

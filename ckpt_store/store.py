@@ -34,8 +34,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ckpt_store import snapshot
-from ckpt_store.errors import (CheckpointCorrupt, CheckpointError, CheckpointFormatUnsupported,
-                               CheckpointNotFound, CheckpointSaveFailed)
+from ckpt_store.errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointFormatUnsupported,
+    CheckpointNotFound,
+    CheckpointSaveFailed,
+)
 from ckpt_store.executors import ProcessWriter, ThreadWriter
 from ckpt_store.gather import SMALL_ARRAY_BYTES, gather_small
 from ckpt_store.loader import FORMAT, load_step, read_manifest
@@ -43,7 +48,7 @@ from ckpt_store.plan import flatten, mesh_ranks, plan_array
 from ckpt_store.steps import MAX_STEP, all_step_dirs, apply_retention, committed_steps, parse_step_dir, step_dir
 from ckpt_store.storage import Storage
 from ckpt_store.writer import fail_part
-from marind.log import get_logger
+from marind.core.log import get_logger
 
 log = get_logger(__name__)
 #: niceness of an async save's encode/write threads (measured in bench/ckpt_bench.py)
@@ -625,7 +630,7 @@ def _count(name: str, value, minimum: int) -> int | None:
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 __all__ = ["CheckpointStore", "PendingSave", "VerifyReport", "step_dir", "parse_step_dir"]

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from concurrent.futures import wait
-from typing import Callable
 
 import crc32c
 
@@ -21,7 +21,7 @@ from ckpt_store.errors import CheckpointSaveFailed
 from ckpt_store.handoff import SnapshotHandoff
 from ckpt_store.steps import apply_retention
 from ckpt_store.zarr_format import ArraySpec, array_metadata, chunk_key, encode_chunk, group_metadata
-from marind.log import get_logger
+from marind.core.log import get_logger
 
 log = get_logger(__name__)
 MARKERS = ".marind"
@@ -200,7 +200,7 @@ def _check_present(st, d: str, objects: dict) -> None:
         try:
             present = st.object_sizes(d)
             break
-        except Exception:  # noqa: BLE001
+        except Exception:
             if attempt == 2:
                 raise
             time.sleep(0.5 * (attempt + 1))

@@ -52,7 +52,7 @@ def _work(st: Storage, arena_fd: int, jobs: queue.Queue, reply) -> None:
         job, handoff = item
         sent = []
 
-        def on_commit(timings, step=job["step"]):
+        def on_commit(timings, step=job["step"], sent=sent):
             reply.write(json.dumps({"step": step, "ok": True, "timings": timings}) + "\n")
             sent.append(True)
 

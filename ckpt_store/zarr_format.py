@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import crc32c
 import numpy as np
 
 from ckpt_store.errors import CheckpointCorrupt
+
+if TYPE_CHECKING:
+    import torch
 
 ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "int16": 2,
             "int32": 4, "int64": 8, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1}
@@ -85,7 +89,7 @@ class ArraySpec:
                 "inner_rows": self.inner_rows}
 
     @classmethod
-    def from_json(cls, name: str, d: dict) -> "ArraySpec":
+    def from_json(cls, name: str, d: dict) -> ArraySpec:
         return cls(name, tuple(d["shape"]), d["dtype"], tuple(d["chunks"]), d.get("inner_rows"))
 
 

@@ -15,7 +15,7 @@ import os
 import sys
 import traceback
 
-from marind.errors import MarindError
+from marind.core.errors import MarindError
 
 COMMAND_MODULES = ("agent", "jobs", "ckpt", "data", "doctor")
 

@@ -17,8 +17,8 @@ from marind.agent.jobstate import JobEvent, JobState
 from marind.agent.jobwatch import JobWatch
 from marind.agent.lighthouse import ft_status, is_torchft
 from marind.agent.registry import live_nodes
-from marind.errors import NotFound
-from marind.etcd_client import EtcdClient
+from marind.core.errors import NotFound
+from marind.core.etcd_client import EtcdClient
 
 SCHEMA_VERSION = 1
 
@@ -135,8 +135,9 @@ class JobsClient:
 
 def local_log_files(job: str, state_dir: str | Path | None = None) -> list[Path]:
     """The job's log files on this machine (its run dir under the agent's state dir)."""
-    from marind.agent.config import default_state_dir, user_state_dir, SYSTEM_STATE_DIR
     import os
+
+    from marind.agent.config import SYSTEM_STATE_DIR, default_state_dir, user_state_dir
     dirs = [Path(state_dir)] if state_dir else []
     if os.environ.get("MARIND_STATE_DIR"):
         dirs.append(Path(os.environ["MARIND_STATE_DIR"]))

@@ -16,8 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from marind.log import get_logger
-from marind.netutil import free_ports, port_open
+from marind.core.log import get_logger
+from marind.core.netutil import free_ports, port_open
 
 log = get_logger(__name__)
 
@@ -122,7 +122,7 @@ class LocalEtcd:
             "--log-level", "warn",
         ]
 
-    def start(self, timeout: float = 20.0) -> "LocalEtcd":
+    def start(self, timeout: float = 20.0) -> LocalEtcd:
         if not os.path.exists(self.binary):
             raise EtcdNotInstalled(
                 f"etcd binary not found ({self.binary}); install the Debian package etcd-server "
@@ -204,7 +204,7 @@ class LocalEtcd:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
 
-    def restart(self, timeout: float = 20.0) -> "LocalEtcd":
+    def restart(self, timeout: float = 20.0) -> LocalEtcd:
         self.stop()
         return self.start(timeout)
 

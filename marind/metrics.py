@@ -10,8 +10,8 @@ Names follow Prometheus conventions: the ``marind_`` prefix, base units,
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
 
 from marind import __version__
 
@@ -107,7 +107,7 @@ class MetricsServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - http.server's name
+            def do_GET(self):
                 if self.path.split("?")[0] == "/metrics":
                     self._send(200, server.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
                 elif self.path.split("?")[0] == "/healthz":
@@ -132,7 +132,7 @@ class MetricsServer:
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="marind-metrics", daemon=True)
 
-    def start(self) -> "MetricsServer":
+    def start(self) -> MetricsServer:
         self._thread.start()
         return self
 

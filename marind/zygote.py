@@ -155,8 +155,8 @@ def _run_worker(request: dict, fds: list[int]) -> None:
         os.environ.update(request["env"])
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
-        import marind.log
-        marind.log._configured = False          # log as the worker's environment says
+        import marind.core.log
+        marind.core.log._configured = False          # log as the worker's environment says
         import runpy
         sys.argv = [request["module"], *request["args"]]
         sys.modules.pop(request["module"], None)   # preloaded as a module; it runs afresh as __main__
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     _set_pdeathsig(signal.SIGTERM)
     if os.getppid() != parent:
         return 0                                  # torchrun is already gone
-    stop_early = lambda *_: os._exit(0)          # noqa: E731 - nothing forked yet
+    stop_early = lambda *_: os._exit(0)
     signal.signal(signal.SIGTERM, stop_early)
     try:
         preload(entrypoint)

@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from marind.etcd_client import EtcdClient
+from marind.core.etcd_client import EtcdClient
 from marind.local_etcd import LocalEtcd
 from tests.support import procs
 from tests.support.s3_server import SeaweedS3

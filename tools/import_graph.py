@@ -6,7 +6,7 @@
     python tools/import_graph.py --sizes      # the largest shipped modules
 
 An "area" is a package one level down (`marind.agent`, `marind.trainer`, `ckpt_store`,
-`bench`, `chaos`, `tests`), or a top-level module of `marind` (`marind.spec`). Imports inside
+`bench`, `chaos`, `tests`), or a top-level module of `marind` (`marind.core.spec`). Imports inside
 functions count the same as module-level ones: a lazy import is still a dependency.
 """
 

@@ -19,12 +19,13 @@ import difflib
 import os
 import socket
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-from marind.errors import ControlPlaneUnavailable, SpecError
-from marind.etcd_client import DEFAULT_PREFIX, EtcdTLS
+from marind.core.errors import ControlPlaneUnavailable, SpecError
+from marind.core.etcd_client import DEFAULT_PREFIX, EtcdTLS
 
 SYSTEM_CONFIG = "/etc/marind/marind.toml"
 SYSTEM_STATE_DIR = "/var/lib/marind"

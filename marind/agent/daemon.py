@@ -22,25 +22,31 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from marind.agent import progress as prog
 from marind.agent.config import AgentConfig, endpoint_file
 from marind.agent.events import append_event
 from marind.agent.hang import HangDetector
 from marind.agent.jobs import JobView, job_nodes, list_job_ids, read_job, update_state
-from marind.agent.jobwatch import JobWatch
 from marind.agent.jobstate import JobEvent, JobState
+from marind.agent.jobwatch import JobWatch
 from marind.agent.lighthouse import FTCoordinator, is_torchft
 from marind.agent.membership import Membership
 from marind.agent.registry import NodeRegistry
-from marind.agent.supervisor import (TorchrunSupervisor, default_python, prepare_run_dir,
-                                     reap_leftovers, torchrun_command, worker_env)
-from marind.errors import ControlPlaneUnavailable
-from marind.etcd_client import EtcdClient
-from marind.log import get_logger
+from marind.agent.supervisor import (
+    TorchrunSupervisor,
+    default_python,
+    prepare_run_dir,
+    reap_leftovers,
+    torchrun_command,
+    worker_env,
+)
+from marind.core.errors import ControlPlaneUnavailable
+from marind.core.etcd_client import EtcdClient
+from marind.core.log import get_logger
 from marind.metrics import Metrics, MetricsServer
 from marind.sdnotify import Notifier, watchdog_interval
 
@@ -142,8 +148,8 @@ class Agent:
         return 0
 
     def _start_embedded_etcd(self) -> None:
+        from marind.core.netutil import free_ports
         from marind.local_etcd import LocalEtcd
-        from marind.netutil import free_ports
 
         base = Path(self.config.state_dir) / "etcd"
         base.mkdir(parents=True, exist_ok=True)
@@ -155,7 +161,7 @@ class Agent:
             ports_file.write_text(json.dumps(ports))
         self.etcd_server = LocalEtcd(base / "data", client_port=ports["client"], peer_port=ports["peer"],
                                      log_path=base / "etcd.log")
-        from marind.netutil import port_open
+        from marind.core.netutil import port_open
         if port_open("127.0.0.1", ports["client"]):
             self.log.info("embedded_etcd_adopted", endpoint=self.etcd_server.endpoint)
             self.etcd_server = None   # left by a previous agent; use it as it is

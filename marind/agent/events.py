@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 
-from marind.etcd_client import EtcdClient
+from marind.core.etcd_client import EtcdClient
 
 DEFAULT_KEEP = 200
 

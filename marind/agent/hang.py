@@ -10,8 +10,8 @@ called hung) and ``reset`` re-arms it for a new generation.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Hashable
 
 
 @dataclass

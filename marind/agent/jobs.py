@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 
 from marind.agent.jobstate import JobEvent, JobState, StateRecord, apply
-from marind.errors import NotFound
-from marind.etcd_client import EtcdClient
+from marind.core.errors import NotFound
+from marind.core.etcd_client import EtcdClient
 
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
 

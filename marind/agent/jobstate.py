@@ -51,7 +51,7 @@ class StateRecord:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict) -> "StateRecord":
+    def from_dict(cls, data: dict) -> StateRecord:
         return cls(state=JobState(data.get("state", "PENDING")), reason=str(data.get("reason", "")),
                    restarts=int(data.get("restarts", 0)), updated_at=float(data.get("updated_at", 0.0)),
                    step=None if data.get("step") is None else int(data["step"]))

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from marind.agent.jobs import changed_key
-from marind.errors import ControlPlaneUnavailable
-from marind.etcd_client import EtcdClient
-from marind.log import get_logger
+from marind.core.errors import ControlPlaneUnavailable
+from marind.core.etcd_client import EtcdClient
+from marind.core.log import get_logger
 
 DEFAULT_RESYNC_S = 5.0
 

@@ -34,12 +34,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from marind.etcd_client import EtcdClient
-from marind.log import get_logger
-from marind.netutil import free_port, port_open
+from marind.core.etcd_client import EtcdClient
+from marind.core.log import get_logger
+from marind.core.netutil import free_port, port_open
 
 READY_TIMEOUT_S = 10.0
 

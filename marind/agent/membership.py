@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 
-from marind.etcd_client import EtcdClient
+from marind.core.etcd_client import EtcdClient
 
 
 def vanished(before: dict[str, str], now: dict[str, str], me: str) -> list[tuple[str, str]]:

@@ -33,7 +33,7 @@ class ProgressRecord:
     updated_at: float
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ProgressRecord":
+    def from_dict(cls, d: dict) -> ProgressRecord:
         def opt_float(v):
             return None if v is None else float(v)
         return cls(rank=int(d["rank"]), local_rank=int(d.get("local_rank", 0)),

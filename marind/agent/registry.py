@@ -17,9 +17,9 @@ import threading
 import time
 
 from marind import __version__
-from marind.errors import ControlPlaneUnavailable
-from marind.etcd_client import EtcdClient
-from marind.log import get_logger
+from marind.core.errors import ControlPlaneUnavailable
+from marind.core.etcd_client import EtcdClient
+from marind.core.log import get_logger
 
 
 class NodeRegistry:

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import psutil
 
-from marind.log import get_logger
+from marind.core.log import get_logger
+from marind.core.spec import TRAINER_ENTRYPOINT
 from marind.zygote import read_pid_map
 
 PR_SET_PDEATHSIG = 1
@@ -113,7 +114,7 @@ def torchrun_command(*, python: str, job: str, spec: dict, endpoint: str, prefix
             f"--nproc-per-node={int(j.get('nproc_per_node', 1))}",
             f"--max-restarts={int(j.get('max_restarts', 3))}", "--monitor-interval=0.5",
             *(["-m", "marind.zygote_stub"] if j.get("warm_start", True) else ["-m"]),
-            str(j.get("entrypoint", "trainer")), str(run_toml)]
+            str(j.get("entrypoint", TRAINER_ENTRYPOINT)), str(run_toml)]
 
 
 def worker_env(base: dict, *, job: str, node: str, run_dir: Path, spec: dict,
@@ -130,7 +131,7 @@ def worker_env(base: dict, *, job: str, node: str, run_dir: Path, spec: dict,
     if etcd_password:
         env["MARIND_ETCD_PASSWORD"] = etcd_password
     if spec.get("job", {}).get("warm_start", True):
-        env.update(zygote_env(job, run_dir, str(spec.get("job", {}).get("entrypoint", "trainer"))))
+        env.update(zygote_env(job, run_dir, str(spec.get("job", {}).get("entrypoint", TRAINER_ENTRYPOINT))))
     for key, value in (spec.get("job", {}).get("env") or {}).items():
         env[str(key)] = str(value)
     return env

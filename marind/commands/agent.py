@@ -19,7 +19,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from marind.agent.config import load_config
     from marind.agent.daemon import Agent
-    from marind.log import configure_logging
+    from marind.core.log import configure_logging
 
     configure_logging()
     config = load_config(args.config, flags={"node": args.node, "etcd": args.etcd,

@@ -12,7 +12,7 @@ import functools
 import json
 import sys
 
-from marind.errors import MarindError, UsageError
+from marind.core.errors import MarindError, UsageError
 
 
 def register(sub) -> None:

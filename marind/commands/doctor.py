@@ -75,7 +75,7 @@ def check_torch() -> list[Check]:
 
 
 def check_allreduce(timeout: float = 90.0) -> Check:
-    from marind.netutil import free_port
+    from marind.core.netutil import free_port
     port = free_port()
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     procs = []
@@ -106,7 +106,7 @@ def check_allreduce(timeout: float = 90.0) -> Check:
 
 
 def check_etcd(flag: str | None, config_file: str | None) -> Check:
-    from marind.errors import MarindError
+    from marind.core.errors import MarindError
     from marind.jobs_client import connect
     try:
         client = connect(flag, config_file)

@@ -62,8 +62,8 @@ def _client(args):
 
 
 def submit(args) -> int:
-    from marind.errors import JobFailed
-    from marind.spec import load_spec
+    from marind.core.errors import JobFailed
+    from marind.core.spec import load_spec
 
     spec = load_spec(args.spec)          # validates before anything touches etcd (exit 2)
     jc = _client(args)
@@ -174,7 +174,7 @@ def rm(args) -> int:
 
 
 def logs(args) -> int:
-    from marind.errors import NotFound
+    from marind.core.errors import NotFound
     from marind.jobs_client import local_log_files
 
     files = local_log_files(args.job, args.state_dir)
@@ -192,7 +192,7 @@ def logs(args) -> int:
             for path in files:
                 size = path.stat().st_size
                 if size > offsets[path]:
-                    with open(path, "r", errors="replace") as fh:
+                    with open(path, errors="replace") as fh:
                         fh.seek(offsets[path])
                         sys.stdout.write(fh.read())
                     offsets[path] = size

@@ -18,8 +18,8 @@ from __future__ import annotations
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
-from marind.errors import ControlPlaneUnavailable
-from marind.etcd_client import EtcdClient
+from marind.core.errors import ControlPlaneUnavailable
+from marind.core.etcd_client import EtcdClient
 from marind.rendezvous.retry import DEFAULT_GRACE, with_grace
 
 

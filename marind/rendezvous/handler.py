@@ -32,16 +32,16 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousHandler,
     RendezvousParameters,
+    dynamic_rendezvous,
 )
-from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
 )
 
-from marind.errors import ControlPlaneUnavailable
-from marind.etcd_client import DEFAULT_PREFIX, EtcdClient, EtcdTLS
-from marind.log import get_logger
+from marind.core.errors import ControlPlaneUnavailable
+from marind.core.etcd_client import DEFAULT_PREFIX, EtcdClient, EtcdTLS
+from marind.core.log import get_logger
 from marind.rendezvous.backend import Etcd3RendezvousBackend
 from marind.rendezvous.store import Etcd3Store
 

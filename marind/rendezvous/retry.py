@@ -13,10 +13,11 @@ only then raises the last ``ControlPlaneUnavailable``.
 from __future__ import annotations
 
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
-from marind.errors import ControlPlaneUnavailable
-from marind.log import get_logger
+from marind.core.errors import ControlPlaneUnavailable
+from marind.core.log import get_logger
 
 log = get_logger(__name__)
 

@@ -23,7 +23,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from marind.etcd_client import EtcdClient
+from marind.core.etcd_client import EtcdClient
 from marind.rendezvous.retry import DEFAULT_GRACE, with_grace
 
 _ROUND_PREFIX = "torch.rendezvous."

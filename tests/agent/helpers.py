@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from marind.etcd_client import EtcdClient
+from marind.core.etcd_client import EtcdClient
 from tests.support.procs import spawn
 
 # rendezvous settings that keep the tests short: no waiting for extra nodes, fast node-loss detection

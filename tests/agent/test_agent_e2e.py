@@ -18,8 +18,16 @@ import psutil
 import pytest
 
 from marind.cli import main
-from tests.agent.helpers import (agent_log, done_record, job_state, metrics_port, node_registered,
-                                 start_agent, tiny_spec, wait_for)
+from tests.agent.helpers import (
+    agent_log,
+    done_record,
+    job_state,
+    metrics_port,
+    node_registered,
+    start_agent,
+    tiny_spec,
+    wait_for,
+)
 
 
 class NotifyCollector:
@@ -40,7 +48,7 @@ class NotifyCollector:
         while not self._stop.is_set():
             try:
                 self.messages.append(self.sock.recv(4096).decode())
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 continue
 
     def seen(self, text: str) -> bool:
@@ -72,7 +80,7 @@ def test_agent_runs_cancels_and_recovers_jobs(tmp_path, etcd, etcd_client, etcd_
     monkeypatch.setenv("MARIND_STATE_DIR", str(tmp_path / "state-a"))
     agent = start_agent(tmp_path, "a", etcd.endpoint, etcd_prefix, notify_socket=notify_sock.path,
                         env={"WATCHDOG_USEC": "2000000"})
-    diag = lambda: agent_log(tmp_path, "a")  # noqa: E731
+    diag = lambda: agent_log(tmp_path, "a")
     wait_for(lambda: node_registered(etcd_client, "a"), 30, "node a registered", diag=diag)
     wait_for(lambda: notify_sock.seen("READY=1"), 10, "sd_notify READY=1")
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -11,9 +10,17 @@ import urllib.request
 
 import psutil
 
-from marind.etcd_client import EtcdClient
-from tests.agent.helpers import (agent_log, done_record, job_state, metrics_port, node_registered,
-                                 start_agent, tiny_spec, wait_for)
+from marind.core.etcd_client import EtcdClient
+from tests.agent.helpers import (
+    agent_log,
+    done_record,
+    job_state,
+    metrics_port,
+    node_registered,
+    start_agent,
+    tiny_spec,
+    wait_for,
+)
 from tests.support.procs import base_env, spawn
 
 
@@ -30,7 +37,7 @@ def test_embedded_etcd_is_found_by_the_cli(tmp_path):
                   stdout=log, stderr=subprocess.STDOUT)
     log.close()
     endpoint_file = state / "etcd.endpoint"
-    diag = lambda: (tmp_path / "agent.log").read_text()  # noqa: E731
+    diag = lambda: (tmp_path / "agent.log").read_text()
     wait_for(endpoint_file.exists, 30, "the embedded etcd's endpoint file", diag=diag)
     env = {"MARIND_STATE_DIR": str(state), "MARIND_ETCD": ""}
     wait_for(lambda: "solo" in _cli("nodes", env=env).stdout, 30, "marind nodes to list the node", diag=diag)
@@ -47,7 +54,7 @@ def test_job_survives_an_etcd_outage(tmp_path, etcd_private):
     prefix = "/outage"
     client = EtcdClient(etcd_private.endpoint, prefix=prefix)
     agent = start_agent(tmp_path, "o", etcd_private.endpoint, prefix, env={"MARIND_LEASE_TTL": "4"})
-    diag = lambda: agent_log(tmp_path, "o")  # noqa: E731
+    diag = lambda: agent_log(tmp_path, "o")
     wait_for(lambda: node_registered(client, "o"), 30, "node registered", diag=diag)
     spec = tiny_spec(tmp_path, name="outage", steps=30)
     res = _cli("submit", str(spec), env={"MARIND_ETCD": etcd_private.endpoint, "MARIND_PREFIX": prefix})
@@ -56,7 +63,7 @@ def test_job_survives_an_etcd_outage(tmp_path, etcd_private):
     wait_for(lambda: (r := client.get_json(client.key("jobs", job, "nodes", "o")))
                       and r["step"] >= 2 and r, 90, "the job running", diag=diag)
     progress = tmp_path / "state-o" / "jobs" / job / "progress" / "rank-0.json"
-    local_step = lambda: json.loads(progress.read_text())["step"] if progress.exists() else -1  # noqa: E731
+    local_step = lambda: json.loads(progress.read_text())["step"] if progress.exists() else -1
     etcd_private.stop()
     step_at_outage = local_step()
     res = _cli("status", env={"MARIND_ETCD": etcd_private.endpoint, "MARIND_PREFIX": prefix})

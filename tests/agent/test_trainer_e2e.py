@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 from marind.cli import main
+from marind.trainer import corpus
+from marind.trainer.data import write_dataset
+from marind.trainer.tokenize import ByteTokenizer
 from tests.agent.helpers import agent_log, node_registered, start_agent, wait_for
-from trainer import corpus
-from trainer.data import write_dataset
-from trainer.tokenize import ByteTokenizer
 
 
 def test_trainer_job_under_the_agent(tmp_path, etcd, etcd_client, etcd_prefix, capsys, monkeypatch):

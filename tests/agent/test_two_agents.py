@@ -12,8 +12,7 @@ import json
 import psutil
 
 from marind.cli import main
-from tests.agent.helpers import (agent_log, done_record, job_state, node_registered, start_agent,
-                                 tiny_spec, wait_for)
+from tests.agent.helpers import agent_log, done_record, job_state, node_registered, start_agent, tiny_spec, wait_for
 
 
 def _kill_tree(pid: int) -> None:
@@ -36,7 +35,7 @@ def test_node_loss_and_rejoin(tmp_path, etcd, etcd_client, etcd_prefix, capsys, 
     env = {"MARIND_TEST_STEP_SLEEP": "0.3"}
     start_agent(tmp_path, "a", etcd.endpoint, etcd_prefix, env=env)
     b = start_agent(tmp_path, "b", etcd.endpoint, etcd_prefix, env=env)
-    diag = lambda: f"--- a ---\n{agent_log(tmp_path, 'a')}\n--- b ---\n{agent_log(tmp_path, 'b')}"  # noqa: E731
+    diag = lambda: f"--- a ---\n{agent_log(tmp_path, 'a')}\n--- b ---\n{agent_log(tmp_path, 'b')}"
     wait_for(lambda: node_registered(etcd_client, "a") and node_registered(etcd_client, "b"), 30,
              "both nodes registered", diag=diag)
 

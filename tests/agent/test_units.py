@@ -12,8 +12,8 @@ from marind.agent.config import load_config, parse_config_text, resolve_endpoint
 from marind.agent.hang import HangDetector
 from marind.agent.jobstate import JobEvent, JobState, StateRecord, apply, transition
 from marind.agent.supervisor import spec_to_toml, torchrun_command, worker_env
-from marind.errors import ControlPlaneUnavailable, SpecError
-from marind.spec import load_spec
+from marind.core.errors import ControlPlaneUnavailable, SpecError
+from marind.core.spec import load_spec
 
 
 def test_terminal_states_never_change():
@@ -127,7 +127,7 @@ name = "t"
 nodes = "1:3"
 nproc_per_node = 2
 max_restarts = 7
-entrypoint = "trainer"
+entrypoint = "marind.trainer"
 [job.env]
 FOO = "bar baz"
 [data]
@@ -149,13 +149,13 @@ def test_run_toml_round_trip_and_command(tmp_path):
     assert "--rdzv-backend=etcd3" in cmd and "--rdzv-endpoint=h:2379,g:1" in cmd and "--rdzv-id=j1" in cmd
     assert "--nnodes=1:3" in cmd and "--nproc-per-node=2" in cmd and "--max-restarts=7" in cmd
     assert "--rdzv-conf=prefix=/p,last_call_timeout=1" in cmd
-    assert cmd[-4:] == ["-m", "marind.zygote_stub", "trainer", "/r/run.toml"]     # warm_start (default)
+    assert cmd[-4:] == ["-m", "marind.zygote_stub", "marind.trainer", "/r/run.toml"]     # warm_start (default)
     cold = dict(spec.to_dict(), job={**spec.to_dict()["job"], "warm_start": False})
     assert torchrun_command(python="py", job="j1", spec=cold, endpoint="h:1", prefix="/p",
-                            run_toml=Path("/r/run.toml"))[-3:] == ["-m", "trainer", "/r/run.toml"]
+                            run_toml=Path("/r/run.toml"))[-3:] == ["-m", "marind.trainer", "/r/run.toml"]
     env = worker_env({"NOTIFY_SOCKET": "/run/x", "WATCHDOG_USEC": "1", "PATH": "/bin"}, job="j1", node="n",
                      run_dir=tmp_path, spec=spec.to_dict())
     assert "NOTIFY_SOCKET" not in env and "WATCHDOG_USEC" not in env
-    assert env["MARIND_ZYGOTE_SOCKET"].startswith("@marind-zygote-") and env["MARIND_ZYGOTE_ENTRYPOINT"] == "trainer"
+    assert env["MARIND_ZYGOTE_SOCKET"].startswith("@marind-zygote-") and env["MARIND_ZYGOTE_ENTRYPOINT"] == "marind.trainer"
     assert "MARIND_ZYGOTE_SOCKET" not in worker_env({}, job="j1", node="n", run_dir=tmp_path, spec=cold)
     assert env["MARIND_RUN_DIR"] == str(tmp_path) and env["MARIND_JOB_ID"] == "j1" and env["FOO"] == "bar baz"

@@ -126,7 +126,7 @@ def run_injector(name: str, *args: str, etcd=None, prefix: str | None = None,
     except subprocess.TimeoutExpired:
         procs.kill_group(proc)
         out, err = proc.communicate(timeout=5)
-        raise AssertionError(f"{name} ran past {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
+        raise AssertionError(f"{name} ran past {timeout}s\nstdout:\n{out}\nstderr:\n{err}") from None
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return InjectorResult(proc.returncode, lines, out, err)
 

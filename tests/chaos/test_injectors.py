@@ -22,9 +22,9 @@ import s3fs
 import torch
 
 from ckpt_store import CheckpointStore
-from marind.errors import ControlPlaneUnavailable
-from marind.etcd_client import EtcdClient
-from marind.netutil import free_port
+from marind.core.errors import ControlPlaneUnavailable
+from marind.core.etcd_client import EtcdClient
+from marind.core.netutil import free_port
 from tests.chaos.conftest import REPO, run_injector
 from tests.support import procs
 

@@ -11,17 +11,16 @@ is ``@pytest.mark.slow`` (``make chaos``).
 from __future__ import annotations
 
 import json
-import time
 import uuid
 
 import pytest
 
 from ckpt_store import CheckpointStore
 from marind.cli import main as marind_main
+from marind.trainer import corpus
 from tests.agent.helpers import agent_log, job_state, node_registered, start_agent, wait_for
 from tests.chaos.conftest import run_injector
 from tests.support.s3_server import ACCESS_KEY, SECRET_KEY
-from trainer import corpus
 
 STEPS = 24
 EVERY = 6
@@ -45,7 +44,7 @@ nodes = "{nodes}"
 nproc_per_node = 2
 max_restarts = 10
 hang_timeout = "{hang_timeout}"
-entrypoint = "trainer"
+entrypoint = "marind.trainer"
 [job.env]
 AWS_ENDPOINT_URL = "{s3.endpoint}"
 AWS_ACCESS_KEY_ID = "{ACCESS_KEY}"
@@ -86,7 +85,7 @@ class Cluster:
         for node in nodes:
             start_agent(tmp, node, etcd.endpoint, prefix, slots=2)
         for node in nodes:
-            wait_for(lambda: node_registered(client, node), 60, f"node {node} registered",
+            wait_for(lambda node=node: node_registered(client, node), 60, f"node {node} registered",
                      diag=self.diag)
 
     def diag(self) -> str:

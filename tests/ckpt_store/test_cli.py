@@ -170,7 +170,7 @@ def test_export_removes_its_temp_file_when_the_write_fails(tmp_path):
 
 
 def test_unreachable_s3_endpoint_is_one_line_naming_the_fix(capsys, monkeypatch):
-    from marind.netutil import free_port
+    from marind.core.netutil import free_port
 
     endpoint = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setenv("MARIND_S3_ENDPOINT", endpoint)

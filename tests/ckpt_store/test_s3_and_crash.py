@@ -53,7 +53,7 @@ def test_sigkill_of_a_saving_rank_leaves_previous_step(tmp_path):
     url = f"file://{tmp_path}/ckpt"
     procs.run_torch_workers("tests.ckpt_store.workers:save_big", 2, timeout=120, url=url, step=1, mb=4)
     # step 2, throttled to ~2 MiB/s per rank: rank 1 is killed while uploading
-    port = __import__("marind.netutil", fromlist=["free_port"]).free_port()
+    port = __import__("marind.core.netutil", fromlist=["free_port"]).free_port()
     args = tmp_path / "args.json"
     args.write_text(__import__("json").dumps({"url": url, "step": 2, "mb": 16, "rate": 2 << 20,
                                               "commit_timeout_s": 8.0}))

@@ -11,8 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt_store import (CheckpointCorrupt, CheckpointError, CheckpointMismatch, CheckpointNotFound,
-                        CheckpointSaveFailed, CheckpointStore)
+from ckpt_store import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointMismatch,
+    CheckpointNotFound,
+    CheckpointSaveFailed,
+    CheckpointStore,
+)
 
 
 def _state(seed: int = 0) -> dict:

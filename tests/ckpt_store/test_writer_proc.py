@@ -4,7 +4,6 @@ writer never commits (its save fails at wait(), the next save starts a fresh one
 from __future__ import annotations
 
 import json
-
 import os
 import signal
 import subprocess

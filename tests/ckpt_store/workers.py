@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 import zlib
 
@@ -41,7 +39,6 @@ def _placements(layout: str, ndim: int, world: int):
         return None
     if layout in ("2d", "2d_strided"):
         mesh = (2, world // 2) if world % 2 == 0 else (1, world)
-        tp = mesh[1]
         if ndim == 0:
             return mesh, (Replicate(), Replicate())
         if ndim == 1:

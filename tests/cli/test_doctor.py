@@ -6,7 +6,7 @@ import json
 
 from marind.cli import main
 from marind.commands.doctor import check_etcd, check_store
-from marind.netutil import free_port
+from marind.core.netutil import free_port
 
 
 def test_doctor_passes_on_a_good_node(etcd, etcd_prefix, s3, s3_url, tmp_path, capsys, monkeypatch):

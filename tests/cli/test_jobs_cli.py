@@ -11,7 +11,7 @@ import json
 import pytest
 
 from marind.cli import main
-from marind.netutil import free_port
+from marind.core.netutil import free_port
 from tests.agent.helpers import tiny_spec
 
 BAD_SPECS = {

@@ -8,8 +8,8 @@ import time
 import pytest
 import s3fs
 
-from marind.errors import ControlPlaneUnavailable
-from marind.etcd_client import EtcdClient
+from marind.core.errors import ControlPlaneUnavailable
+from marind.core.etcd_client import EtcdClient
 
 
 def test_etcd_put_get_and_compare_and_swap(etcd_client):

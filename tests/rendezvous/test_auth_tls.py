@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 
-from marind.netutil import free_ports, port_open
+from marind.core.netutil import free_ports, port_open
 from marind.rendezvous import create_etcd3_handler
 from tests.support.procs import spawn
 

@@ -7,7 +7,7 @@ import threading
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousStateError
 
-from marind.etcd_client import EtcdClient
+from marind.core.etcd_client import EtcdClient
 from marind.rendezvous import Etcd3RendezvousBackend, state_key
 
 
@@ -146,7 +146,7 @@ def test_outage_within_the_grace_is_ridden_out(etcd_private):
     def call(name, fn):
         try:
             results[name] = fn()
-        except Exception as exc:  # reported by the assertions below
+        except Exception as exc:  # noqa: BLE001 - reported by the assertions below
             results[name] = exc
 
     etcd_private.kill()

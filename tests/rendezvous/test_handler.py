@@ -15,7 +15,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
 
-from marind.netutil import free_port
+from marind.core.netutil import free_port
 from marind.rendezvous import Etcd3RendezvousHandler, create_etcd3_handler, parse_options
 
 

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from marind.netutil import free_port
+from marind.core.netutil import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _live: list[subprocess.Popen] = []

@@ -14,11 +14,10 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
+from marind.core.netutil import free_ports, port_open
 from marind.local_etcd import adopted_server_pid, stop_server_pid, write_server_state
-from marind.netutil import free_ports, port_open
 
 ACCESS_KEY = "marindtest"
 SECRET_KEY = "marindtestsecret"
@@ -87,7 +86,7 @@ class SeaweedS3:
             "-webdav=false", "-admin.ui=false", "-master.telemetry=false",
         ]
 
-    def start(self, timeout: float = 60.0) -> "SeaweedS3":
+    def start(self, timeout: float = 60.0) -> SeaweedS3:
         if self.running:
             return self
         (self.root / "data").mkdir(parents=True, exist_ok=True)
@@ -155,7 +154,7 @@ class SeaweedS3:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
 
-    def restart(self, timeout: float = 60.0) -> "SeaweedS3":
+    def restart(self, timeout: float = 60.0) -> SeaweedS3:
         self.stop()
         return self.start(timeout)
 

@@ -24,7 +24,7 @@ _torchruns: list[subprocess.Popen] = []
 
 def ft_spec(tmp: Path, *, steps: int, groups: int = 2, min_replicas: int = 1, ckpt: str = "",
             every_steps: int = 0, nproc: int = 1, nodes_per_group: int = 1, max_restarts: int = 3) -> Path:
-    from trainer.corpus import write_example_dataset
+    from marind.trainer.corpus import write_example_dataset
 
     data = tmp / "data"
     if not data.with_suffix(".bin").exists():
@@ -88,7 +88,7 @@ def start_group(tmp: Path, group: int, spec: Path, *, lighthouse: str | None = N
         meet = ["--rdzv-backend=etcd3", f"--rdzv-endpoint={endpoint.split('://', 1)[-1]}", f"--rdzv-id=rg-{group}",
                 f"--rdzv-conf=prefix={prefix}", f"--nnodes={nodes}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", *meet, "--max-restarts=3",
-           "--monitor-interval=0.5", f"--nproc-per-node={nproc}", "-m", "trainer", str(spec)]
+           "--monitor-interval=0.5", f"--nproc-per-node={nproc}", "-m", "marind.trainer", str(spec)]
     first = None
     for _ in range(nodes):
         with open(tmp / f"rg{group}.log", "ab") as log:

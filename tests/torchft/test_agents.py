@@ -12,16 +12,16 @@ import json
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
 pytest.importorskip("torchft")
 
-from marind.cli import main  # noqa: E402
-from tests.agent.helpers import agent_log, job_state, node_registered, start_agent, wait_for  # noqa: E402
-from tests.support.procs import REPO_ROOT, base_env  # noqa: E402
-from tests.torchft.groups import ft_spec  # noqa: E402
+from marind.cli import main
+from tests.agent.helpers import agent_log, job_state, node_registered, start_agent, wait_for
+from tests.support.procs import REPO_ROOT, base_env
+from tests.torchft.groups import ft_spec
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -179,7 +179,7 @@ def test_replica_groups_of_two_nodes_under_four_agents(tmp_path, etcd, etcd_clie
     node_group = {g["node"]: g["slot"] for g in ft["groups"]}
     assert {r["world_size"] for r in records(node_group).values()} == {2}
 
-    killed_at = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    killed_at = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     out = subprocess.run([sys.executable, "chaos/kill_random_rank.py", "--job", job, "--seed", "5"],
                          cwd=REPO_ROOT, env=base_env({"MARIND_ETCD": etcd.endpoint, "MARIND_PREFIX": etcd_prefix}),
                          capture_output=True, text=True, timeout=60)
@@ -211,7 +211,7 @@ def test_a_group_out_of_restarts_leaves_and_the_job_trains_on(tmp_path, etcd, et
                              cwd=REPO_ROOT, env=base_env({"MARIND_ETCD": etcd.endpoint, "MARIND_PREFIX": etcd_prefix}),
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
-        wait_for(lambda: _progress(tmp_path, "b", job).get("pid") not in (None, pid)
+        wait_for(lambda pid=pid: _progress(tmp_path, "b", job).get("pid") not in (None, pid)
                  or any(e["kind"] == "group_failed" for e in list_events(etcd_client, job)), 120,
                  "b's group restarted or given up", diag=diag)
     wait_for(lambda: any(e["kind"] == "group_failed" and e["node"] == "b" for e in list_events(etcd_client, job)),

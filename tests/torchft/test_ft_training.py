@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from marind.agent.lighthouse import FTCoordinator, LighthouseProcess  # noqa: E402
-from tests.torchft.groups import ft_spec, kill_torchrun, logs, progress, start_group, wait_for  # noqa: E402
+from marind.agent.lighthouse import FTCoordinator, LighthouseProcess
+from tests.torchft.groups import ft_spec, kill_torchrun, logs, progress, start_group, wait_for
 
 REJOIN_BOUND_S = 60.0     # kill -> the restarted group has committed a step (CPU, 2 cores, loaded)
 FAULT = {"min_replicas": 1, "join_timeout": 0.5, "heartbeat_timeout": 2.0}

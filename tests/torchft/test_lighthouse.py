@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from marind.agent.lighthouse import FTCoordinator, ft_status  # noqa: E402
-from marind.netutil import port_open  # noqa: E402
+from marind.agent.lighthouse import FTCoordinator, ft_status
+from marind.core.netutil import port_open
 
 SPEC = {"fault": {"mode": "torchft", "replica_groups": 2, "min_replicas": 1,
                   "join_timeout": 0.5, "heartbeat_timeout": 2.0}}

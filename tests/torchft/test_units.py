@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from marind.agent.supervisor import torchrun_command
-from marind.errors import SpecError
-from marind.spec import load_spec
+from marind.core.errors import SpecError
+from marind.core.spec import load_spec
 
 BASE = """
 [job]
@@ -66,7 +66,7 @@ def test_elastic_default_unchanged():
 
 def test_group_slices_are_disjoint_and_cover_each_step():
     pytest.importorskip("torch")      # trainer.ft imports torch
-    from trainer.ft import sample_indices
+    from marind.trainer.ft import sample_indices
     s = spec(groups=3, nodes=3)           # global_batch 8 per group, micro 2, 2 ranks -> accum 2
     for step in (0, 1, 7):
         seen = []

@@ -8,9 +8,16 @@ import numpy as np
 import pytest
 
 from marind.cli import main as marind_main
-from trainer.data import (Sampler, TokenDataset, num_windows, rank_sample_indices, read_header,
-                          sample_window, write_dataset)
-from trainer.schedule import lr_at
+from marind.trainer.data import (
+    Sampler,
+    TokenDataset,
+    num_windows,
+    rank_sample_indices,
+    read_header,
+    sample_window,
+    write_dataset,
+)
+from marind.trainer.schedule import lr_at
 
 
 def test_write_read_roundtrip(tmp_path):

@@ -11,9 +11,9 @@ import time
 import pytest
 
 from ckpt_store import CheckpointStore
-from marind.spec import load_spec
+from marind.core.spec import load_spec
+from marind.trainer import corpus
 from tests.support.procs import kill_group, run_torch_workers, spawn
-from trainer import corpus
 
 SPEC = """
 [job]
@@ -53,7 +53,7 @@ def test_nan_gradient_is_skipped_then_rolled_back(data, tmp_path):
     assert res["rollbacks"] == 1
     assert res["step"] == 8
     assert res["data_position"] == (8 + 2) * 4  # the rolled-back batches are not replayed
-    assert all(l == l for l in res["losses"])  # finite losses only
+    assert all(loss == loss for loss in res["losses"])  # finite losses only
 
 
 def _progress(run_dir, rank):
@@ -70,7 +70,7 @@ def test_sigterm_stops_cleanly_under_torchrun(data, tmp_path):
     log_path = tmp_path / "out.log"
     with open(log_path, "wb") as log:
         proc = spawn([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                      "-m", "trainer", str(spec_path)],
+                      "-m", "marind.trainer", str(spec_path)],
                      env={"MARIND_RUN_DIR": run_dir, "MARIND_JOB_ID": "job-sigterm"},
                      stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 150

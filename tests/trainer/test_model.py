@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from marind.spec import PRESETS, swiglu_hidden
-from trainer.model import GPT, ModelConfig, flops_per_token, param_count
+from marind.core.spec import PRESETS, swiglu_hidden
+from marind.trainer.model import GPT, ModelConfig, flops_per_token, param_count
 
 
 def test_param_count_matches_modules():

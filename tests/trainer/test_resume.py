@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 
-from marind.spec import load_spec
+from marind.core.spec import load_spec
+from marind.trainer import corpus
 from tests.support.procs import run_torch_workers
-from trainer import corpus
 
 STEPS = 12
 GLOBAL_BATCH = 8

@@ -6,9 +6,16 @@ import json
 
 import pytest
 
-from marind.errors import SpecError
-from marind.spec import (RunSpec, grad_accum_steps, load_spec, parse_duration, parse_nodes,
-                         resolve_mesh, validate_for_world)
+from marind.core.errors import SpecError
+from marind.core.spec import (
+    RunSpec,
+    grad_accum_steps,
+    load_spec,
+    parse_duration,
+    parse_nodes,
+    resolve_mesh,
+    validate_for_world,
+)
 
 BASE = """
 [job]
@@ -17,7 +24,7 @@ nodes = "1:2"
 nproc_per_node = 2
 max_restarts = 20
 hang_timeout = "120s"
-entrypoint = "trainer"
+entrypoint = "marind.trainer"
 
 [model]
 preset = "tiny"

@@ -7,9 +7,9 @@ import hashlib
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+from marind.core.spec import RunSpec
 from marind.distributed import device_for_local_rank
-from marind.spec import RunSpec
-from trainer.train import train
+from marind.trainer.train import train
 
 
 def _digest(t: torch.Tensor) -> str:

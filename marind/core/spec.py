@@ -25,11 +25,12 @@ import math
 import os
 import re
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-from marind.errors import SpecError
+from marind.core.errors import SpecError
 
 # ---------------------------------------------------------------- presets
 
@@ -155,6 +156,11 @@ def _key(f: dataclasses.Field) -> str:
 
 # ---------------------------------------------------------------- sections
 
+#: The reference trainer's module. ``entrypoint = "trainer"`` (its name before it moved
+#: into the marind package) still means it.
+TRAINER_ENTRYPOINT = "marind.trainer"
+_ENTRYPOINT_ALIASES = {"trainer": TRAINER_ENTRYPOINT}
+
 @dataclass(frozen=True, kw_only=True)
 class JobSpec:
     name: str = _f("job", "str")
@@ -162,7 +168,7 @@ class JobSpec:
     nproc_per_node: int = _f(1, "int")
     max_restarts: int = _f(3, "int")
     hang_timeout: float = _f(300.0, "duration")
-    entrypoint: str = _f("trainer", "str")
+    entrypoint: str = _f(TRAINER_ENTRYPOINT, "str")
     warm_start: bool = _f(True, "bool")       # fork workers from a zygote with torch loaded (marind/zygote.py)
     env: tuple[tuple[str, str], ...] = _f((), "env")
 
@@ -282,7 +288,7 @@ class RunSpec:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping, *, check_worlds: bool = True) -> "RunSpec":
+    def from_dict(cls, data: Mapping, *, check_worlds: bool = True) -> RunSpec:
         return _build(data, source="spec", check_worlds=check_worlds)
 
     def world_sizes(self) -> list[int]:
@@ -295,7 +301,7 @@ class RunSpec:
         lo, hi = self.job.nodes
         return [n * self.job.nproc_per_node for n in range(lo, hi + 1)]
 
-    def replace(self, **sections) -> "RunSpec":
+    def replace(self, **sections) -> RunSpec:
         return dataclasses.replace(self, **sections)
 
 
@@ -357,6 +363,9 @@ def _build(data: Mapping, *, source: str, check_worlds: bool) -> RunSpec:
         raise SpecError("data.path is required: the prefix of a prepared .bin/.idx pair "
                         "(make one with `marind data prepare`)")
     sections["model"] = _resolve_model(sections.get("model", ModelSpec()), given_model)
+    job = sections.get("job", JobSpec())
+    if job.entrypoint in _ENTRYPOINT_ALIASES:
+        sections["job"] = dataclasses.replace(job, entrypoint=_ENTRYPOINT_ALIASES[job.entrypoint])
     spec = RunSpec(**sections)
     validate_spec(spec, check_worlds=check_worlds)
     return spec
@@ -399,7 +408,7 @@ def validate_spec(spec: RunSpec, *, check_worlds: bool = True) -> None:
     _positive(j.max_restarts, "job.max_restarts", zero_ok=True)
     _positive(j.hang_timeout, "job.hang_timeout")
     if not re.fullmatch(r"[A-Za-z_][\w.]*", j.entrypoint):
-        raise SpecError(f"job.entrypoint = {j.entrypoint!r} must be a python module name like \"trainer\"")
+        raise SpecError(f"job.entrypoint = {j.entrypoint!r} must be a python module name like \"marind.trainer\"")
     for key in ("dim", "n_layers", "n_heads", "ffn_dim"):
         _positive(getattr(m, key), f"model.{key}")
     if m.vocab_size is not None:

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import etcd3
 import grpc
 from etcd3 import exceptions as etcd_exc
 
-from marind.errors import ControlPlaneUnavailable
+from marind.core.errors import ControlPlaneUnavailable
 
 DEFAULT_PREFIX = "/marind"
 _TRANSIENT = (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError,
@@ -210,7 +211,7 @@ class EtcdClient:
                 continue
         return out
 
-    def put(self, key: str, value: bytes | str, lease: "etcd3.Lease | None" = None) -> int:
+    def put(self, key: str, value: bytes | str, lease: etcd3.Lease | None = None) -> int:
         resp = self._call(self._client.put, key, value, lease=lease)
         return resp.header.revision
 

@@ -3,7 +3,7 @@
 RMSNorm, rotary position embeddings, SwiGLU MLP, causal
 ``scaled_dot_product_attention``, tied or untied embeddings. Module names
 (``layers.N.attention.wq`` ...) are the checkpoint FQNs and the targets of
-the tensor-parallel plan in ``trainer.parallel``. Attention reshapes with
+the tensor-parallel plan in ``marind.trainer.parallel``. Attention reshapes with
 ``-1`` heads so that a tensor-parallel rank runs on its local heads.
 """
 
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from marind.spec import ModelSpec
+from marind.core.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
 
     @classmethod
-    def from_spec(cls, model: ModelSpec, *, seq_len: int, data_vocab_size: int) -> "ModelConfig":
+    def from_spec(cls, model: ModelSpec, *, seq_len: int, data_vocab_size: int) -> ModelConfig:
         return cls(vocab_size=model.vocab_size or data_vocab_size, dim=model.dim, n_layers=model.n_layers,
                    n_heads=model.n_heads, ffn_dim=model.ffn_dim, seq_len=seq_len,
                    tie_embeddings=model.tie_embeddings, norm_eps=model.norm_eps, rope_theta=model.rope_theta)

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m trainer run.toml`` (under torchrun, or alone as one process).
+"""Entry point: ``python -m marind.trainer run.toml`` (under torchrun, or alone as one process).
 
 Parse the spec, install SIGUSR1 stack dumps (the agent's hang probe) and
 the SIGTERM/SIGINT stop flag, join the process group, train, shut down
@@ -14,12 +14,12 @@ import os
 import signal
 import sys
 
-from marind.errors import SpecError
-from marind.log import get_logger
-from marind.netutil import free_port
-from marind.spec import RunSpec, load_spec
+from marind.core.errors import SpecError
+from marind.core.log import get_logger
+from marind.core.netutil import free_port
+from marind.core.spec import RunSpec, load_spec
 
-USAGE = "usage: python -m trainer RUN.toml|SPEC.json  (under torchrun, or alone)"
+USAGE = "usage: python -m marind.trainer RUN.toml|SPEC.json  (under torchrun, or alone)"
 
 
 def read_spec(path: str) -> RunSpec:
@@ -50,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"Error: {str(exc).splitlines()[0]}\n")
         return 2
 
-    from trainer.train import STOP_EXIT_CODE, StopFlag, train
+    from marind.core.spec import validate_for_world
     from marind.distributed import init_distributed, shutdown_distributed
-    from marind.spec import validate_for_world
+    from marind.trainer.train import STOP_EXIT_CODE, StopFlag, train
 
     stop = StopFlag()
     stop.install()
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     code = 1
     try:
         if spec.fault.mode == "torchft":
-            from trainer.ft import train_ft as train
+            from marind.trainer.ft import train_ft as train
         result, _, _ = train(spec, device, stop=stop)
         code = STOP_EXIT_CODE if result.stopped else 0
     except Exception as exc:

@@ -21,12 +21,11 @@ import os
 import time
 
 import torch
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ckpt_store import CheckpointSaveFailed
-from marind.log import get_logger
-from marind.spec import RunSpec
+from marind.core.log import get_logger
+from marind.core.spec import RunSpec
 
 log = get_logger(__name__)
 

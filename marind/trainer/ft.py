@@ -1,6 +1,6 @@
 """torchft mode (``[fault] mode = "torchft"``): this torch world is ONE replica group.
 
-FSDP2/TP work inside the group as in ``trainer.train``; across groups the
+FSDP2/TP work inside the group as in ``marind.trainer.train``; across groups the
 gradients are averaged through a torchft ``Manager`` and its reconfigurable
 process group (gloo on CPU, NCCL on CUDA), so when a group dies the others keep stepping (their
 quorum shrinks), and a restarted group joins the next quorum and receives
@@ -30,7 +30,7 @@ A group may span several nodes (``fault.nodes_per_group``): its torch world
 is their one torchrun rendezvous, and nothing here depends on where ranks run.
 
 Not (yet) here: the non-finite-step rollback and ``nan_at_step`` of
-``trainer.train`` (a non-finite step is reported to the Manager and not
+``marind.trainer.train`` (a non-finite step is reported to the Manager and not
 committed, by every group alike); overlapping the quorum with the forward
 pass (torchft's async quorum). If the lighthouse moves while the ranks of
 one group disagree about it, that group fails and torchrun restarts it.
@@ -50,15 +50,15 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from marind.log import get_logger
-from marind.spec import RunSpec, grad_accum_steps
-from trainer.checkpointing import Checkpointer, init_optimizer_state
-from trainer.data import rank_sample_indices
-from trainer.model import lm_loss
-from trainer.parallel import clip_grad_norm
-from trainer.progress import ProgressWriter
-from trainer.schedule import lr_at
-from trainer.train import Result, StopFlag, build
+from marind.core.log import get_logger
+from marind.core.spec import RunSpec, grad_accum_steps
+from marind.trainer.checkpointing import Checkpointer, init_optimizer_state
+from marind.trainer.data import rank_sample_indices
+from marind.trainer.model import lm_loss
+from marind.trainer.parallel import clip_grad_norm
+from marind.trainer.progress import ProgressWriter
+from marind.trainer.schedule import lr_at
+from marind.trainer.train import Result, StopFlag, build
 
 MOVED_GRACE_S = 2.0          # a quorum waiting this long is abandoned if the lighthouse moved
 LIGHTHOUSE_WAIT_S = 30.0     # after a failed quorum: wait this long for a new lighthouse address
@@ -199,7 +199,7 @@ class FTGroup:
                 try:
                     self.manager = make(address)
                     break
-                except Exception as exc:  # noqa: BLE001 - lighthouse unreachable: wait for a new one
+                except Exception as exc:
                     if time.monotonic() > deadline:
                         raise
                     get_logger("trainer").warning("ft_lighthouse_unreachable", address=address,
@@ -290,7 +290,7 @@ def _allreduce_grads(manager, params: list) -> None:
 
 
 def train_ft(spec: RunSpec, device: torch.device, *, stop: StopFlag | None = None):
-    """The torchft loop; returns (Result, model, optimizer) like ``trainer.train.train``."""
+    """The torchft loop; returns (Result, model, optimizer) like ``marind.trainer.train.train``."""
     stop = stop or StopFlag()
     f, d, o, t = spec.fault, spec.data, spec.optim, spec.train
     group = int(os.environ.get("MARIND_REPLICA_GROUP", "0"))
@@ -328,7 +328,7 @@ def train_ft(spec: RunSpec, device: torch.device, *, stop: StopFlag | None = Non
                 ft.start_quorum()           # synchronous: a healing group holds the peer's state now
             except StopRequested:
                 raise
-            except Exception as exc:  # noqa: BLE001 - lighthouse lost or peers gone: rebuild and retry
+            except Exception as exc:
                 failures += 1
                 if failures > MAX_QUORUM_FAILURES:
                     raise

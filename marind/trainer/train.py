@@ -22,14 +22,14 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from marind.log import get_logger
-from marind.spec import RunSpec, grad_accum_steps
-from trainer.checkpointing import Checkpointer
-from trainer.data import Sampler, TokenDataset, rank_sample_indices
-from trainer.model import GPT, ModelConfig, flops_per_token, lm_loss, param_count
-from trainer.parallel import build_mesh, clip_grad_norm, parallelize
-from trainer.progress import ProgressWriter
-from trainer.schedule import lr_at, peak_flops_per_device
+from marind.core.log import get_logger
+from marind.core.spec import RunSpec, grad_accum_steps
+from marind.trainer.checkpointing import Checkpointer
+from marind.trainer.data import Sampler, TokenDataset, rank_sample_indices
+from marind.trainer.model import GPT, ModelConfig, flops_per_token, lm_loss, param_count
+from marind.trainer.parallel import build_mesh, clip_grad_norm, parallelize
+from marind.trainer.progress import ProgressWriter
+from marind.trainer.schedule import lr_at, peak_flops_per_device
 
 STOP_EXIT_CODE = 143  # stopped by SIGTERM/SIGINT after a clean shutdown
 

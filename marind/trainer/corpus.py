@@ -37,8 +37,8 @@ def documents(n_docs: int = 600, seed: int = 0):
 
 def write_example_dataset(prefix, n_docs: int = 600, seed: int = 0):
     """Byte-tokenize ``documents(n_docs, seed)`` into ``prefix.bin`` + ``prefix.idx``; returns the header."""
-    from trainer.data import write_dataset
-    from trainer.tokenize import ByteTokenizer
+    from marind.trainer.data import write_dataset
+    from marind.trainer.tokenize import ByteTokenizer
 
     tok = ByteTokenizer()
     return write_dataset(prefix, (tok.encode(t) for t in documents(n_docs, seed)), tok.vocab_size)

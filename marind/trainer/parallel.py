@@ -17,10 +17,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from marind.spec import RunSpec, validate_for_world
+from marind.core.spec import RunSpec, validate_for_world
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 

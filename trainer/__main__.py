@@ -1,5 +1,0 @@
-import sys
-
-from trainer.main import main
-
-sys.exit(main())
