@@ -91,7 +91,8 @@ def _storage_error(url: str, exc: BaseException) -> Exception | None:
     except ImportError:    # no s3fs stack installed: only local stores
         unreachable, no_creds = (ConnectionError,), ()
     s3 = url.startswith(("s3://", "s3a://"))
-    seen, cause = 0, exc
+    seen = 0
+    cause: BaseException | None = exc
     while cause is not None and seen < 8:   # the library may have wrapped it
         if isinstance(cause, no_creds):
             return UsageError(f"no S3 credentials for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
