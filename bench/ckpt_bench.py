@@ -33,10 +33,6 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
 
 # ---------------------------------------------------------------- rank side
 def _model(dim: int, layers: int, world: int):
@@ -533,8 +529,8 @@ def main(argv=None) -> int:
                     '(e.g. \'{"writer_nice": 10}\')')
     ap.add_argument("--dir", default=None, help="local checkpoint dir (default: a temp dir)")
     args = ap.parse_args(argv)
-    from tests.support.procs import kill_all, run_torch_workers
-    from tests.support.s3_server import SeaweedS3
+    from marind.testing.procs import kill_all, run_torch_workers
+    from marind.testing.s3_server import SeaweedS3
 
     dim, layers = (128, 2) if args.quick else (2048, 12)     # full: 50M params + Adam = 604 MB
     repeats = args.repeats or (1 if args.quick else 3)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from bench.goodput import StepLine, kept_step_seconds, parse_step_lines, percentile, phase_split
-from tests.support.procs import REPO_ROOT, base_env
+from marind.testing.procs import REPO_ROOT, base_env
 
 
 def test_kept_steps_are_the_last_run_of_each_step_within_the_window():

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from chaos.schedule import Draw, draw_schedule
+from marind.testing.chaos.schedule import Draw, draw_schedule
 from tests.chaos.conftest import run_injector
 
 

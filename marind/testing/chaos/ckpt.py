@@ -15,7 +15,7 @@ import re
 
 import fsspec
 
-from chaos._common import NothingToDo, wait_until
+from marind.testing.chaos.common import NothingToDo, wait_until
 
 STEP_DIR = re.compile(r"^step-(\d{10})$")
 MANIFEST = "manifest.json"

@@ -6,9 +6,9 @@ import argparse
 import os
 import time
 
-from chaos._common import NothingToDo, emit
-from chaos._servers import ServerNotFound, ServerState, discover, live_pid, load_state, start, stop
 from marind.core.log import get_logger
+from marind.testing.chaos.common import NothingToDo, emit
+from marind.testing.chaos.servers import ServerNotFound, ServerState, discover, live_pid, load_state, start, stop
 
 log = get_logger("chaos.outage")
 

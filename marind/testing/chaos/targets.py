@@ -77,7 +77,9 @@ def record_host(job_rec: dict, node_rec: dict | None) -> str | None:
 def is_local(job_rec: dict, node_rec: dict | None, hostnames: frozenset[str]) -> bool:
     """A record is ours only when it names this host (a record without a host is not)."""
     host = record_host(job_rec, node_rec)
-    return bool(host) and (host in hostnames or host.split(".", 1)[0] in hostnames)
+    if not host:
+        return False
+    return host in hostnames or host.split(".", 1)[0] in hostnames
 
 
 def _int(value) -> int | None:

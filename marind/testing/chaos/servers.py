@@ -1,7 +1,7 @@
 """Stopping a server (etcd, S3) and starting the very same one again, for the outage injectors.
 
 A server is described by a state file that ``marind.local_etcd.LocalEtcd``
-and ``tests.support.s3_server.SeaweedS3`` write when they start:
+and ``marind.testing.s3_server.SeaweedS3`` write when they start:
 ``{kind, pid, command, cwd, log, endpoint, health_url, health_expect}``.
 Without one, the server is found as the process listening on the
 endpoint's port and described from the OS (command line, cwd). Either
