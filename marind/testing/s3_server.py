@@ -61,14 +61,17 @@ class SeaweedS3:
 
     @property
     def endpoint(self) -> str:
+        """The S3 endpoint url, ``http://127.0.0.1:PORT``."""
         return f"http://{self.host}:{self.ports['s3']}"
 
     @property
     def storage_options(self) -> dict:
+        """What s3fs (and CheckpointStore's ``storage_options``) needs to reach this server."""
         return {"key": ACCESS_KEY, "secret": SECRET_KEY,
                 "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"}}
 
     def url(self, *parts: str) -> str:
+        """``s3://BUCKET/PARTS...``."""
         return "s3://" + "/".join([self.bucket, *parts])
 
     def _write_identities(self) -> Path:
@@ -81,6 +84,7 @@ class SeaweedS3:
         return path
 
     def command(self) -> list[str]:
+        """The ``weed mini`` command line (same ports every time)."""
         p = self.ports
         data = self.root / "data"
         return [
@@ -151,10 +155,12 @@ class SeaweedS3:
 
     @property
     def running(self) -> bool:
+        """Whether this server (or its restart by another process) is running."""
         return (self.proc is not None and self.proc.poll() is None) or self._adopted() is not None
 
     @property
     def pid(self) -> int | None:
+        """The server's pid (a restart's by another process included), or None if never started."""
         if self.proc is not None and self.proc.poll() is None:
             return self.proc.pid
         return self._adopted() or (self.proc.pid if self.proc else None)

@@ -35,6 +35,7 @@ class NothingToDo(Exception):
 
 
 def base_parser(description: str, *, job_required: bool = True) -> argparse.ArgumentParser:
+    """The flags every injector takes: ``--job``, ``--etcd``, ``--prefix``, ``--seed``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--job", required=job_required, help="job id whose processes are targets")
     parser.add_argument("--etcd", help="etcd endpoint(s); default $MARIND_ETCD, then the "
@@ -146,6 +147,7 @@ def wait_for_step(client: EtcdClient, job: str, step: int | None, timeout: float
 
 
 def add_wait_args(parser: argparse.ArgumentParser) -> None:
+    """``--after-step`` and ``--wait``: when to act, and how long to look for a target."""
     parser.add_argument("--after-step", type=int, help="act only once the job reports this step")
     parser.add_argument("--wait", type=float, default=0.0,
                         help="seconds to keep looking for a target (and for --after-step) "
