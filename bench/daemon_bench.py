@@ -31,17 +31,16 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from marind.core.etcd_client import EtcdClient
+from marind.local_etcd import LocalEtcd
+from marind.testing.cluster import env as _env
+from marind.testing.cluster import kill_tree as _kill_tree
+from marind.testing.cluster import make_data as _make_data
+from marind.testing.cluster import start_agent as _agent
+from marind.testing.cluster import stop_agent
+from marind.testing.cluster import submit as _submit
 
-from bench._cluster import env as _env  # noqa: E402
-from bench._cluster import kill_tree as _kill_tree  # noqa: E402
-from bench._cluster import make_data as _make_data  # noqa: E402
-from bench._cluster import start_agent as _agent  # noqa: E402
-from bench._cluster import stop_agent  # noqa: E402
-from bench._cluster import submit as _submit  # noqa: E402
-from marind.core.etcd_client import EtcdClient  # noqa: E402
-from marind.local_etcd import LocalEtcd  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 SPEC = """
 [job]
@@ -210,7 +209,7 @@ def bench_node_death(root: Path, etcd: LocalEtcd, data: str) -> dict:
 
 def bench_rendezvous(endpoint: str) -> dict:
     try:
-        from bench.rendezvous_bench import measure  # the rendezvous engineer's
+        from rendezvous_bench import measure  # the rendezvous engineer's
     except ImportError as exc:
         return {"skipped": f"bench/rendezvous_bench.py not available ({exc})"}
     try:

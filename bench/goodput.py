@@ -41,12 +41,11 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from marind.local_etcd import LocalEtcd
+from marind.testing.chaos.schedule import draw_schedule
+from marind.testing.cluster import env, make_data, marind, start_nodes, stop_agent, submit
 
-from bench._cluster import env, make_data, marind, start_nodes, stop_agent, submit  # noqa: E402
-from chaos.schedule import draw_schedule  # noqa: E402
-from marind.local_etcd import LocalEtcd  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 SPEC = """
 [job]
@@ -331,7 +330,7 @@ def main() -> int:
         elastic = run_job(root, etcd, data, name="elastic", draws=draws, **kw) if args.mode != "torchft" else None
         torchft = None
         if args.mode != "elastic":
-            from bench.goodput_torchft import run_torchft, summarize_torchft
+            from goodput_torchft import run_torchft, summarize_torchft
             torchft = run_torchft(root, etcd, data, name="torchft", draws=draws, **{**kw, "nodes": max(2, args.nodes)})
             torchft["summary"] = summarize_torchft(torchft)
     finally:

@@ -28,13 +28,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from goodput import SPEC, Job, kept_step_seconds, kill_one, percentile
 
-from bench._cluster import make_data, marind, start_nodes, stop_agent, submit  # noqa: E402
-from bench.goodput import SPEC, Job, kept_step_seconds, kill_one, percentile  # noqa: E402
-from chaos.schedule import draw_schedule  # noqa: E402
-from marind.local_etcd import LocalEtcd  # noqa: E402
+from marind.local_etcd import LocalEtcd
+from marind.testing.chaos.schedule import draw_schedule
+from marind.testing.cluster import make_data, marind, start_nodes, stop_agent, submit
 
 FAULT = """
 [fault]
@@ -66,7 +64,7 @@ def _group_records(job: Job) -> dict[str, dict]:
 
 
 def _step_times(job: Job, node: str) -> list[tuple[float, int]]:
-    from bench.goodput import parse_step_lines
+    from goodput import parse_step_lines
     run_dir = job.root / f"state-{node}" / "jobs" / job.id
     try:
         lines = parse_step_lines((run_dir / "logs" / "torchrun.log").read_text(errors="replace"))

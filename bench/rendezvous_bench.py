@@ -33,21 +33,17 @@ import uuid
 from datetime import timedelta
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.elastic.rendezvous import RendezvousParameters  # noqa: E402
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (  # noqa: E402
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
     C10dRendezvousBackend,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler  # noqa: E402
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-from marind.core.netutil import free_port  # noqa: E402
-from marind.local_etcd import LocalEtcd  # noqa: E402
-from marind.rendezvous import create_etcd3_handler  # noqa: E402
-from marind.rendezvous.handler import use_frame_method_names  # noqa: E402
+from marind.core.netutil import free_port
+from marind.local_etcd import LocalEtcd
+from marind.rendezvous import create_etcd3_handler
+from marind.rendezvous.handler import use_frame_method_names
 
 JOIN_TIMEOUT_S = 300
 

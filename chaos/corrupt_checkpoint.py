@@ -16,13 +16,9 @@ was corrupted, 1 if there was no committed checkpoint.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from chaos._ckpt import add_root_args, committed_steps, read_manifest, resolve_root, step_dir_name
-from chaos._common import NothingToDo, base_parser, connect, emit, run, seeded_rng
+from marind.testing.chaos.ckpt import add_root_args, committed_steps, read_manifest, resolve_root, step_dir_name
+from marind.testing.chaos.common import NothingToDo, base_parser, connect, emit, run, seeded_rng
 
 
 def choose_object(objects: dict, rng, key: str | None, within: str = "") -> str:

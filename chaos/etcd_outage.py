@@ -15,13 +15,9 @@ Lines: ``stop_server``, ``start_server``; exit 0 if etcd was cycled,
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from chaos._common import base_parser, connect, resolve_etcd, run, seeded_rng
-from chaos._outage import add_outage_args, find_server, outage, require_job
+from marind.testing.chaos.common import base_parser, connect, resolve_etcd, run, seeded_rng
+from marind.testing.chaos.outage import add_outage_args, find_server, outage, require_job
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,14 +17,11 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psutil
 
-from chaos._common import (
+from marind.core.log import get_logger
+from marind.testing.chaos.common import (
     NothingToDo,
     add_wait_args,
     base_parser,
@@ -35,8 +32,7 @@ from chaos._common import (
     wait_for_step,
     wait_until,
 )
-from chaos._targets import find_workers
-from marind.core.log import get_logger
+from marind.testing.chaos.targets import find_workers
 
 log = get_logger("chaos.hang_rank")
 

@@ -19,15 +19,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from pathlib import Path
 from urllib.parse import urlsplit
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psutil
 
-from chaos._common import (
+from marind.core.log import get_logger
+from marind.testing.chaos.common import (
     NothingToDo,
     add_wait_args,
     base_parser,
@@ -39,8 +36,8 @@ from chaos._common import (
     wait_for_step,
     wait_until,
 )
-from chaos._servers import listens_on
-from chaos._targets import (
+from marind.testing.chaos.servers import listens_on
+from marind.testing.chaos.targets import (
     NodeTarget,
     agent_is_genuine,
     job_node_records,
@@ -49,7 +46,6 @@ from chaos._targets import (
     node_records,
     this_host_names,
 )
-from marind.core.log import get_logger
 
 log = get_logger("chaos.kill_node")
 

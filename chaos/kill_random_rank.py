@@ -18,13 +18,10 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from chaos._ckpt import add_root_args, add_save_wait_args, resolve_root, wait_for_save
-from chaos._common import (
+from marind.core.log import get_logger
+from marind.testing.chaos.ckpt import add_root_args, add_save_wait_args, resolve_root, wait_for_save
+from marind.testing.chaos.common import (
     NothingToDo,
     add_wait_args,
     base_parser,
@@ -36,8 +33,7 @@ from chaos._common import (
     wait_for_step,
     wait_until,
 )
-from chaos._targets import find_workers
-from marind.core.log import get_logger
+from marind.testing.chaos.targets import find_workers
 
 log = get_logger("chaos.kill_random_rank")
 

@@ -18,52 +18,18 @@ injectors' action lines are passed through on stdout, each with the
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from chaos._common import EXIT_ACTED, EXIT_NOTHING, base_parser, run, seeded_rng
 from marind.core.log import get_logger
+from marind.testing.chaos.common import EXIT_ACTED, EXIT_NOTHING, base_parser, run, seeded_rng
+from marind.testing.chaos.schedule import Draw, draw_schedule
 
 log = get_logger("chaos.schedule")
 CHAOS_DIR = Path(__file__).resolve().parent
-
-
-@dataclass(frozen=True)
-class Draw:
-    index: int
-    at: float      # seconds after the schedule's start
-    seed: int      # the seed handed to this run of the injector
-
-
-def draw_schedule(seed: int, every: float, duration: float, *, max_actions: int | None = None,
-                  fixed: bool = False, min_gap: float = 0.0) -> list[Draw]:
-    """The failure times for ``seed`` (pure: same arguments, same schedule).
-
-    Exponential inter-arrival times with mean ``every`` (or exactly
-    ``every`` when ``fixed``), each at least ``min_gap``; every draw lies
-    in ``(0, duration]``; at most ``max_actions`` draws.
-    """
-    if every <= 0:
-        raise ValueError("--every must be > 0 seconds")
-    if duration < 0 or min_gap < 0:
-        raise ValueError("--duration and --min-gap must be >= 0")
-    rng = random.Random(seed)
-    draws: list[Draw] = []
-    t = 0.0
-    while max_actions is None or len(draws) < max_actions:
-        gap = every if fixed else rng.expovariate(1.0 / every)
-        t += max(gap, min_gap)
-        if t > duration:
-            break
-        draws.append(Draw(index=len(draws), at=round(t, 3), seed=rng.randrange(2**31)))
-    return draws
 
 
 def injector_command(name: str, args, draw: Draw, extra: list[str]) -> list[str]:

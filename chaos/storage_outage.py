@@ -3,7 +3,7 @@
     python chaos/storage_outage.py [--job JOB] [--state FILE | --endpoint URL] [--seconds 10]
         [--during-save [--url CKPT_URL] [--storage-options JSON] [--wait SECONDS]]
 
-The server is the one ``--state`` describes (``tests.support.s3_server``
+The server is the one ``--state`` describes (``marind.testing.s3_server``
 writes one; default ``$MARIND_S3_STATE``), else the process of this host
 listening on ``--endpoint``. With ``--during-save`` the outage starts the
 moment a new checkpoint save is seen in progress under the job's
@@ -16,15 +16,11 @@ cycled, 1 if it or a save (within ``--wait``) was not found.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from chaos._ckpt import add_root_args, add_save_wait_args, resolve_root, wait_for_save
-from chaos._common import base_parser, connect, run, seeded_rng
-from chaos._outage import add_outage_args, find_server, outage, require_job
 from marind.core.log import get_logger
+from marind.testing.chaos.ckpt import add_root_args, add_save_wait_args, resolve_root, wait_for_save
+from marind.testing.chaos.common import base_parser, connect, run, seeded_rng
+from marind.testing.chaos.outage import add_outage_args, find_server, outage, require_job
 
 log = get_logger("chaos.storage_outage")
 

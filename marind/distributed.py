@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ def init_distributed(timeout_s: float = 300.0) -> torch.device:
     """Join the process group described by torchrun's env vars; returns this rank's device."""
     device = device_for_local_rank()
     if not dist.is_initialized():
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if device.type == "cuda":
             kwargs["device_id"] = device
         dist.init_process_group(backend=backend_for(device),

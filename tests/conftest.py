@@ -5,7 +5,7 @@
   each other's data.
 * ``etcd_private`` / ``s3_private`` are servers of the test's own, for
   tests that stop, kill or restart them.
-* Every child started through ``tests.support.procs.spawn`` is killed
+* Every child started through ``marind.testing.procs.spawn`` is killed
   after each test, pass or fail.
 """
 
@@ -18,8 +18,8 @@ import pytest
 
 from marind.core.etcd_client import EtcdClient
 from marind.local_etcd import LocalEtcd
-from tests.support import procs
-from tests.support.s3_server import SeaweedS3
+from marind.testing import procs
+from marind.testing.s3_server import SeaweedS3
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,10 +15,8 @@ to ``{state_dir}/etcd.endpoint``; the CLI reads that file from
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import socket
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +24,7 @@ from typing import Any
 
 from marind.core.errors import ControlPlaneUnavailable, SpecError
 from marind.core.etcd_client import DEFAULT_PREFIX, EtcdTLS
+from marind.core.schema import closest, load_toml, string_pairs
 
 SYSTEM_CONFIG = "/etc/marind/marind.toml"
 SYSTEM_STATE_DIR = "/var/lib/marind"
@@ -118,10 +117,7 @@ def config_path(explicit: str | None = None) -> Path | None:
 
 def parse_config_text(text: str, source: str = "marind.toml") -> dict[str, Any]:
     """TOML -> {AgentConfig field: value}; unknown keys are rejected with a did-you-mean."""
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise SpecError(f"{source}: TOML syntax error: {exc}") from exc
+    data = load_toml(text, source)
     out: dict[str, Any] = {}
     for section, table in data.items():
         if not isinstance(table, dict):
@@ -130,15 +126,15 @@ def parse_config_text(text: str, source: str = "marind.toml") -> dict[str, Any]:
             target = _TOML_KEYS.get((section, key))
             if target is None:
                 known = [f"{s}.{k}" for s, k in _TOML_KEYS]
-                hint = difflib.get_close_matches(f"{section}.{key}", known, n=1)
+                hint = closest(f"{section}.{key}", known)
                 raise SpecError(f"{source}: unknown key {section}.{key}"
-                                + (f"; did you mean {hint[0]}?" if hint else ""))
+                                + (f"; did you mean {hint}?" if hint else ""))
             if target == "etcd" and isinstance(value, list):
                 value = ",".join(value)
             if target == "labels":
                 if not isinstance(value, dict):
                     raise SpecError(f"{source}: agent.labels must be a table of strings")
-                value = tuple(sorted((str(k), str(v)) for k, v in value.items()))
+                value = string_pairs(value)
             out[target] = value
     return out
 

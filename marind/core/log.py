@@ -14,6 +14,7 @@ import os
 import sys
 
 import structlog
+from structlog.typing import Processor
 
 _configured = False
 
@@ -33,12 +34,13 @@ def configure_logging(level: str | None = None, json: bool | None = None) -> Non
         env = os.environ.get("MARIND_LOG_JSON")
         json = (env not in ("0", "false", "")) if env is not None else not sys.stderr.isatty()
 
-    shared = [
+    shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         structlog.processors.StackInfoRenderer(),
     ]
+    renderer: list[Processor]
     if json:
         renderer = [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
     else:

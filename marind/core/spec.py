@@ -13,6 +13,9 @@ anything reaches etcd, and the trainer reads its job's spec through it.
   Without a world size, ``load_spec`` checks every world size the job can
   run at (each node count in ``job.nodes`` x ``job.nproc_per_node``).
 
+Field kinds, durations, node ranges and did-you-mean come from the schema
+engine in ``marind.core.schema`` (the agent's config reads with it too).
+
 Model presets live here (not in the trainer) because validation needs the
 head count: ``tp`` must divide ``n_heads`` and the MLP width.
 """
@@ -20,17 +23,18 @@ head count: ``tp`` must divide ``n_heads`` and the MLP width.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import os
 import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from marind.core.errors import SpecError
+from marind.core.schema import did_you_mean, load_toml, parse_table, spec_field, table_of
+from marind.core.schema import parse_duration as parse_duration  # re-exported: part of the spec's API
+from marind.core.schema import parse_nodes as parse_nodes  # re-exported: part of the spec's API
 
 # ---------------------------------------------------------------- presets
 
@@ -52,108 +56,6 @@ PRESETS: dict[str, tuple[int, int, int]] = {
     "13b": (5120, 40, 40),
 }
 
-# ---------------------------------------------------------------- field kinds
-# Each dataclass field carries metadata {"kind": ..., "key": toml key}.
-
-def _f(default: Any, kind: str, key: str | None = None, **kw) -> Any:
-    meta = {"kind": kind}
-    if key:
-        meta["key"] = key
-    return field(default=default, metadata=meta, **kw)
-
-
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
-_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
-
-
-def parse_duration(value: Any, path: str = "duration") -> float:
-    """``"120s"``, ``"5m"``, ``"1.5h"``, ``"250ms"`` or a number of seconds -> seconds."""
-    if isinstance(value, bool):
-        raise SpecError(f"{path} must be a duration like \"120s\" or \"5m\", got {value!r}")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise SpecError(f"{path} must not be negative, got {value!r}")
-        return float(value)
-    if isinstance(value, str):
-        m = _DURATION_RE.match(value)
-        if m:
-            return float(m.group(1)) * _UNIT_S[m.group(2)]
-    raise SpecError(f"{path} must be a duration like \"120s\", \"5m\" or \"1h\", got {value!r}")
-
-
-def parse_nodes(value: Any, path: str = "job.nodes") -> tuple[int, int]:
-    """``"1:2"`` -> (1, 2); ``"2"`` or ``2`` -> (2, 2)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        lo = hi = value
-    elif isinstance(value, str):
-        parts = value.strip().split(":")
-        try:
-            if len(parts) == 1:
-                lo = hi = int(parts[0])
-            elif len(parts) == 2:
-                lo, hi = int(parts[0]), int(parts[1])
-            else:
-                raise ValueError(value)
-        except ValueError:
-            raise SpecError(f"{path} must be \"N\" or \"MIN:MAX\" node counts, e.g. \"1:2\", got {value!r}") from None
-    else:
-        raise SpecError(f"{path} must be \"N\" or \"MIN:MAX\" node counts, e.g. \"1:2\", got {value!r}")
-    if lo < 1 or hi < lo:
-        raise SpecError(f"{path} = {value!r}: need 1 <= min <= max (e.g. \"1:2\")")
-    return lo, hi
-
-
-def _type_name(value: Any) -> str:
-    return {bool: "boolean", int: "integer", float: "float", str: "string",
-            dict: "table", list: "array"}.get(type(value), type(value).__name__)
-
-
-def _convert(kind: str, value: Any, path: str) -> Any:
-    if kind == "int" or kind == "int?":
-        if kind == "int?" and value is None:
-            return None
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise SpecError(f"{path} must be an integer, got {_type_name(value)} {value!r}")
-    if kind == "float":
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise SpecError(f"{path} must be a number, got {_type_name(value)} {value!r}")
-    if kind == "str":
-        if isinstance(value, str):
-            return value
-        raise SpecError(f"{path} must be a string, got {_type_name(value)} {value!r}")
-    if kind == "bool":
-        if isinstance(value, bool):
-            return value
-        raise SpecError(f"{path} must be true or false, got {_type_name(value)} {value!r}")
-    if kind == "duration":
-        return parse_duration(value, path)
-    if kind == "duration?":
-        return None if value is None else parse_duration(value, path)
-    if kind == "nodes":
-        return parse_nodes(value, path)
-    if kind == "env":
-        if isinstance(value, dict) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool)
-                                           for v in value.values()):
-            return tuple(sorted((str(k), str(v)) for k, v in value.items()))
-        raise SpecError(f"{path} must be a table of NAME = \"value\" strings")
-    raise AssertionError(kind)
-
-
-def _export(kind: str, value: Any) -> Any:
-    if kind == "nodes":
-        lo, hi = value
-        return f"{lo}:{hi}"
-    if kind == "env":
-        return dict(value)
-    return value
-
-
-def _key(f: dataclasses.Field) -> str:
-    return f.metadata.get("key", f.name)
-
-
 # ---------------------------------------------------------------- sections
 
 #: The reference trainer's module. ``entrypoint = "trainer"`` (its name before it moved
@@ -163,77 +65,77 @@ _ENTRYPOINT_ALIASES = {"trainer": TRAINER_ENTRYPOINT}
 
 @dataclass(frozen=True, kw_only=True)
 class JobSpec:
-    name: str = _f("job", "str")
-    nodes: tuple[int, int] = _f((1, 1), "nodes")
-    nproc_per_node: int = _f(1, "int")
-    max_restarts: int = _f(3, "int")
-    hang_timeout: float = _f(300.0, "duration")
-    entrypoint: str = _f(TRAINER_ENTRYPOINT, "str")
-    warm_start: bool = _f(True, "bool")       # fork workers from a zygote with torch loaded (marind/zygote.py)
-    env: tuple[tuple[str, str], ...] = _f((), "env")
+    name: str = spec_field("job", "str")
+    nodes: tuple[int, int] = spec_field((1, 1), "nodes")
+    nproc_per_node: int = spec_field(1, "int")
+    max_restarts: int = spec_field(3, "int")
+    hang_timeout: float = spec_field(300.0, "duration")
+    entrypoint: str = spec_field(TRAINER_ENTRYPOINT, "str")
+    warm_start: bool = spec_field(True, "bool")       # fork workers from a zygote with torch loaded (marind/zygote.py)
+    env: tuple[tuple[str, str], ...] = spec_field((), "env")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    preset: str = _f("tiny", "str")
-    dim: int = _f(0, "int")
-    n_layers: int = _f(0, "int")
-    n_heads: int = _f(0, "int")
-    ffn_dim: int = _f(0, "int")
-    vocab_size: int | None = _f(None, "int?")   # None: from the prepared data
-    tie_embeddings: bool = _f(True, "bool")
-    norm_eps: float = _f(1e-5, "float")
-    rope_theta: float = _f(10000.0, "float")
+    preset: str = spec_field("tiny", "str")
+    dim: int = spec_field(0, "int")
+    n_layers: int = spec_field(0, "int")
+    n_heads: int = spec_field(0, "int")
+    ffn_dim: int = spec_field(0, "int")
+    vocab_size: int | None = spec_field(None, "int?")   # None: from the prepared data
+    tie_embeddings: bool = spec_field(True, "bool")
+    norm_eps: float = spec_field(1e-5, "float")
+    rope_theta: float = spec_field(10000.0, "float")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelSpec:
-    dp_replicate: int = _f(1, "int")
-    dp_shard: int = _f(-1, "int")
-    tp: int = _f(1, "int")
-    mixed_precision: str = _f("fp32", "str")        # "fp32" | "bf16"
-    activation_checkpointing: bool = _f(False, "bool")
-    compile: bool = _f(False, "bool")
+    dp_replicate: int = spec_field(1, "int")
+    dp_shard: int = spec_field(-1, "int")
+    tp: int = spec_field(1, "int")
+    mixed_precision: str = spec_field("fp32", "str")        # "fp32" | "bf16"
+    activation_checkpointing: bool = spec_field(False, "bool")
+    compile: bool = spec_field(False, "bool")
 
 
 @dataclass(frozen=True, kw_only=True)
 class DataSpec:
-    path: str = _f("", "str")
-    seq_len: int = _f(256, "int")
-    global_batch: int = _f(32, "int")
-    micro_batch: int = _f(4, "int")
+    path: str = spec_field("", "str")
+    seq_len: int = spec_field(256, "int")
+    global_batch: int = spec_field(32, "int")
+    micro_batch: int = spec_field(4, "int")
 
 
 @dataclass(frozen=True, kw_only=True)
 class OptimSpec:
-    lr: float = _f(3e-4, "float")
-    min_lr: float = _f(3e-5, "float")
-    warmup_steps: int = _f(20, "int")
-    weight_decay: float = _f(0.1, "float")
-    beta1: float = _f(0.9, "float")
-    beta2: float = _f(0.95, "float")
-    eps: float = _f(1e-8, "float")
-    grad_clip: float = _f(1.0, "float")
+    lr: float = spec_field(3e-4, "float")
+    min_lr: float = spec_field(3e-5, "float")
+    warmup_steps: int = spec_field(20, "int")
+    weight_decay: float = spec_field(0.1, "float")
+    beta1: float = spec_field(0.9, "float")
+    beta2: float = spec_field(0.95, "float")
+    eps: float = spec_field(1e-8, "float")
+    grad_clip: float = spec_field(1.0, "float")
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainSpec:
-    steps: int = _f(200, "int")
-    seed: int = _f(1234, "int")
-    log_every: int = _f(1, "int")
-    max_bad_steps: int = _f(3, "int")     # non-finite steps in a row before a rollback
-    tensorboard_dir: str = _f("", "str")  # "" = off (also off when tensorboard is missing)
+    steps: int = spec_field(200, "int")
+    seed: int = spec_field(1234, "int")
+    log_every: int = spec_field(1, "int")
+    max_bad_steps: int = spec_field(3, "int")     # non-finite steps in a row before a rollback
+    tensorboard_dir: str = spec_field("", "str")  # "" = off (also off when tensorboard is missing)
 
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointSpec:
-    url: str = _f("", "str")              # "" = no checkpoints
-    every_steps: int = _f(20, "int")      # 0 = off
-    every_seconds: float | None = _f(None, "duration?")
-    async_: bool = _f(True, "bool", key="async")
-    keep_last: int = _f(3, "int")         # 0 = keep all
-    keep_every: int = _f(0, "int")        # also keep every step divisible by this, for good; 0 = off
-    wait_timeout: float = _f(600.0, "duration")
+    url: str = spec_field("", "str")              # "" = no checkpoints
+    every_steps: int = spec_field(20, "int")      # 0 = off
+    every_seconds: float | None = spec_field(None, "duration?")
+    async_: bool = spec_field(True, "bool", key="async")
+    keep_last: int = spec_field(3, "int")         # 0 = keep all
+    keep_every: int = spec_field(0, "int")        # also keep every step divisible by this, for good; 0 = off
+    wait_timeout: float = spec_field(600.0, "duration")
 
 
 FAULT_MODES = ("elastic", "torchft")
@@ -250,15 +152,15 @@ class FaultSpec:
     per group and step.
     """
 
-    nan_at_step: int = _f(0, "int")       # 0 = off; also env MARIND_TEST_NAN_AT_STEP
-    mode: str = _f("elastic", "str")
-    replica_groups: int = _f(2, "int")    # torchft: group slots
-    nodes_per_group: int = _f(1, "int")   # torchft: nodes in one replica group (one torch world)
-    min_replicas: int = _f(1, "int")      # torchft: groups needed to commit a step
-    timeout: float = _f(30.0, "duration")           # torchft: collectives, commit, state transfer
-    quorum_timeout: float = _f(60.0, "duration")    # torchft: waiting for a quorum
-    join_timeout: float = _f(1.0, "duration")       # lighthouse: wait for stragglers before a quorum
-    heartbeat_timeout: float = _f(5.0, "duration")  # lighthouse: a silent group is dead after this
+    nan_at_step: int = spec_field(0, "int")       # 0 = off; also env MARIND_TEST_NAN_AT_STEP
+    mode: str = spec_field("elastic", "str")
+    replica_groups: int = spec_field(2, "int")    # torchft: group slots
+    nodes_per_group: int = spec_field(1, "int")   # torchft: nodes in one replica group (one torch world)
+    min_replicas: int = spec_field(1, "int")      # torchft: groups needed to commit a step
+    timeout: float = spec_field(30.0, "duration")           # torchft: collectives, commit, state transfer
+    quorum_timeout: float = spec_field(60.0, "duration")    # torchft: waiting for a quorum
+    join_timeout: float = spec_field(1.0, "duration")       # lighthouse: wait for stragglers before a quorum
+    heartbeat_timeout: float = spec_field(5.0, "duration")  # lighthouse: a silent group is dead after this
 
 
 _SECTIONS: dict[str, type] = {
@@ -280,12 +182,7 @@ class RunSpec:
 
     def to_dict(self) -> dict:
         """JSON-able form with the TOML key names; ``from_dict`` reads it back."""
-        out: dict[str, dict] = {}
-        for name in _SECTIONS:
-            section = getattr(self, name)
-            out[name] = {_key(f): _export(f.metadata["kind"], getattr(section, f.name))
-                         for f in dataclasses.fields(section)}
-        return out
+        return {name: table_of(getattr(self, name)) for name in _SECTIONS}
 
     @classmethod
     def from_dict(cls, data: Mapping, *, check_worlds: bool = True) -> RunSpec:
@@ -323,29 +220,8 @@ def load_spec(src: str | os.PathLike, *, check_worlds: bool = True) -> RunSpec:
         source = str(path)
     else:
         text, source = str(src), "run.toml"
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise SpecError(f"{source}: TOML syntax error: {exc}; fix the syntax at that line") from exc
+    data = load_toml(text, source, fix="; fix the syntax at that line")
     return _build(data, source=source, check_worlds=check_worlds)
-
-
-def _did_you_mean(word: str, choices) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(sorted(choices))})"
-
-
-def _parse_section(cls: type, raw: Any, name: str) -> tuple[Any, set[str]]:
-    if not isinstance(raw, Mapping):
-        raise SpecError(f"[{name}] must be a table, got {_type_name(raw)}")
-    fields = {_key(f): f for f in dataclasses.fields(cls)}
-    values = {}
-    for key, value in raw.items():
-        if key not in fields:
-            raise SpecError(f"unknown key '{name}.{key}'{_did_you_mean(key, fields)}; remove or rename it")
-        f = fields[key]
-        values[f.name] = _convert(f.metadata["kind"], value, f"{name}.{key}")
-    return cls(**values), set(raw)
 
 
 def _build(data: Mapping, *, source: str, check_worlds: bool) -> RunSpec:
@@ -355,8 +231,8 @@ def _build(data: Mapping, *, source: str, check_worlds: bool) -> RunSpec:
     given_model: set[str] = set()
     for name, raw in data.items():
         if name not in _SECTIONS:
-            raise SpecError(f"unknown section [{name}]{_did_you_mean(name, _SECTIONS)}; remove or rename it")
-        sections[name], given = _parse_section(_SECTIONS[name], raw, name)
+            raise SpecError(f"unknown section [{name}]{did_you_mean(name, _SECTIONS)}; remove or rename it")
+        sections[name], given = parse_table(_SECTIONS[name], raw, name)
         if name == "model":
             given_model = given
     if "data" not in sections or not sections["data"].path:
@@ -382,7 +258,7 @@ def _resolve_model(model: ModelSpec, given: set[str]) -> ModelSpec:
         dim, n_layers, n_heads = PRESETS[model.preset]
     else:
         raise SpecError(f"model.preset = {model.preset!r} is unknown"
-                        f"{_did_you_mean(model.preset, [*PRESETS, 'custom'])}")
+                        f"{did_you_mean(model.preset, [*PRESETS, 'custom'])}")
     dim = model.dim if "dim" in given else dim
     n_layers = model.n_layers if "n_layers" in given else n_layers
     n_heads = model.n_heads if "n_heads" in given else n_heads
@@ -472,7 +348,7 @@ def validate_spec(spec: RunSpec, *, check_worlds: bool = True) -> None:
 def _validate_fault(spec: RunSpec) -> None:
     f = spec.fault
     if f.mode not in FAULT_MODES:
-        raise SpecError(f"fault.mode = {f.mode!r}{_did_you_mean(f.mode, FAULT_MODES)}")
+        raise SpecError(f"fault.mode = {f.mode!r}{did_you_mean(f.mode, FAULT_MODES)}")
     if f.mode != "torchft":
         return
     _positive(f.replica_groups, "fault.replica_groups")

@@ -15,6 +15,17 @@ def create_etcd3_handler(params=None):
     defined before anything imports torch: importing torch's rendezvous
     package loads the entry points, possibly while this module is still
     half-imported.
+
+    Args:
+        params: torchrun's ``RendezvousParameters``, or None (torch's registry).
+
+    Returns:
+        A rendezvous handler on etcd v3 (``handler.create_handler``), or this
+        function itself when ``params`` is None.
+
+    Raises:
+        ValueError: a bad ``--rdzv-conf`` option or no endpoint.
+        RendezvousConnectionError: etcd cannot be reached with these settings.
     """
     if params is None:
         return create_etcd3_handler

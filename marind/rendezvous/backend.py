@@ -24,11 +24,21 @@ from marind.rendezvous.retry import DEFAULT_GRACE, with_grace
 
 
 def state_key(client: EtcdClient, run_id: str) -> str:
+    """The rendezvous state's key, ``{prefix}/jobs/{run_id}/rdzv/state``."""
     return client.key("jobs", run_id, "rdzv", "state")
 
 
 class Etcd3RendezvousBackend(RendezvousBackend):
-    """Rendezvous state in one etcd v3 key, compare-and-set on its mod_revision."""
+    """Rendezvous state in one etcd v3 key, compare-and-set on its mod_revision.
+
+    Args:
+        client: the etcd client (its prefix applies).
+        run_id: the rendezvous (job) id.
+        grace: seconds an etcd outage is retried before RendezvousConnectionError.
+
+    Raises:
+        ValueError: ``run_id`` is empty.
+    """
 
     def __init__(self, client: EtcdClient, run_id: str, grace: float = DEFAULT_GRACE) -> None:
         if not run_id:
@@ -40,9 +50,19 @@ class Etcd3RendezvousBackend(RendezvousBackend):
 
     @property
     def name(self) -> str:
+        """``"etcd3"``."""
         return "etcd3"
 
     def get_state(self) -> tuple[bytes, Token] | None:
+        """The state and its fencing token (the key's mod_revision).
+
+        Returns:
+            ``(state, token)``, or None when no state was written yet.
+
+        Raises:
+            RendezvousConnectionError: etcd unreachable for longer than the grace.
+            RendezvousStateError: the key holds an empty value.
+        """
         try:
             value, mod_revision = with_grace(lambda: self._client.get(self.key), self._grace,
                                              "rdzv get_state")
@@ -54,6 +74,21 @@ class Etcd3RendezvousBackend(RendezvousBackend):
 
     def set_state(self, state: bytes, token: Token | None = None
                   ) -> tuple[bytes, Token, bool] | None:
+        """Write ``state`` if the key is still at ``token`` (create it when ``token`` is None).
+
+        Args:
+            state: torch's serialised rendezvous state.
+            token: the token ``get_state``/``set_state`` returned last, or None to create.
+
+        Returns:
+            ``(state now in etcd, its token, whether ours was written)``: on a lost race,
+            the state that won; None when there is no state (lost to a delete, or a
+            foreign token and no state).
+
+        Raises:
+            RendezvousConnectionError: etcd unreachable for longer than the grace.
+            RendezvousStateError: the key holds an empty value.
+        """
         if token is None:
             expected = 0  # create: only if no state exists yet
         elif isinstance(token, int) and not isinstance(token, bool) and token > 0:

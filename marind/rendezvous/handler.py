@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -50,6 +51,20 @@ log = get_logger(__name__)
 
 @dataclass(frozen=True)
 class Etcd3Options:
+    """How a rendezvous reaches etcd, read from ``--rdzv-endpoint`` and ``--rdzv-conf``.
+
+    Attributes:
+        endpoints: ``HOST:PORT``, ``https://HOST:PORT`` or a comma-separated list.
+        prefix: the etcd key prefix (``prefix=``).
+        read_timeout: seconds per etcd request (``read_timeout=``).
+        store_timeout: seconds an agent waits on a store key (``store_timeout=``).
+        grace_timeout: seconds an etcd outage is retried before the rendezvous fails
+            (``etcd_grace_timeout=``).
+        user: etcd user (``user=``, else ``MARIND_ETCD_USER``), or None.
+        password: its password (``password=``, else ``MARIND_ETCD_PASSWORD``), or None.
+        tls: CA and client certificate files (``cacert=``, ``cert=``, ``key=``).
+    """
+
     endpoints: str
     prefix: str = DEFAULT_PREFIX
     read_timeout: float = 10.0
@@ -75,8 +90,20 @@ def _first(params: RendezvousParameters, *keys: str) -> str | None:
     return None
 
 
-def parse_options(params: RendezvousParameters, env: dict | None = None) -> Etcd3Options:
-    """The etcd connection settings of a rendezvous (pure: no I/O)."""
+def parse_options(params: RendezvousParameters, env: Mapping[str, str] | None = None) -> Etcd3Options:
+    """The etcd connection settings of a rendezvous (pure: no I/O).
+
+    Args:
+        params: torchrun's rendezvous parameters (``--rdzv-endpoint``, ``--rdzv-conf``).
+        env: where ``MARIND_ETCD_USER``/``MARIND_ETCD_PASSWORD`` are read (default ``os.environ``).
+
+    Returns:
+        The options; ``protocol=https`` puts ``https://`` before every endpoint without a scheme.
+
+    Raises:
+        ValueError: no endpoint; a user without a password or the reverse; a client
+            certificate without its key or the reverse; a timeout that is not a positive number.
+    """
     env = os.environ if env is None else env
     endpoints = (params.endpoint or "").strip()
     if not endpoints:
@@ -114,7 +141,19 @@ def _timeouts(params: RendezvousParameters) -> RendezvousTimeout:
 
 
 def connect(options: Etcd3Options, run_id: str = "") -> EtcdClient:
-    """An EtcdClient that has answered once, or RendezvousConnectionError naming the endpoint."""
+    """An EtcdClient that has answered once, its credentials checked against the job's keys.
+
+    Args:
+        options: how to reach etcd.
+        run_id: the rendezvous (job) id; its state key is read once to check access.
+
+    Returns:
+        The connected client.
+
+    Raises:
+        RendezvousConnectionError: etcd is unreachable or refuses the credentials; the
+            message names the endpoint and ``--rdzv-endpoint``.
+    """
     try:
         client = EtcdClient(options.endpoints, prefix=options.prefix, user=options.user,
                             password=options.password, tls=options.tls, timeout=options.read_timeout)
@@ -143,6 +182,10 @@ class Etcd3RendezvousHandler(DynamicRendezvousHandler):
     starts a new server and publishes it in every round, the others read
     the current round. Rank 0 also drops the etcd store keys of rounds
     older than the previous one.
+
+    Made by ``create_handler`` (through torch's ``from_backend``); its public
+    methods are torch's ``RendezvousHandler`` API (``next_rendezvous``,
+    ``is_closed``, ``set_closed``, ``num_nodes_waiting``, ``shutdown``, ...).
     """
 
     def _get_world(self) -> tuple[int, int]:
@@ -168,6 +211,12 @@ def frame_method_name(depth: int = 2) -> str:
     here at ~150 ms of CPU per event at a stack depth of 30, paid by the
     torchrun agent while its node's workers want the cores, and the
     reason 64 simulated agents on 2 cores never finished a round.
+
+    Args:
+        depth: frames up from this function (2: the caller's caller, as torch's default).
+
+    Returns:
+        That frame's function name, or ``"no_method_name"`` past the top of the stack.
     """
     try:
         return sys._getframe(depth).f_code.co_name
@@ -176,13 +225,30 @@ def frame_method_name(depth: int = 2) -> str:
 
 
 def use_frame_method_names() -> None:
-    """Make torch's rendezvous name its events with ``frame_method_name`` (same names)."""
+    """Make torch's rendezvous name its events with ``frame_method_name`` (same names).
+
+    Replaces ``dynamic_rendezvous.get_method_name`` for the whole process (idempotent);
+    a torch without that function is left alone.
+    """
     if callable(getattr(dynamic_rendezvous, "get_method_name", None)):
         dynamic_rendezvous.get_method_name = frame_method_name
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """A ``DynamicRendezvousHandler`` on etcd v3 for ``params`` (see the module doc)."""
+    """A ``DynamicRendezvousHandler`` on etcd v3 for ``params`` (see the module doc).
+
+    Args:
+        params: torchrun's rendezvous parameters: the endpoint, the run id, min and
+            max nodes, the local address and ``--rdzv-conf`` (options in the module doc).
+
+    Returns:
+        An ``Etcd3RendezvousHandler`` whose state is ``Etcd3RendezvousBackend``'s key
+        and whose store is an ``Etcd3Store``, both under ``{prefix}/jobs/{run_id}/rdzv/``.
+
+    Raises:
+        ValueError: a bad option (``parse_options``).
+        RendezvousConnectionError: etcd cannot be reached with these settings (``connect``).
+    """
     options = parse_options(params)
     use_frame_method_names()
     timeout = _timeouts(params)

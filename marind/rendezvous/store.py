@@ -30,6 +30,7 @@ _ROUND_PREFIX = "torch.rendezvous."
 
 
 def store_base(client: EtcdClient, run_id: str) -> str:
+    """The key prefix of a rendezvous' store, ``{prefix}/jobs/{run_id}/rdzv/store/``."""
     return client.key("jobs", run_id, "rdzv", "store") + "/"
 
 
@@ -59,7 +60,21 @@ class _GraceClient:
 
 
 class Etcd3Store(dist.Store):
-    """set/get/add/compare_set/wait/check/num_keys/delete_key on etcd v3 keys."""
+    """set/get/add/compare_set/wait/check/num_keys/delete_key on etcd v3 keys.
+
+    Keys may be ``str`` or ``bytes``; values ``str``, ``bytes`` or a list of byte values.
+    Every etcd call is retried through an outage of up to ``grace`` seconds, then
+    raises ``ControlPlaneUnavailable``.
+
+    Args:
+        client: the etcd client (its prefix applies).
+        run_id: the rendezvous (job) id: keys live under ``store_base(client, run_id)``.
+        timeout: how long ``get``/``wait`` block (default: c10d's ``Store`` default).
+        grace: seconds an etcd outage is retried.
+    """
+
+    #: how long ``get``/``wait`` block: c10d's ``Store.timeout`` (set by ``set_timeout``)
+    timeout: timedelta
 
     def __init__(self, client: EtcdClient, run_id: str, timeout: timedelta | None = None,
                  grace: float = DEFAULT_GRACE) -> None:
@@ -74,9 +89,15 @@ class Etcd3Store(dist.Store):
         return self._base + (key.decode() if isinstance(key, bytes) else key)
 
     def set(self, key, value) -> None:
+        """Write ``value`` at ``key``."""
         self._client.put(self._key(key), _as_bytes(value))
 
     def get(self, key) -> bytes:
+        """The value at ``key``, waiting (by watch) up to the store's timeout for it to be set.
+
+        Raises:
+            DistStoreError: not set within the timeout.
+        """
         value = self._client.wait_for_key(self._key(key), self.timeout.total_seconds())
         if value is None:
             raise dist.DistStoreError(
@@ -84,6 +105,7 @@ class Etcd3Store(dist.Store):
         return value
 
     def add(self, key, amount: int) -> int:
+        """Add ``amount`` to the integer at ``key`` (absent: 0), atomically; the new value."""
         full = self._key(key)
         while True:
             value, mod_revision = self._client.get(full)
@@ -107,6 +129,11 @@ class Etcd3Store(dist.Store):
                 return desired
 
     def wait(self, keys, timeout: timedelta | None = None) -> None:
+        """Block until every key is set, ``timeout`` (default the store's) for all together.
+
+        Raises:
+            DistStoreError: a key still unset when the time is up.
+        """
         budget = (timeout or self.timeout).total_seconds()
         deadline = time.monotonic() + budget
         for key in keys:
@@ -116,12 +143,15 @@ class Etcd3Store(dist.Store):
                     f"wait for key {key!r} in etcd ({self._base}) timed out after {budget:.0f}s")
 
     def check(self, keys) -> bool:
+        """Whether every key is set (no waiting)."""
         return all(self._client.get(self._key(key))[0] is not None for key in keys)
 
     def num_keys(self) -> int:
+        """How many keys this rendezvous' store holds."""
         return self._client.count_prefix(self._base)
 
     def delete_key(self, key) -> bool:
+        """Delete ``key``; whether it existed."""
         return bool(self._client.delete(self._key(key)))
 
     def delete_rounds_before(self, round_: int) -> int:

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from marind.core.etcd_client import EtcdClient
-from tests.support.procs import spawn
+from marind.testing.procs import spawn
 
 # rendezvous settings that keep the tests short: no waiting for extra nodes, fast node-loss detection
 FAST_RDZV = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=120"

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.support.procs import REPO_ROOT, base_env
+from marind.testing.procs import REPO_ROOT, base_env
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import urllib.request
 import psutil
 
 from marind.core.etcd_client import EtcdClient
+from marind.testing.procs import base_env, spawn
 from tests.agent.helpers import (
     agent_log,
     done_record,
@@ -21,7 +22,6 @@ from tests.agent.helpers import (
     tiny_spec,
     wait_for,
 )
-from tests.support.procs import base_env, spawn
 
 
 def _cli(*argv, env: dict) -> subprocess.CompletedProcess:

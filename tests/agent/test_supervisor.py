@@ -8,7 +8,7 @@ import time
 
 import psutil
 
-from tests.support.procs import spawn
+from marind.testing.procs import spawn
 
 PARENT = """
 import sys, time

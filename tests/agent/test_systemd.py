@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from marind.agent.config import load_config
-from tests.support.procs import REPO_ROOT
+from marind.testing.procs import REPO_ROOT
 
 UNIT = REPO_ROOT / "systemd" / "marind.service"
 

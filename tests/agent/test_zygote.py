@@ -12,9 +12,9 @@ import uuid
 import psutil
 import pytest
 
+from marind.testing.procs import base_env, spawn
 from marind.zygote import read_pid_map
 from tests.agent.helpers import wait_for
-from tests.support.procs import base_env, spawn
 
 WORKER = "tests.agent.zygote_worker"
 

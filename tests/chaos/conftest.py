@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.support import procs
+from marind.testing import procs
 
 REPO = procs.REPO_ROOT
 _SCENARIO_REPORTS: list = []

@@ -9,9 +9,10 @@ import sys
 import pytest
 
 from bench.goodput import StepLine, kept_step_seconds, parse_step_lines, percentile, phase_split
-from tests.support.procs import REPO_ROOT, base_env
+from marind.testing.procs import REPO_ROOT, base_env
 
 
+@pytest.mark.unit
 def test_kept_steps_are_the_last_run_of_each_step_within_the_window():
     lines = [StepLine(10, 1, 1.0), StepLine(11, 2, 1.0), StepLine(12, 3, 1.0),   # 2, 3 lost to a kill
              StepLine(20, 2, 0.5), StepLine(21, 3, 0.5), StepLine(22, 4, 0.5),   # replayed after restore
@@ -19,6 +20,7 @@ def test_kept_steps_are_the_last_run_of_each_step_within_the_window():
     assert kept_step_seconds(lines, start=0, end=30) == (1.0 + 0.5 * 3, 4)
 
 
+@pytest.mark.unit
 def test_phase_split_is_consecutive_and_sums_to_the_total():
     marks = {"detection": 1.0, "rendezvous": 3.0, "restart": 8.0, "restore": 9.0, "first_step": 9.5}
     split = phase_split(marks, t_kill=0.5)
@@ -27,6 +29,7 @@ def test_phase_split_is_consecutive_and_sums_to_the_total():
     assert phase_split({"detection": 1.0}, 0.0) is None
 
 
+@pytest.mark.unit
 def test_percentile_and_step_line_parsing():
     assert percentile([], 0.5) is None
     assert percentile([3, 1, 2], 0.5) == 2 and percentile([1, 2, 3, 4], 0.95) == pytest.approx(3.85)

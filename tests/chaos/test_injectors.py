@@ -25,8 +25,8 @@ from ckpt_store import CheckpointStore
 from marind.core.errors import ControlPlaneUnavailable
 from marind.core.etcd_client import EtcdClient
 from marind.core.netutil import free_port
+from marind.testing import procs
 from tests.chaos.conftest import REPO, run_injector
-from tests.support import procs
 
 
 def _status(pid: int) -> str:

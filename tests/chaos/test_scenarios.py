@@ -17,10 +17,10 @@ import pytest
 
 from ckpt_store import CheckpointStore
 from marind.cli import main as marind_main
+from marind.testing.s3_server import ACCESS_KEY, SECRET_KEY
 from marind.trainer import corpus
 from tests.agent.helpers import agent_log, job_state, node_registered, start_agent, wait_for
 from tests.chaos.conftest import run_injector
-from tests.support.s3_server import ACCESS_KEY, SECRET_KEY
 
 STEPS = 24
 EVERY = 6

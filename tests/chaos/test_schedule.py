@@ -7,10 +7,11 @@ import statistics
 
 import pytest
 
-from chaos.schedule import Draw, draw_schedule
+from marind.testing.chaos.schedule import Draw, draw_schedule
 from tests.chaos.conftest import run_injector
 
 
+@pytest.mark.unit
 def test_same_seed_same_schedule_and_bounds():
     a = draw_schedule(7, every=60, duration=3600)
     assert a == draw_schedule(7, every=60, duration=3600)
@@ -22,6 +23,7 @@ def test_same_seed_same_schedule_and_bounds():
     assert draw_schedule(7, every=60, duration=0) == []
 
 
+@pytest.mark.unit
 def test_exponential_gaps_have_the_requested_mean():
     draws = draw_schedule(1, every=10, duration=100_000)
     gaps = [y.at - x.at for x, y in zip(draws, draws[1:])]
@@ -29,6 +31,7 @@ def test_exponential_gaps_have_the_requested_mean():
     assert min(gaps) < 1.0 < 30.0 < max(gaps), "exponential, not fixed"
 
 
+@pytest.mark.unit
 def test_fixed_and_min_gap():
     assert [d.at for d in draw_schedule(3, every=5, duration=20, fixed=True)] == [5, 10, 15, 20]
     draws = draw_schedule(3, every=1, duration=1000, min_gap=2.5)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckpt_store import CheckpointStore
-from tests.support.procs import REPO_ROOT, base_env
+from marind.testing.procs import REPO_ROOT, base_env
 
 
 class _Result:

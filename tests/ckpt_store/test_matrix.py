@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from ckpt_store import CheckpointStore
+from marind.testing.procs import run_torch_workers
 from tests.ckpt_store import workers
-from tests.support.procs import run_torch_workers
 
 
 def _save_single(url: str) -> int:

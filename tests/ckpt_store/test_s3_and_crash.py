@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from ckpt_store import CheckpointSaveFailed, CheckpointStore
+from marind.testing import procs
 from tests.ckpt_store import workers
-from tests.support import procs
 
 
 def test_s3_roundtrip_verify_and_sharded_layouts(s3, s3_url):
@@ -61,7 +61,7 @@ def test_sigkill_of_a_saving_rank_leaves_previous_step(tmp_path):
     for rank in range(2):
         env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 2,
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        children.append(procs.spawn([sys.executable, "-m", "tests.support.worker_main",
+        children.append(procs.spawn([sys.executable, "-m", "marind.testing.worker_main",
                                      "tests.ckpt_store.workers:save_big", str(args),
                                      str(tmp_path / f"result{rank}.json")], env=env,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))

@@ -13,7 +13,7 @@ import torch
 
 from ckpt_store import CheckpointError, CheckpointSaveFailed, CheckpointStore
 from ckpt_store.store import PendingSave
-from tests.support.procs import run_torch_workers
+from marind.testing.procs import run_torch_workers
 
 
 def test_a_save_of_json_values_only_commits(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ckpt_store import CheckpointSaveFailed, CheckpointStore
-from tests.support import procs
+from marind.testing import procs
 
 
 def _state(value: float, rows: int = 256) -> dict:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from marind.cli import main
 from marind.commands.doctor import check_etcd, check_store
 from marind.core.netutil import free_port
@@ -23,6 +25,7 @@ def test_doctor_passes_on_a_good_node(etcd, etcd_prefix, s3, s3_url, tmp_path, c
     assert rc == (0 if doc["ok"] else 1)
 
 
+@pytest.mark.unit
 def test_doctor_names_the_fix_for_failures(tmp_path):
     bad = check_etcd(f"http://127.0.0.1:{free_port()}", None)
     assert not bad.ok and "unreachable" in bad.detail and bad.fix

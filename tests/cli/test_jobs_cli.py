@@ -47,6 +47,7 @@ def test_bad_spec_exits_2_and_writes_nothing(cli, tmp_path, etcd_client, etcd_pr
     assert etcd_client.get_prefix(etcd_prefix + "/") == []
 
 
+@pytest.mark.unit
 def test_etcd_down_exits_3(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("MARIND_ETCD", f"http://127.0.0.1:{free_port()}")
     spec = tiny_spec(tmp_path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.procs import WorkersFailed, run_torch_workers
+from marind.testing.procs import WorkersFailed, run_torch_workers
 
 
 def test_gloo_allreduce_across_processes():

@@ -13,7 +13,7 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError, Rend
 
 from marind.core.netutil import free_ports, port_open
 from marind.rendezvous import create_etcd3_handler
-from tests.support.procs import spawn
+from marind.testing.procs import spawn
 
 
 def _ctl(endpoint: str, *args: str, user: str | None = None, **kwargs) -> str:

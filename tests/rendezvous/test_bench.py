@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from tests.support.procs import REPO_ROOT, base_env
+from marind.testing.procs import REPO_ROOT, base_env
 
 
 def test_quick_bench_prints_one_json_object_last():

@@ -24,6 +24,7 @@ def _params(endpoint: str, run_id: str = "job", min_nodes: int = 1, max_nodes: i
 
 
 # -- event names (pure) ----------------------------------------------------------------------
+@pytest.mark.unit
 def test_frame_method_name_matches_torch_get_method_name():
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
@@ -42,6 +43,7 @@ def test_frame_method_name_matches_torch_get_method_name():
 
 
 # -- options (pure) -------------------------------------------------------------------------
+@pytest.mark.unit
 def test_options_defaults_and_endpoint_forms():
     opts = parse_options(_params("10.0.0.1:2379,10.0.0.2:2379"), env={})
     assert opts.endpoints == "10.0.0.1:2379,10.0.0.2:2379"
@@ -51,6 +53,7 @@ def test_options_defaults_and_endpoint_forms():
     assert https.tls.ca_cert == "/ca.pem"
 
 
+@pytest.mark.unit
 def test_options_auth_from_conf_or_env():
     env = {"MARIND_ETCD_USER": "env-u", "MARIND_ETCD_PASSWORD": "env-p"}
     assert parse_options(_params("h:1"), env=env).user == "env-u"
@@ -65,17 +68,20 @@ def test_options_auth_from_conf_or_env():
     ({"read_timeout": "0"}, "read_timeout"),
     ({"prefix": "/p", "store_timeout": "-3"}, "store_timeout"),
 ])
+@pytest.mark.unit
 def test_options_reject_bad_values(conf, message):
     with pytest.raises(ValueError, match=message):
         parse_options(_params("h:1", **conf), env={})
 
 
+@pytest.mark.unit
 def test_options_need_an_endpoint():
     with pytest.raises(ValueError, match="--rdzv-endpoint"):
         parse_options(_params(""), env={})
 
 
 # -- registration and connection --------------------------------------------------------------
+@pytest.mark.unit
 def test_entry_point_is_registered_with_torch():
     names = {ep.name: ep.value for ep in entry_points(group="torchrun.handlers")}
     assert names.get("etcd3") == "marind.rendezvous:create_etcd3_handler"
@@ -83,6 +89,7 @@ def test_entry_point_is_registered_with_torch():
     assert "etcd3" in registry._registry
 
 
+@pytest.mark.unit
 def test_unreachable_etcd_names_the_endpoint():
     endpoint = f"127.0.0.1:{free_port()}"
     with pytest.raises(RendezvousConnectionError, match=endpoint):

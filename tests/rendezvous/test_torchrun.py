@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.support.procs import kill_group, spawn
+from marind.testing.procs import kill_group, spawn
 
 WORKER = Path(__file__).with_name("rank_worker.py")
 # short keep-alives: a lost node is dropped after ~6 s (torch: 5 s x 3). Shorter ones make

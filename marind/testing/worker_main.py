@@ -17,6 +17,7 @@ from marind.distributed import init_distributed, shutdown_distributed
 
 
 def main() -> None:
+    """``worker_main TARGET ARGS_JSON RESULT_JSON``: join the group, run the target, write its result."""
     target, args_path, result_path = sys.argv[1:4]
     module_name, func_name = target.split(":")
     kwargs = json.loads(open(args_path).read())

@@ -6,14 +6,15 @@ import argparse
 import os
 import time
 
-from chaos._common import NothingToDo, emit
-from chaos._servers import ServerNotFound, ServerState, discover, live_pid, load_state, start, stop
 from marind.core.log import get_logger
+from marind.testing.chaos.common import NothingToDo, emit
+from marind.testing.chaos.servers import ServerNotFound, ServerState, discover, live_pid, load_state, start, stop
 
 log = get_logger("chaos.outage")
 
 
 def add_outage_args(parser: argparse.ArgumentParser, *, env_var: str) -> None:
+    """``--state``, ``--seconds``, ``--ready-timeout``: which server, how long it stays down."""
     parser.add_argument("--state", default=os.environ.get(env_var),
                         help=f"the server's state file (default ${env_var}; else the process "
                              "listening on the endpoint is used)")
@@ -25,6 +26,7 @@ def add_outage_args(parser: argparse.ArgumentParser, *, env_var: str) -> None:
 
 def find_server(state_path: str | None, endpoint: str | None, *, kind: str,
                 health_url: str | None = None, health_expect: str | None = None) -> ServerState:
+    """The server to cycle, from its state file or the process listening on ``endpoint``; NothingToDo if none runs."""
     try:
         if state_path:
             state = load_state(state_path)

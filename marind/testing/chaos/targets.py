@@ -29,6 +29,8 @@ CLOCK_SLACK_S = 2.0
 
 @dataclass(frozen=True)
 class Worker:
+    """A worker of the job, as its node's record places it."""
+
     node: str
     rank: int
     local_rank: int | None
@@ -38,6 +40,8 @@ class Worker:
 
 @dataclass(frozen=True)
 class NodeTarget:
+    """A node of the job on this host: its agent, torchrun and workers' pids."""
+
     node: str
     agent_pid: int | None
     torchrun_pid: int | None
@@ -56,11 +60,13 @@ def job_node_records(client: EtcdClient, job: str) -> dict[str, dict]:
 
 
 def node_records(client: EtcdClient) -> dict[str, dict]:
+    """``{node: record}`` of every registered node."""
     rows = client.get_prefix_json(client.key("nodes") + "/")
     return {_last_part(k): v for k, v in rows.items() if isinstance(v, dict)}
 
 
 def this_host_names() -> frozenset[str]:
+    """This host's names (hostname, FQDN and their short forms)."""
     names = {socket.gethostname()}
     try:
         names.add(socket.getfqdn())
@@ -71,13 +77,16 @@ def this_host_names() -> frozenset[str]:
 
 
 def record_host(job_rec: dict, node_rec: dict | None) -> str | None:
+    """The host a job's node record (else its node registration) names."""
     return job_rec.get("host") or (node_rec or {}).get("host")
 
 
 def is_local(job_rec: dict, node_rec: dict | None, hostnames: frozenset[str]) -> bool:
     """A record is ours only when it names this host (a record without a host is not)."""
     host = record_host(job_rec, node_rec)
-    return bool(host) and (host in hostnames or host.split(".", 1)[0] in hostnames)
+    if not host:
+        return False
+    return host in hostnames or host.split(".", 1)[0] in hostnames
 
 
 def _int(value) -> int | None:
@@ -154,6 +163,7 @@ def live_process(pid: int | None) -> psutil.Process | None:
 
 
 def is_descendant(proc: psutil.Process, ancestor_pid: int) -> bool:
+    """Whether ``ancestor_pid`` is among ``proc``'s parents."""
     try:
         return any(p.pid == ancestor_pid for p in proc.parents())
     except (psutil.NoSuchProcess, psutil.AccessDenied):

@@ -1,4 +1,4 @@
-"""The one process-spawning helper for tests.
+"""The one process-spawning helper for tests and benchmarks.
 
 * ``spawn(cmd, ...)`` starts a child in its own session (process group) and
   registers it so that ``kill_all()`` (called by the test fixtures, even
@@ -23,15 +23,26 @@ from pathlib import Path
 
 from marind.core.netutil import free_port
 
+#: the directory that holds the ``marind`` package: the repository in a source checkout, where
+#: children start (``cwd``) and what they find first on ``PYTHONPATH``
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _live: list[subprocess.Popen] = []
 
 
 class WorkersFailed(RuntimeError):
-    pass
+    """A rank of ``run_torch_workers`` failed or the run timed out; the message has every rank's tail."""
 
 
 def base_env(extra: dict | None = None) -> dict:
+    """The environment of a child: this one, ``REPO_ROOT`` first on ``PYTHONPATH``, one OMP thread,
+    JSON logs, no ``NOTIFY_SOCKET``.
+
+    Args:
+        extra: variables set on top (values turned into strings).
+
+    Returns:
+        A new dict.
+    """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -53,6 +64,7 @@ def spawn(cmd: list[str], *, env: dict | None = None, cwd: str | os.PathLike | N
 
 
 def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to ``proc``'s process group; a group already gone is not an error."""
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
@@ -60,6 +72,7 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
 
 
 def kill_all() -> None:
+    """SIGKILL the process group of every child ``spawn`` started that is still registered."""
     while _live:
         proc = _live.pop()
         kill_group(proc)
@@ -85,7 +98,7 @@ def run_torch_workers(target: str, world_size: int, *, timeout: float = 120.0,
         rank_env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size,
                     "LOCAL_WORLD_SIZE": world_size, "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": port, **(env or {})}
-        procs.append(spawn([sys.executable, "-m", "tests.support.worker_main", target,
+        procs.append(spawn([sys.executable, "-m", "marind.testing.worker_main", target,
                             str(args_path), str(workdir / f"result{rank}.json")],
                            env=rank_env, stdout=fh, stderr=subprocess.STDOUT))
         fh.close()

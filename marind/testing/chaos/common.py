@@ -22,6 +22,7 @@ from pathlib import Path
 from marind.core.errors import ControlPlaneUnavailable, MarindError
 from marind.core.etcd_client import EtcdClient
 from marind.core.log import get_logger
+from marind.testing.chaos.targets import job_node_records
 
 EXIT_ACTED = 0
 EXIT_NOTHING = 1
@@ -34,6 +35,7 @@ class NothingToDo(Exception):
 
 
 def base_parser(description: str, *, job_required: bool = True) -> argparse.ArgumentParser:
+    """The flags every injector takes: ``--job``, ``--etcd``, ``--prefix``, ``--seed``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--job", required=job_required, help="job id whose processes are targets")
     parser.add_argument("--etcd", help="etcd endpoint(s); default $MARIND_ETCD, then the "
@@ -128,9 +130,9 @@ def wait_until(predicate: Callable[[], object], timeout: float, interval: float 
 def job_progress_step(client: EtcdClient, job: str, node_records: dict | None = None) -> int | None:
     """The job's current step: its progress record, else the highest step any node reports."""
     progress = client.get_json(client.key("jobs", job, "progress")) or {}
-    steps = [progress.get("step")]
-    steps += [rec.get("step") for rec in (node_records or {}).values()]
-    steps = [s for s in steps if isinstance(s, int)]
+    reported = [progress.get("step")]
+    reported += [rec.get("step") for rec in (node_records or {}).values()]
+    steps = [s for s in reported if isinstance(s, int)]
     return max(steps) if steps else None
 
 
@@ -138,7 +140,6 @@ def wait_for_step(client: EtcdClient, job: str, step: int | None, timeout: float
     """Block until the job reports ``step`` (no-op when ``step`` is None); NothingToDo on timeout."""
     if step is None:
         return
-    from chaos._targets import job_node_records
     ok = wait_until(lambda: (job_progress_step(client, job, job_node_records(client, job)) or -1) >= step,
                     timeout, interval=0.2)
     if not ok:
@@ -146,6 +147,7 @@ def wait_for_step(client: EtcdClient, job: str, step: int | None, timeout: float
 
 
 def add_wait_args(parser: argparse.ArgumentParser) -> None:
+    """``--after-step`` and ``--wait``: when to act, and how long to look for a target."""
     parser.add_argument("--after-step", type=int, help="act only once the job reports this step")
     parser.add_argument("--wait", type=float, default=0.0,
                         help="seconds to keep looking for a target (and for --after-step) "

@@ -1,7 +1,7 @@
 """Stopping a server (etcd, S3) and starting the very same one again, for the outage injectors.
 
 A server is described by a state file that ``marind.local_etcd.LocalEtcd``
-and ``tests.support.s3_server.SeaweedS3`` write when they start:
+and ``marind.testing.s3_server.SeaweedS3`` write when they start:
 ``{kind, pid, command, cwd, log, endpoint, health_url, health_expect}``.
 Without one, the server is found as the process listening on the
 endpoint's port and described from the OS (command line, cwd). Either
@@ -31,11 +31,13 @@ from marind.local_etcd import stop_server_pid, write_server_state
 
 
 class ServerNotFound(LookupError):
-    pass
+    """No live server matches the state file or the endpoint."""
 
 
 @dataclass(frozen=True)
 class ServerState:
+    """A server as its state file (or the OS) describes it: enough to stop it and start the same one again."""
+
     pid: int
     command: tuple[str, ...]
     cwd: str
@@ -48,16 +50,19 @@ class ServerState:
 
     @property
     def host_port(self) -> tuple[str, int]:
+        """(host, port) of the endpoint (port 80 when it names none)."""
         parts = urlsplit(self.endpoint if "://" in self.endpoint else "http://" + self.endpoint)
         return parts.hostname or "127.0.0.1", parts.port or 80
 
     def to_json(self) -> dict:
+        """The state file's content."""
         return {"kind": self.kind, "pid": self.pid, "command": list(self.command), "cwd": self.cwd,
                 "log": self.log, "endpoint": self.endpoint, "health_url": self.health_url,
                 "health_expect": self.health_expect}
 
 
 def load_state(path: str | os.PathLike) -> ServerState:
+    """The state file at ``path``; ServerNotFound when there is none, ValueError when it is unreadable."""
     try:
         raw = json.loads(Path(path).read_text())
         return ServerState(pid=int(raw["pid"]), command=tuple(raw["command"]), cwd=raw["cwd"],
@@ -185,6 +190,7 @@ def _healthy(state: ServerState) -> bool:
 
 
 def wait_ready(state: ServerState, proc: subprocess.Popen, timeout: float) -> None:
+    """Wait until the restarted server answers; RuntimeError if it exits, TimeoutError past ``timeout``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -15,18 +15,20 @@ import re
 
 import fsspec
 
-from chaos._common import NothingToDo, wait_until
+from marind.testing.chaos.common import NothingToDo, wait_until
 
 STEP_DIR = re.compile(r"^step-(\d{10})$")
 MANIFEST = "manifest.json"
 
 
 def parse_step_dir(name: str) -> int | None:
+    """The step of a ``step-NNNNNNNNNN`` directory name or path; None for any other name."""
     match = STEP_DIR.match(name.rstrip("/").rsplit("/", 1)[-1])
     return int(match.group(1)) if match else None
 
 
 def step_dir_name(step: int) -> str:
+    """``step-{step:010d}``: the directory of a step's checkpoint."""
     return f"step-{step:010d}"
 
 
@@ -64,15 +66,18 @@ def step_dirs(fs, root: str) -> dict[int, str]:
 
 
 def is_committed(fs, step_path: str) -> bool:
+    """Whether the step directory holds its ``manifest.json`` (written last, at commit)."""
     return fs.exists(f"{step_path}/{MANIFEST}")
 
 
 def committed_steps(fs, root: str) -> list[int]:
+    """The committed steps under ``root``, ascending."""
     dirs = step_dirs(fs, root)
     return sorted(s for s, path in dirs.items() if is_committed(fs, path))
 
 
 def read_manifest(fs, root: str, step: int) -> dict:
+    """A committed step's ``manifest.json``, parsed."""
     with fs.open(f"{root}/{step_dir_name(step)}/{MANIFEST}", "rb") as fh:
         return json.loads(fh.read())
 
@@ -97,6 +102,7 @@ class SaveWatcher:
         self.baseline: set[int] | None = None
 
     def poll(self) -> int | None:
+        """The step of a save begun since the first poll, or None (the first poll only takes the baseline)."""
         dirs = step_dirs(self.fs, self.root)
         for step, path in dirs.items():
             if step not in self.committed and is_committed(self.fs, path):
@@ -167,6 +173,7 @@ def resolve_root(args, client, s3_endpoint: str | None = None):
 
 
 def add_save_wait_args(parser: argparse.ArgumentParser, *, what: str) -> None:
+    """``--during-save``: act once a new checkpoint save is seen in progress."""
     parser.add_argument("--during-save", action="store_true",
                         help=f"{what} the moment a new checkpoint save is seen in progress")
 

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # short rendezvous timeouts: no waiting for extra nodes, node loss noticed in ~3 s
 FAST_RDZV = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
 def env(extra: dict | None = None) -> dict:
+    """The environment of an agent or CLI child: this one, the repository on PYTHONPATH, JSON logs."""
     out = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MARIND_LOG_JSON="1")
     out.pop("NOTIFY_SOCKET", None)
     out.update(extra or {})
@@ -28,6 +29,7 @@ def env(extra: dict | None = None) -> dict:
 
 
 def make_data(root: Path, n_docs: int = 60) -> str:
+    """Write the example dataset (``n_docs`` documents) under ``root/data``; its prefix."""
     from marind.trainer import corpus
     prefix = root / "data" / "corpus"
     prefix.parent.mkdir(parents=True, exist_ok=True)
@@ -79,11 +81,13 @@ def marind(args: list[str], etcd: str, prefix: str, timeout: float = 900) -> str
 
 
 def submit(spec: Path, etcd: str, prefix: str, wait: bool) -> str:
+    """``marind submit SPEC`` (``--wait`` if asked); the job id (the last stdout line)."""
     out = marind(["submit", str(spec), *(["--wait"] if wait else [])], etcd, prefix)
     return out.strip().splitlines()[-1]
 
 
 def kill_tree(proc: subprocess.Popen | int) -> None:
+    """SIGKILL a process and every descendant, and reap them (10 s at most)."""
     pid = proc if isinstance(proc, int) else proc.pid
     try:
         root = psutil.Process(pid)

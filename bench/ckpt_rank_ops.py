@@ -1,0 +1,188 @@
+"""The checkpoint benchmark's building blocks on the rank side (bench/ckpt_bench.py).
+
+Each runs inside a rank that ``marind.testing.procs.run_torch_workers`` started
+(a gloo process group on loopback): the FSDP2 model and its Adam state, a
+training step, timing between barriers, page-cache eviction, loads taken in
+turns, and DCP's writer/reader for a target url.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+
+
+def build_model(dim: int, layers: int, world: int):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)])
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return model, optim
+
+
+def train_step(model, optim, dim: int) -> float:
+    import torch
+
+    t0 = time.perf_counter()
+    x = torch.randn(8, dim)
+    model(x).square().mean().backward()
+    optim.step()
+    optim.zero_grad()
+    return time.perf_counter() - t0
+
+
+def state_of(model, optim) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optim)
+    return {"model": msd, "optim": osd}
+
+
+def timed(fn) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def remove_on_rank0(path: str) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        os.sync()   # see ckpt_workers.bench_target: a timed save must not pay for an earlier delete
+    dist.barrier()
+
+
+def evict(root: str) -> None:
+    """Rank 0 drops ``root``'s files from the page cache (each flushed first: only clean pages
+    go), then all ranks meet. DCP writes through the page cache and marind's local saves
+    bypass it (O_DIRECT), so a load timed right after the saves would read one from memory
+    and the other from disk; a restore after a failure reads from the disk."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        for dirpath, _, files in os.walk(root):
+            for f in files:
+                fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+    dist.barrier()
+
+
+def timed_loads(load_fns: dict, make_target, repeats: int, evict_root: str | None) -> dict:
+    """``{system: load(target)}`` taking turns in alternating order, each into a fresh
+    ``make_target()`` built outside the timing: each repeat, a load from the disk (page cache
+    dropped first: ``evict``) and then the same load again from memory. Without
+    ``evict_root`` (S3: the server's cache is the server's) every load is as found."""
+    out: dict = {system: {"cold": [], "warm": []} for system in load_fns}
+    for i in range(repeats):
+        for system in (list(load_fns) if i % 2 == 0 else list(reversed(load_fns))):
+            if evict_root:
+                evict(evict_root)
+                out[system]["cold"].append(_timed_load(load_fns[system], make_target))
+            out[system]["warm"].append(_timed_load(load_fns[system], make_target))
+    return out
+
+
+def _timed_load(load, make_target) -> float:
+    """``load`` into a fresh ``make_target()`` (built outside the timing), timed."""
+    target = make_target()
+    return timed(lambda: load(target))
+
+
+def load_fields(times: dict) -> dict:
+    """load_s: from the disk where the cache was dropped, else as found; load_warm_s: from memory."""
+    cold, warm = times["cold"], times["warm"]
+    return {"load_s": statistics.median(cold or warm), "load_warm_s": statistics.median(warm) if cold else None,
+            "load_all_s": [round(x, 3) for x in cold or warm], "load_warm_all_s": [round(x, 3) for x in warm]
+            if cold else None}
+
+
+def steps_while(done, model, optim, dim: int, limit: int = 200) -> list[float]:
+    """Train while any rank's save is still running (every rank runs the same steps)."""
+    import torch
+    import torch.distributed as dist
+
+    times = []
+    while len(times) < limit:
+        busy = torch.tensor([0 if done() else 1])
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX)
+        if not busy.item():
+            break
+        times.append(train_step(model, optim, dim))
+    return times
+
+
+_GROUP: list = []
+
+
+def dcp_group():
+    """DCP's async_save runs collectives in a background thread: give it its own gloo group."""
+    import torch.distributed as dist
+
+    if not _GROUP:
+        _GROUP.append(dist.new_group(backend="gloo"))
+    return _GROUP[0]
+
+
+def dcp_checkpoint_id(url: str):
+    """DCP re-creates an fsspec writer's filesystem (without our options) from checkpoint_id."""
+    return None if url.startswith("s3://") else url
+
+
+def dcp_writer(url: str, opts: dict | None):
+    if url.startswith("s3://"):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+        return FsspecWriter(url, **(opts or {}))
+    return None
+
+
+def dcp_reader(url: str, opts: dict | None):
+    if url.startswith("s3://"):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        return FsspecReader(url, **(opts or {}))
+    return None
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tensors(tree):
+    import torch
+    if isinstance(tree, dict):
+        for v in tree.values():
+            yield from tensors(v)
+    elif isinstance(tree, torch.Tensor):
+        yield tree if hasattr(tree, "to_local") else _Wrap(tree)
+
+
+class _Wrap:
+    def __init__(self, t):
+        self.t = t
+
+    def to_local(self):
+        return self.t
+
+    def element_size(self):
+        return self.t.element_size()
+
+

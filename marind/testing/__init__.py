@@ -1,0 +1,16 @@
+"""Helpers to run marind's real servers and processes in tests and benchmarks.
+
+Like ``numpy.testing``, this package ships with marind so that the test
+suite, ``bench/`` and ``chaos/`` share one copy of it (and none of them
+imports ``tests``):
+
+* ``marind.testing.procs``: the one process-spawning helper (``spawn``,
+  ``kill_group``, ``kill_all``) and ``run_torch_workers``, which runs a
+  function on N gloo ranks in real processes;
+* ``marind.testing.s3_server``: a real S3 server (SeaweedFS) on loopback;
+* ``marind.local_etcd.LocalEtcd``: a real etcd server (it lives beside the
+  agent, which embeds it);
+* ``marind.testing.cluster``: ``marind agent``s as subprocesses, submit, a
+  tiny dataset (the daemon benchmarks);
+* ``marind.testing.chaos``: the library behind the ``chaos/`` injectors.
+"""
