@@ -51,12 +51,13 @@ import torch
 import torch.distributed as dist
 
 from marind.core.log import get_logger
+from marind.core.progress import ProgressWriter
 from marind.core.spec import RunSpec, grad_accum_steps
+from marind.core.workerenv import WorkerEnv
 from marind.trainer.checkpointing import Checkpointer, init_optimizer_state
 from marind.trainer.data import rank_sample_indices
 from marind.trainer.model import lm_loss
 from marind.trainer.parallel import clip_grad_norm
-from marind.trainer.progress import ProgressWriter
 from marind.trainer.schedule import lr_at
 from marind.trainer.train import Result, StopFlag, build
 
@@ -303,7 +304,7 @@ def train_ft(spec: RunSpec, device: torch.device, *, stop: StopFlag | None = Non
                                            **({"job": os.environ["MARIND_JOB_ID"]}
                                               if os.environ.get("MARIND_JOB_ID") else {}))
     log = get_logger("trainer")
-    progress = ProgressWriter(rank, local_rank, world)
+    progress = ProgressWriter(rank, local_rank, world, WorkerEnv.from_environ().run_dir)
     progress.update(replica_group=group)
     ckpt = Checkpointer(spec, model, optimizer, rank=rank, world_size=world, layout=layout.as_dict())
     accum = grad_accum_steps(spec, layout.dp_size)

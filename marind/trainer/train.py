@@ -23,12 +23,13 @@ import torch
 import torch.distributed as dist
 
 from marind.core.log import get_logger
+from marind.core.progress import ProgressWriter
 from marind.core.spec import RunSpec, grad_accum_steps
+from marind.core.workerenv import WorkerEnv
 from marind.trainer.checkpointing import Checkpointer
 from marind.trainer.data import Sampler, TokenDataset, rank_sample_indices
 from marind.trainer.model import GPT, ModelConfig, flops_per_token, lm_loss, param_count
 from marind.trainer.parallel import build_mesh, clip_grad_norm, parallelize
-from marind.trainer.progress import ProgressWriter
 from marind.trainer.schedule import lr_at, peak_flops_per_device
 
 STOP_EXIT_CODE = 143  # stopped by SIGTERM/SIGINT after a clean shutdown
@@ -113,7 +114,7 @@ def train(spec: RunSpec, device: torch.device, *, stop: StopFlag | None = None):
     structlog.contextvars.bind_contextvars(rank=rank, **({"job": os.environ["MARIND_JOB_ID"]}
                                                          if os.environ.get("MARIND_JOB_ID") else {}))
     log = get_logger("trainer")
-    progress = ProgressWriter(rank, local_rank, world)
+    progress = ProgressWriter(rank, local_rank, world, WorkerEnv.from_environ().run_dir)
     ckpt = Checkpointer(spec, model, optimizer, rank=rank, world_size=world, layout=layout.as_dict())
     accum = grad_accum_steps(spec, layout.dp_size)
     d, o, t = spec.data, spec.optim, spec.train
