@@ -39,10 +39,10 @@ one group disagree about it, that group fails and torchrun restarts it.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -50,6 +50,8 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from marind.core import workerenv
+from marind.core.lighthouse_file import read_lighthouse
 from marind.core.log import get_logger
 from marind.core.progress import ProgressWriter
 from marind.core.spec import RunSpec, grad_accum_steps
@@ -75,25 +77,42 @@ class StopRequested(Exception):
     """SIGTERM/SIGINT while waiting on a quorum or a lighthouse: stop now (torchrun is restarting us)."""
 
 
-def lighthouse_file() -> Path | None:
-    run_dir = os.environ.get("MARIND_RUN_DIR")
-    return Path(run_dir) / "ft" / "lighthouse.json" if run_dir else None
+@dataclass(frozen=True)
+class LighthouseSource:
+    """Where this worker learns the lighthouse: the agent's file, else ``TORCHFT_LIGHTHOUSE``.
 
+    Args:
+        run_dir: ``$MARIND_RUN_DIR`` (its ``ft/lighthouse.json``), None when unset.
+        env_address: ``$TORCHFT_LIGHTHOUSE``, None when unset.
+    """
 
-def read_lighthouse() -> tuple[str, int]:
-    """(address, epoch): the agent's file if present, else ``TORCHFT_LIGHTHOUSE`` (epoch 0)."""
-    path = lighthouse_file()
-    if path is not None:
+    run_dir: Path | None
+    env_address: str | None
+
+    @classmethod
+    def from_environ(cls) -> LighthouseSource:
+        return cls(WorkerEnv.from_environ().run_dir, os.environ.get(workerenv.TORCHFT_LIGHTHOUSE) or None)
+
+    def read(self) -> tuple[str, int]:
+        """(address, epoch): the agent's file if readable, else ``TORCHFT_LIGHTHOUSE`` (epoch 0).
+
+        Raises:
+            RuntimeError: neither is there.
+        """
+        rec = read_lighthouse(self.run_dir) if self.run_dir is not None else None
+        if rec is not None:
+            return rec.address, rec.epoch
+        if not self.env_address:
+            raise RuntimeError("fault.mode = \"torchft\" needs a lighthouse: run under `marind agent`, "
+                               "or set TORCHFT_LIGHTHOUSE=http://HOST:PORT (torchft_lighthouse --min_replicas N)")
+        return self.env_address, 0
+
+    def epoch(self) -> int:
+        """The current epoch, -1 when no lighthouse is known."""
         try:
-            rec = json.loads(path.read_text())
-            return str(rec["address"]), int(rec.get("epoch", 0))
-        except (OSError, ValueError, KeyError):
-            pass
-    addr = os.environ.get("TORCHFT_LIGHTHOUSE")
-    if not addr:
-        raise RuntimeError("fault.mode = \"torchft\" needs a lighthouse: run under `marind agent`, "
-                           "or set TORCHFT_LIGHTHOUSE=http://HOST:PORT (torchft_lighthouse --min_replicas N)")
-    return addr, 0
+            return self.read()[1]
+        except RuntimeError:
+            return -1
 
 
 def sample_indices(step: int, *, micro_step: int, spec: RunSpec, group: int, groups: int,
@@ -147,7 +166,7 @@ class FTGroup:
     """The torchft Manager of this replica group, rebuilt (collectively) when its quorum fails."""
 
     def __init__(self, spec: RunSpec, live: LiveState, rank: int, world: int, group: int,
-                 stop: StopFlag | None = None):
+                 stop: StopFlag | None = None, lighthouse: LighthouseSource | None = None):
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         # gloo on CPU; NCCL when the model is on CUDA (not exercised by the CPU test suite)
@@ -162,6 +181,7 @@ class FTGroup:
 
         self.spec, self.live, self.rank, self.world, self.group = spec, live, rank, world, group
         self.stop = stop or StopFlag()
+        self.lighthouse = lighthouse or LighthouseSource.from_environ()
         self.timeout = timedelta(seconds=spec.fault.timeout)
         self.pg = _EpochPG(timeout=self.timeout)
         self.manager = None
@@ -196,7 +216,7 @@ class FTGroup:
         if self.rank == 0:
             deadline = time.monotonic() + BUILD_RETRY_S
             while True:
-                address, epoch = read_lighthouse()
+                address, epoch = self.lighthouse.read()
                 try:
                     self.manager = make(address)
                     break
@@ -224,7 +244,7 @@ class FTGroup:
             except Exception as exc:  # noqa: BLE001 - the old manager may be half dead
                 log.warning("ft_manager_shutdown_failed", error=str(exc))
         deadline = time.monotonic() + LIGHTHOUSE_WAIT_S
-        while time.monotonic() < deadline and _safe_epoch() == self.epoch:
+        while time.monotonic() < deadline and self.lighthouse.epoch() == self.epoch:
             self._sleep(0.2)
         self.rebuilds += 1
         self.build(state)
@@ -254,8 +274,8 @@ class FTGroup:
         while not done.wait(0.2):
             if self.stop.requested:
                 raise StopRequested()
-            if time.monotonic() - started > MOVED_GRACE_S and _safe_epoch() not in (self.epoch, -1):
-                raise LighthouseMoved(f"lighthouse epoch {self.epoch} -> {_safe_epoch()} during a quorum")
+            if time.monotonic() - started > MOVED_GRACE_S and self.lighthouse.epoch() not in (self.epoch, -1):
+                raise LighthouseMoved(f"lighthouse epoch {self.epoch} -> {self.lighthouse.epoch()} during a quorum")
         if "error" in box:
             raise box["error"]
 
@@ -269,13 +289,6 @@ class FTGroup:
         return {"replica_group": self.group, "participants": m.num_participants(),
                 "replica_rank": m.participating_rank(), "quorum_id": m._quorum_id,
                 "lighthouse_epoch": self.epoch, "manager_rebuilds": self.rebuilds}
-
-
-def _safe_epoch() -> int:
-    try:
-        return read_lighthouse()[1]
-    except RuntimeError:
-        return -1
 
 
 def _allreduce_grads(manager, params: list) -> None:
