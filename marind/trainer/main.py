@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from marind.core.spec import validate_for_world
     from marind.distributed import init_distributed, shutdown_distributed
-    from marind.trainer.train import STOP_EXIT_CODE, StopFlag, train
+    from marind.trainer.loop import STOP_EXIT_CODE, StopFlag
+    from marind.trainer.train import train
 
     stop = StopFlag()
     stop.install()
