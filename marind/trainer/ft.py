@@ -110,17 +110,21 @@ class TorchftMode(TrainMode):
 
     @property
     def ft(self) -> FTGroup:
+        """This group's Manager holder (after ``start``)."""
         if self._ft is None:
             raise RuntimeError("TorchftMode.start has not run")
         return self._ft
 
     def log_context(self) -> dict[str, Any]:
+        """The replica group, on every log line."""
         return {"replica_group": self.group}
 
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Adam state exists before a peer's state is copied into it."""
         init_optimizer_state(optimizer)     # Adam state exists before a peer's state is copied into it
 
     def start(self, run: Run, state: LoopState) -> None:
+        """Note the group in the progress record, build the Manager (collective), log train_start."""
         spec, f = run.spec, run.spec.fault
         run.progress.update(replica_group=self.group)
         self._ft = FTGroup(spec, LiveState(run.model, run.optimizer), run.rank, run.world, self.group,
@@ -178,7 +182,7 @@ class TorchftMode(TrainMode):
                 manager.load_state_dict({"step": restored[0], "batches_committed": 0})
                 step = restored[0]
                 if run.rank == 0:
-                    run.log.info("restored", step=step, url=ckpt.store.url if ckpt.store else None)
+                    run.log.info("restored", step=step, url=ckpt.url)
             elif step > 0 and run.rank == 0:
                 run.log.info("healed_from_peer", step=step)
             run.progress.update(phase="training", step=step, last_checkpoint_step=ckpt.last_step, **self.ft.status())
@@ -186,11 +190,13 @@ class TorchftMode(TrainMode):
         return step < run.spec.train.steps
 
     def sample_indices(self, run: Run, state: LoopState, micro_step: int) -> Sequence[int]:
+        """This group's fixed slice of the step's samples (see :func:`sample_indices`)."""
         return sample_indices(state.step, micro_step=micro_step, spec=run.spec, group=self.group,
                               groups=run.spec.fault.replica_groups, dp_rank=run.layout.dp_rank,
                               dp_size=run.layout.dp_size)
 
     def on_gradients(self, run: Run, state: LoopState) -> None:
+        """Average the gradients across the quorum's replica groups."""
         allreduce_grads(self.ft.manager, run.params)
 
     def commit(self, run: Run, state: LoopState, grad_norm: torch.Tensor) -> bool:
@@ -204,15 +210,18 @@ class TorchftMode(TrainMode):
         return committed
 
     def advance(self, run: Run, state: LoopState, committed: bool) -> None:
+        """The Manager's step (unchanged when the step was not committed)."""
         self._set_step(run, state, self.ft.manager.current_step())
 
     def report_step(self, run: Run, state: LoopState, report: StepReport) -> None:
+        """Rank 0, committed steps only: the ``step`` line with the quorum's participants."""
         if run.rank != 0 or not report.committed or not log_due(report.step, run.spec):
             return
         run.log.info("step", step=report.step, loss=round(report.loss, 6), grad_norm=round(float(report.grad_norm), 6),
                      lr=report.lr, participants=self.ft.manager.num_participants(), step_s=round(report.step_s, 4))
 
     def progress_fields(self) -> dict[str, Any]:
+        """The quorum fields of the progress record."""
         return self.ft.status()
 
     def save_due(self, run: Run, state: LoopState, committed: bool, time_due: bool) -> bool:
@@ -220,13 +229,16 @@ class TorchftMode(TrainMode):
         return committed and run.ckpt.due(state.step) and self.ft.manager.participating_rank() == 0
 
     def after_loop(self, run: Run, state: LoopState) -> None:
+        """The final step is the Manager's."""
         self._set_step(run, state, self.ft.manager.current_step())
 
     def final_save_due(self, run: Run, state: LoopState) -> bool:
+        """Replica rank 0 of the last quorum saves the last step, unless it is saved already."""
         ckpt = run.ckpt
         return ckpt.enabled and self.ft.manager.participating_rank() == 0 and ckpt.last_step != state.step
 
     def finish(self, run: Run, state: LoopState) -> Finish:
+        """Wait for the save in flight, shut the Manager down; the record gets ``param_digest``."""
         run.ckpt.wait()
         self.ft.manager.shutdown(wait=False)
         return Finish(log_fields={"rebuilds": self.ft.rebuilds}, record_fields={"param_digest": param_digest(run.model)})

@@ -97,12 +97,14 @@ class LiveState:
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
+        """``{"model": {name: shard}, "optim": {name: {state: shard}}}`` of this rank's local shards."""
         return {"model": {n: _local(p.data) for n, p in self.named},
                 "optim": {n: {k: _local(v) for k, v in self.optimizer.state[p].items()}
                           for n, p in self.named}}
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Copy a peer's :meth:`state_dict` into the parameters and Adam state, in place."""
         for n, p in self.named:
             _local(p.data).copy_(sd["model"][n])
             for k, v in self.optimizer.state[p].items():
@@ -134,7 +136,7 @@ class FTGroup:
         # gloo on CPU; NCCL when the model is on CUDA (not exercised by the CPU test suite)
         base = ProcessGroupNCCL if torch.cuda.is_available() else ProcessGroupGloo
 
-        class _EpochPG(base):
+        class _EpochPG(base):  # type: ignore[valid-type,misc]  # base: gloo or NCCL, chosen at run time
             """Store keys under the lighthouse epoch: a new lighthouse restarts quorum ids."""
             epoch = 0
 

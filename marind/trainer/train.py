@@ -60,6 +60,7 @@ class ElasticMode(TrainMode):
         self.tb: Any = None
 
     def start(self, run: Run, state: LoopState) -> None:
+        """train_start; restore the latest checkpoint (step and data position) if there is one."""
         spec, ckpt, log, t = run.spec, run.ckpt, run.log, run.spec.train
         self.flops_tok = flops_per_token(run.cfg)
         self.peak = peak_flops_per_device(run.device, int(os.environ.get("LOCAL_WORLD_SIZE", run.world))) * run.world
@@ -73,15 +74,17 @@ class ElasticMode(TrainMode):
             if restored:
                 state.step, state.position = restored
                 if run.rank == 0:
-                    log.info("restored", step=state.step, data_position=state.position, url=ckpt.store.url if ckpt.store else None)
+                    log.info("restored", step=state.step, data_position=state.position, url=ckpt.url)
         run.progress.update(phase="training", step=state.step, last_checkpoint_step=ckpt.last_step)
         self.nan_steps = nan_steps(spec, run.env)
         self.tb = _tensorboard(spec, run.rank)
 
     def next_step(self, run: Run, state: LoopState) -> bool:
+        """Until ``train.steps``."""
         return state.step < run.spec.train.steps
 
     def sample_indices(self, run: Run, state: LoopState, micro_step: int) -> Sequence[int]:
+        """This rank's slice of the samples after ``state.position``."""
         return rank_sample_indices(state.position, micro_step=micro_step, micro_batch=run.spec.data.micro_batch,
                                    dp_rank=run.layout.dp_rank, dp_size=run.layout.dp_size)
 
@@ -105,10 +108,12 @@ class ElasticMode(TrainMode):
         return False
 
     def advance(self, run: Run, state: LoopState, committed: bool) -> None:
+        """One step further, ``data.global_batch`` samples further (committed or not: the data moves on)."""
         state.step += 1
         state.position += run.spec.data.global_batch
 
     def report_step(self, run: Run, state: LoopState, report: StepReport) -> None:
+        """Rank 0: the ``step`` line (tokens/s, MFU, memory) every ``train.log_every`` steps, and tensorboard."""
         if run.rank != 0 or not log_due(report.step, run.spec):
             return
         norm = float(report.grad_norm)
@@ -129,12 +134,15 @@ class ElasticMode(TrainMode):
             self.bad = 0
 
     def save_due(self, run: Run, state: LoopState, committed: bool, time_due: bool) -> bool:
+        """Every ``checkpoint.every_steps`` steps, or when ``checkpoint.every_seconds`` passed."""
         return run.ckpt.due(state.step) or time_due
 
     def final_save_due(self, run: Run, state: LoopState) -> bool:
+        """Always: the last step is saved (a no-op when checkpoints are off)."""
         return True
 
     def finish(self, run: Run, state: LoopState) -> Finish:
+        """Wait for the save in flight (a timeout is logged), close tensorboard."""
         try:
             run.ckpt.wait()
         except TimeoutError as exc:
