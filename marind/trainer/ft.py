@@ -121,7 +121,7 @@ class TorchftMode(TrainMode):
 
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Adam state exists before a peer's state is copied into it."""
-        init_optimizer_state(optimizer)     # Adam state exists before a peer's state is copied into it
+        init_optimizer_state(optimizer)
 
     def start(self, run: Run, state: LoopState) -> None:
         """Note the group in the progress record, build the Manager (collective), log train_start."""

@@ -24,8 +24,11 @@ calls in this order (a hook's name in brackets)::
     [final_save_due]     final checkpoint (not after a stop)
     [finish]             wait for saves, release resources; then the last log line and record
 
-New modes (pipeline stages, expert parallelism) add a ``TrainMode``; a new per-step concern
-that every mode has belongs in :func:`run_loop`, one that only some have in a hook.
+Extending it: a concern every mode shares belongs in :func:`run_loop`, one only some modes
+have in a hook (with a no-op default on :class:`TrainMode`). Both modes run on any model
+parallelism: pipeline parallelism replaces :func:`_forward_backward` (a schedule runs the
+micro-batches across stages, and only the last stage has a loss), expert parallelism adds
+its gradient reduction next to ``on_gradients`` and its auxiliary loss to the loss.
 """
 
 from __future__ import annotations
