@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 
 def device_for_local_rank() -> torch.device:
+    """This rank's device: CUDA device ``LOCAL_RANK`` (modulo the count, and made current) or the CPU."""
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
@@ -24,11 +25,23 @@ def device_for_local_rank() -> torch.device:
 
 
 def backend_for(device: torch.device) -> str:
+    """The process-group backend for ``device``: nccl on CUDA, gloo otherwise."""
     return "nccl" if device.type == "cuda" else "gloo"
 
 
 def init_distributed(timeout_s: float = 300.0) -> torch.device:
-    """Join the process group described by torchrun's env vars; returns this rank's device."""
+    """Join the process group described by torchrun's environment (once; later calls only return the device).
+
+    Args:
+        timeout_s: timeout of the group's collectives, in seconds.
+
+    Returns:
+        This rank's device.
+
+    Raises:
+        ValueError: torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) are missing.
+        torch.distributed.DistStoreError: the rendezvous store did not answer in time.
+    """
     device = device_for_local_rank()
     if not dist.is_initialized():
         kwargs: dict[str, Any] = {}
@@ -40,6 +53,7 @@ def init_distributed(timeout_s: float = 300.0) -> torch.device:
 
 
 def shutdown_distributed() -> None:
+    """Barrier, then destroy the process group (nothing when there is none)."""
     if not dist.is_initialized():
         return
     try:

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from marind.core.etcd_client import EtcdClient
+from marind.core.lighthouse_file import LighthouseRecord, write_lighthouse
 from marind.core.log import get_logger
 from marind.core.netutil import free_port, port_open
 
@@ -230,11 +231,7 @@ class FTCoordinator:
         now = (str(lh["address"]), int(lh["epoch"]))
         if now == self.published:
             return
-        path = self.run_dir / "ft" / "lighthouse.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".lighthouse.json.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"address": now[0], "epoch": now[1], "node": lh.get("node")}))
-        os.replace(tmp, path)
+        write_lighthouse(self.run_dir, LighthouseRecord(address=now[0], epoch=now[1], node=lh.get("node")))
         self.log.info("ft_lighthouse_published", address=now[0], epoch=now[1], holder=lh.get("node"))
         self.published = now
 

@@ -1,66 +1,17 @@
-"""Workers' progress records: ``$MARIND_RUN_DIR/progress/rank-{rank}.json``.
+"""What the agent makes of its workers' progress records.
 
-Each worker writes its record atomically after every step::
-
-    {"rank", "local_rank", "world_size", "pid", "step", "loss", "tokens_per_s",
-     "last_checkpoint_step", "phase", "updated_at"}
-
-The agent reads them here, keeps only the records of live workers of the
-current generation (``pids``), and summarises them for etcd. Everything
-below except ``read_records`` is pure.
+The record, its file (``$MARIND_RUN_DIR/progress/rank-{rank}.json``) and its tolerant
+reader are defined once in ``marind.core.progress`` (re-exported here). The agent reads
+them, keeps only the records of live workers of the current generation (``pids``), and
+summarises them for etcd. Everything defined below is pure.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
+from marind.core.progress import PHASES, ProgressRecord, progress_dir, read_records
 
-PHASES = ("starting", "restoring", "training", "checkpointing", "done")
-
-
-@dataclass(frozen=True)
-class ProgressRecord:
-    rank: int
-    local_rank: int
-    world_size: int
-    pid: int
-    step: int
-    loss: float | None
-    tokens_per_s: float | None
-    last_checkpoint_step: int | None
-    phase: str
-    updated_at: float
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ProgressRecord:
-        def opt_float(v):
-            return None if v is None else float(v)
-        return cls(rank=int(d["rank"]), local_rank=int(d.get("local_rank", 0)),
-                   world_size=int(d.get("world_size", 0)), pid=int(d.get("pid", 0)),
-                   step=int(d.get("step", 0)), loss=opt_float(d.get("loss")),
-                   tokens_per_s=opt_float(d.get("tokens_per_s")),
-                   last_checkpoint_step=(None if d.get("last_checkpoint_step") is None
-                                         else int(d["last_checkpoint_step"])),
-                   phase=str(d.get("phase", "training")), updated_at=float(d.get("updated_at", 0.0)))
-
-
-def progress_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "progress"
-
-
-def read_records(run_dir: str | Path) -> list[ProgressRecord]:
-    """Every readable record (a half-written or foreign file is skipped)."""
-    out = []
-    directory = progress_dir(run_dir)
-    if not directory.is_dir():
-        return out
-    for path in sorted(directory.glob("rank-*.json")):
-        try:
-            out.append(ProgressRecord.from_dict(json.loads(path.read_text())))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return out
+__all__ = ["PHASES", "ProgressRecord", "all_done", "current", "job_summary", "node_step", "progress_dir",
+           "read_records", "stall_marker"]
 
 
 def current(records: list[ProgressRecord], pids: set[int]) -> list[ProgressRecord]:
@@ -69,10 +20,11 @@ def current(records: list[ProgressRecord], pids: set[int]) -> list[ProgressRecor
 
 
 def node_step(records: list[ProgressRecord]) -> int:
+    """The furthest step any of ``records`` reached (0 without records)."""
     return max((r.step for r in records), default=0)
 
 
-def stall_marker(records: list[ProgressRecord]) -> tuple | None:
+def stall_marker(records: list[ProgressRecord]) -> tuple[int, tuple[str, ...]] | None:
     """What must change for the node to count as progressing; None before any record."""
     if not records:
         return None
@@ -80,10 +32,11 @@ def stall_marker(records: list[ProgressRecord]) -> tuple | None:
 
 
 def all_done(records: list[ProgressRecord]) -> bool:
+    """True when there are records and every one is in phase ``done``."""
     return bool(records) and all(r.phase == "done" for r in records)
 
 
-def job_summary(records: list[ProgressRecord]) -> dict | None:
+def job_summary(records: list[ProgressRecord]) -> dict[str, object] | None:
     """``{p}/jobs/{job}/progress`` from the record of global rank 0, if this node has it."""
     for r in records:
         if r.rank == 0:

@@ -19,11 +19,12 @@ from __future__ import annotations
 import base64
 import os
 import time
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from ckpt_store import CheckpointSaveFailed
+from ckpt_store import CheckpointSaveFailed, CheckpointStore, PendingSave
 from marind.core.log import get_logger
 from marind.core.spec import RunSpec
 
@@ -37,14 +38,20 @@ def checkpoint_url(url: str) -> str:
     return "file://" + os.path.abspath(url)
 
 
-def rng_state() -> dict:
+def rng_state() -> dict[str, str]:
+    """This process's torch (and CUDA) RNG state, base64 encoded."""
     out = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
     if torch.cuda.is_available():
         out["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
     return out
 
 
-def restore_rng(saved: dict | None, *, seed: int, step: int, rank: int) -> bool:
+def restore_rng(saved: dict[str, str] | None, *, seed: int, step: int, rank: int) -> bool:
+    """Restore :func:`rng_state`'s ``saved``; without one, seed from ``seed``, ``step`` and ``rank``.
+
+    Returns:
+        Whether a saved state was restored.
+    """
     if not saved:
         torch.manual_seed(seed + 1_000_003 * step + rank)
         return False
@@ -70,20 +77,29 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 class Checkpointer:
-    """Save every N steps / T seconds (async), restore the latest committed step."""
+    """Save every N steps / T seconds (async), restore the latest committed step.
 
-    def __init__(self, spec: RunSpec, model, optimizer, *, rank: int, world_size: int, layout: dict):
+    Args:
+        spec: the run's spec (``[checkpoint]``; no ``url``: checkpoints are off).
+        model: the (parallelized) model.
+        optimizer: its optimizer.
+        rank: global rank.
+        world_size: ranks in the world.
+        layout: the mesh sizes, recorded in each checkpoint.
+    """
+
+    def __init__(self, spec: RunSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, rank: int,
+                 world_size: int, layout: dict[str, int]) -> None:
         self.spec, self.model, self.optimizer = spec, model, optimizer
         self.rank, self.world_size, self.layout = rank, world_size, layout
         c = spec.checkpoint
-        self.store = None
+        self.store: CheckpointStore | None = None
         if c.url:
-            from ckpt_store import CheckpointStore
             self.store = CheckpointStore(checkpoint_url(c.url), keep_last=c.keep_last or None,
                                          keep_every=c.keep_every or None)
             if hasattr(optimizer, "register_step_pre_hook"):
                 self.store.protect(optimizer)   # async snapshots overlap the next forward/backward
-        self.pending = None
+        self.pending: PendingSave | None = None
         self.started_step: int | None = None   # last save started (maybe still in flight)
         self.last_step: int | None = None      # last save known committed (or restored)
         self.failures = 0
@@ -91,15 +107,23 @@ class Checkpointer:
 
     @property
     def enabled(self) -> bool:
+        """Whether checkpoints are on (``checkpoint.url`` set)."""
         return self.store is not None
+
+    @property
+    def url(self) -> str | None:
+        """The store's URL, None when checkpoints are off."""
+        return self.store.url if self.store is not None else None
 
     def _options(self) -> StateDictOptions:
         return StateDictOptions(full_state_dict=False, cpu_offload=False)
 
-    def build_state(self, step: int, data_position: int) -> dict:
+    def build_state(self, step: int, data_position: int) -> dict[str, Any]:
+        """The state tree of a checkpoint of ``step`` (see the module docstring)."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
+        param_groups = cast(list[dict[str, Any]], optim_sd.get("param_groups", []))
         groups = [{k: v for k, v in g.items() if k != "params"} | {"params": list(g["params"])}
-                  for g in optim_sd.get("param_groups", [])]
+                  for g in param_groups]
         return {
             "model": model_sd,
             "optim": optim_sd.get("state", {}),
@@ -115,10 +139,12 @@ class Checkpointer:
         }
 
     def due(self, step: int) -> bool:
+        """Whether ``step`` is a multiple of ``checkpoint.every_steps`` (and checkpoints are on)."""
         c = self.spec.checkpoint
         return self.enabled and c.every_steps > 0 and step % c.every_steps == 0
 
     def time_due(self) -> bool:
+        """Whether ``checkpoint.every_seconds`` have passed since the last save started."""
         c = self.spec.checkpoint
         return (self.enabled and c.every_seconds is not None
                 and time.monotonic() - self.last_saved_at >= c.every_seconds)
@@ -131,6 +157,8 @@ class Checkpointer:
 
     def _settle(self, timeout: float) -> None:
         pending, self.pending = self.pending, None
+        if pending is None:
+            return
         try:
             pending.wait(timeout)
         except CheckpointSaveFailed as exc:
@@ -143,8 +171,18 @@ class Checkpointer:
         self.last_step = pending.step
 
     def save(self, step: int, data_position: int, *, wait: bool = False) -> None:
-        """Start a save of ``step`` (async unless ``wait`` or ``[checkpoint] async = false``)."""
-        if not self.enabled:
+        """Start a save of ``step`` (async unless ``wait`` or ``[checkpoint] async = false``); no-op when off.
+
+        Args:
+            step: the step the checkpoint holds (a second call for the same step only waits, if asked).
+            data_position: the data position saved with it.
+            wait: block until it committed.
+
+        Raises:
+            CheckpointSaveFailed: with ``wait``, the save did not commit.
+            TimeoutError: the previous save, or this one with ``wait``, outlasted ``checkpoint.wait_timeout``.
+        """
+        if self.store is None:
             return
         if self.started_step != step:
             if self.pending is not None:
@@ -162,16 +200,31 @@ class Checkpointer:
                 raise CheckpointSaveFailed(f"checkpoint step {step} did not commit (see checkpoint_failed)")
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait (bounded) for the save in flight; failures are logged."""
+        """Wait (bounded) for the save in flight; failures are logged.
+
+        Args:
+            timeout: seconds; ``checkpoint.wait_timeout`` when None.
+
+        Raises:
+            TimeoutError: the save is still running after ``timeout`` (it stays pending).
+        """
         if self.pending is not None:
             self._settle(timeout if timeout is not None else self.spec.checkpoint.wait_timeout)
 
     def latest(self) -> int | None:
-        return self.store.latest() if self.enabled else None
+        """The latest committed step in the store; None when there is none or checkpoints are off."""
+        return self.store.latest() if self.store is not None else None
 
     def restore(self) -> tuple[int, int] | None:
-        """Load the latest committed step into model/optimizer; returns (step, data_position)."""
-        if not self.enabled or self.store.latest() is None:
+        """Load the latest committed step into model, optimizer and this rank's RNG.
+
+        Returns:
+            (step, data_position), or None when checkpoints are off or there is none.
+
+        Raises:
+            ckpt_store.CheckpointError: the checkpoint cannot be read or does not fit the model.
+        """
+        if self.store is None or self.store.latest() is None:
             return None
         init_optimizer_state(self.optimizer)
         state = self.build_state(0, 0)
@@ -188,6 +241,6 @@ class Checkpointer:
         self.last_saved_at = time.monotonic()
         return step, position
 
-    def _groups(self) -> list[dict]:
+    def _groups(self) -> list[dict[str, Any]]:
         _, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
-        return optim_sd["param_groups"]
+        return cast(list[dict[str, Any]], optim_sd["param_groups"])

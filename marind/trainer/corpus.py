@@ -22,6 +22,7 @@ _LINKS = ["and then", "but", "so", "while", "because"]
 
 
 def sentence(rng: random.Random) -> str:
+    """One random sentence of the example corpus."""
     s = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_PLACES)}"
     if rng.random() < 0.4:
         s += f", {rng.choice(_LINKS)} {rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}"

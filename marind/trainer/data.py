@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,8 @@ _HEADER = struct.Struct("<8sIIQQQ24x")  # 64 bytes
 
 @dataclass(frozen=True)
 class IndexHeader:
+    """The fixed header of ``prefix.idx``: token width, vocabulary, document and token counts."""
+
     token_bytes: int
     vocab_size: int
     documents: int
@@ -63,6 +66,18 @@ def write_dataset(prefix: str | Path, documents, vocab_size: int) -> IndexHeader
 
 
 def read_header(prefix: str | Path) -> IndexHeader:
+    """Read ``prefix.idx``'s header.
+
+    Args:
+        prefix: the dataset's path without ``.bin`` / ``.idx``.
+
+    Returns:
+        The header.
+
+    Raises:
+        FileNotFoundError: there is no index (the data was not prepared).
+        ValueError: the index is truncated or not a marind dataset index.
+    """
     path = Path(f"{prefix}.idx")
     try:
         raw = path.read_bytes()[:_HEADER.size]
@@ -89,10 +104,12 @@ class TokenDataset:
 
     @property
     def vocab_size(self) -> int:
+        """The vocabulary size the data was prepared with."""
         return self.header.vocab_size
 
 
 def num_windows(n_tokens: int, seq_len: int) -> int:
+    """Training windows (``seq_len`` inputs + 1 target) in ``n_tokens`` tokens."""
     return (n_tokens - 1) // seq_len
 
 
@@ -124,7 +141,8 @@ class Sampler:
             raise ValueError(f"dataset {dataset.prefix} has {dataset.header.tokens} tokens, fewer than "
                              f"data.seq_len + 1 = {seq_len + 1}; use more data or a shorter seq_len")
 
-    def batch(self, indices, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, indices: Iterable[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of the windows of global sample ``indices``, on ``device``."""
         rows = []
         for i in indices:
             w = sample_window(self.seed, i, self.windows)

@@ -23,6 +23,19 @@ USAGE = "usage: python -m marind.trainer RUN.toml|SPEC.json  (under torchrun, or
 
 
 def read_spec(path: str) -> RunSpec:
+    """The run's spec from a run.toml, or from the JSON the agent stores (``.json``).
+
+    Args:
+        path: the file.
+
+    Returns:
+        The spec, not yet checked against a world size.
+
+    Raises:
+        SpecError: the spec is invalid.
+        OSError: the file cannot be read.
+        ValueError: the JSON is malformed.
+    """
     if path.endswith(".json"):
         with open(path) as fh:
             return RunSpec.from_dict(json.load(fh), check_worlds=False)
@@ -38,6 +51,17 @@ def _standalone_env() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the reference trainer on one rank (under torchrun, or alone as a world of one).
+
+    Args:
+        argv: ``[RUN.toml|SPEC.json]``; ``sys.argv[1:]`` when None.
+
+    Returns:
+        The exit code: 0 done, 143 (``STOP_EXIT_CODE``) stopped on request, 2 bad usage or spec.
+
+    Raises:
+        Exception: whatever training raised (logged as ``train_failed`` first; the exit code is 1).
+    """
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
         sys.stderr.write(USAGE + "\n")
@@ -52,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from marind.core.spec import validate_for_world
     from marind.distributed import init_distributed, shutdown_distributed
-    from marind.trainer.train import STOP_EXIT_CODE, StopFlag, train
+    from marind.trainer.loop import STOP_EXIT_CODE, StopFlag
+    from marind.trainer.train import train
 
     stop = StopFlag()
     stop.install()

@@ -21,6 +21,8 @@ from marind.core.spec import ModelSpec
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The model's shape: ``[model]`` of the spec with the vocabulary and sequence length resolved."""
+
     vocab_size: int
     dim: int
     n_layers: int
@@ -33,12 +35,23 @@ class ModelConfig:
 
     @classmethod
     def from_spec(cls, model: ModelSpec, *, seq_len: int, data_vocab_size: int) -> ModelConfig:
+        """The config of ``model`` (``vocab_size`` 0 takes the data's).
+
+        Args:
+            model: the spec's ``[model]``.
+            seq_len: ``data.seq_len`` (the rotary tables' length).
+            data_vocab_size: the dataset's vocabulary size.
+
+        Returns:
+            The config.
+        """
         return cls(vocab_size=model.vocab_size or data_vocab_size, dim=model.dim, n_layers=model.n_layers,
                    n_heads=model.n_heads, ffn_dim=model.ffn_dim, seq_len=seq_len,
                    tie_embeddings=model.tie_embeddings, norm_eps=model.norm_eps, rope_theta=model.rope_theta)
 
     @property
     def head_dim(self) -> int:
+        """Width of one attention head."""
         return self.dim // self.n_heads
 
 
@@ -131,6 +144,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    """The decoder-only transformer: embeddings, ``n_layers`` blocks, final norm, LM head."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -145,6 +160,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
+        """Initialise every parameter (normal(0.02), output projections scaled by depth, norms at 1)."""
         std = 0.02
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
@@ -156,6 +172,7 @@ class GPT(nn.Module):
                 nn.init.normal_(p, 0.0, std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits ``(batch, seq, vocab)`` of token ids ``(batch, seq)``."""
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, self.rope_cos, self.rope_sin)
@@ -166,4 +183,5 @@ class GPT(nn.Module):
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy, computed in float32."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))

@@ -11,15 +11,17 @@ replicated over ``tp`` (sharded over dp only).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from marind.core.spec import RunSpec, validate_for_world
+from marind.trainer.model import GPT
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 
@@ -35,13 +37,28 @@ class Layout:
 
     @property
     def dp_size(self) -> int:
+        """Data-parallel ranks (replicate x shard)."""
         return self.dp_replicate * self.dp_shard
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, int]:
+        """The mesh sizes, as checkpoints record them."""
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
 
 
 def build_mesh(spec: RunSpec, world_size: int, device_type: str) -> tuple[DeviceMesh, Layout]:
+    """The (dp_replicate, dp_shard, tp) device mesh of this world and this rank's place in it.
+
+    Args:
+        spec: the run's spec (``[parallel]``).
+        world_size: ranks in the world.
+        device_type: ``"cuda"`` or ``"cpu"``.
+
+    Returns:
+        (mesh, layout).
+
+    Raises:
+        SpecError: the parallel layout does not fit ``world_size``.
+    """
     sizes = validate_for_world(spec, world_size)
     mesh = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
     dr, ds, _ = sizes
@@ -49,7 +66,8 @@ def build_mesh(spec: RunSpec, world_size: int, device_type: str) -> tuple[Device
     return mesh, Layout(*sizes, dp_rank=dp_rank)
 
 
-def tp_plan() -> dict:
+def tp_plan() -> dict[str, ParallelStyle]:
+    """Tensor-parallel plan of one transformer block (column-wise in, row-wise out)."""
     return {
         "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
@@ -58,7 +76,17 @@ def tp_plan() -> dict:
     }
 
 
-def parallelize(model: torch.nn.Module, mesh: DeviceMesh, spec: RunSpec) -> torch.nn.Module:
+def parallelize(model: GPT, mesh: DeviceMesh, spec: RunSpec) -> GPT:
+    """Apply TP, activation checkpointing, ``torch.compile`` and FSDP2 to ``model`` in place.
+
+    Args:
+        model: the freshly built model.
+        mesh: the mesh of :func:`build_mesh`.
+        spec: the run's spec (``[parallel]``).
+
+    Returns:
+        ``model``.
+    """
     p = spec.parallel
     if mesh["tp"].size() > 1:
         for block in model.layers:
@@ -81,7 +109,7 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, spec: RunSpec) -> torc
 
 
 @torch.no_grad()
-def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Global L2 norm of the gradients (DTensors on any mesh), clipped to ``max_norm`` if > 0.
 
     Returns the norm before clipping; non-finite norms are returned without touching the grads.

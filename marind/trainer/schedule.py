@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from marind.core import workerenv
+
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
     """Linear warmup over ``warmup_steps``, then cosine from ``lr`` to ``min_lr`` at ``total_steps``.
@@ -30,7 +32,7 @@ def peak_flops_per_device(device: torch.device, local_world_size: int = 1) -> fl
     CPU: an AVX2-FMA estimate (32 fp32 FLOP/cycle/core at 2.5 GHz) over the cores this
     rank gets (usable cores / local ranks). Only a reference point for MFU.
     """
-    env = os.environ.get("MARIND_PEAK_FLOPS")
+    env = os.environ.get(workerenv.PEAK_FLOPS)
     if env:
         return float(env)
     if device.type == "cuda":

@@ -6,9 +6,12 @@ from pathlib import Path
 
 
 class ByteTokenizer:
+    """UTF-8 bytes as tokens (vocabulary 256)."""
+
     vocab_size = 256
 
     def encode(self, text: str) -> list[int]:
+        """The UTF-8 bytes of ``text``."""
         return list(text.encode("utf-8"))
 
 
@@ -25,8 +28,14 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
+        """The token ids of ``text``."""
         return self._tok.encode(text).ids
 
 
-def get_tokenizer(path: str | None):
+def get_tokenizer(path: str | None) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer of ``tokenizer.json`` at ``path``, or the byte tokenizer when None.
+
+    Raises:
+        ValueError: ``path`` is given but the ``tokenizers`` package is missing.
+    """
     return HFTokenizer(path) if path else ByteTokenizer()

@@ -9,7 +9,6 @@ coordinator publishes one, ``ft/lighthouse.json``.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import psutil
 
+from marind.core.jsonfile import read_json_object
+from marind.core.progress import record_path
 from marind.testing.procs import kill_group, spawn
 
 _torchruns: list[subprocess.Popen] = []
@@ -123,10 +124,8 @@ def kill_all_groups() -> None:
 
 
 def progress(tmp: Path, group: int, rank: int = 0) -> dict:
-    try:
-        return json.loads((run_dir(tmp, group) / "progress" / f"rank-{rank}.json").read_text())
-    except (OSError, ValueError):
-        return {}
+    """The JSON object of a rank's progress record (``{}`` until it has written one)."""
+    return read_json_object(record_path(run_dir(tmp, group), rank)) or {}
 
 
 def wait_for(pred, timeout: float, what: str, tmp: Path | None = None, poll: float = 0.1):

@@ -19,6 +19,8 @@ from marind.trainer.data import (
 )
 from marind.trainer.schedule import lr_at
 
+pytestmark = pytest.mark.unit  # no process, no server
+
 
 def test_write_read_roundtrip(tmp_path):
     header = write_dataset(tmp_path / "d", [[1, 2, 3], [4, 5]], vocab_size=256)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from marind.core.spec import PRESETS, swiglu_hidden
 from marind.trainer.model import GPT, ModelConfig, flops_per_token, param_count
+
+pytestmark = pytest.mark.unit  # no process, no server
 
 
 def test_param_count_matches_modules():

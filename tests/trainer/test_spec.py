@@ -17,6 +17,8 @@ from marind.core.spec import (
     validate_for_world,
 )
 
+pytestmark = pytest.mark.unit  # parsing only: no process, no server
+
 BASE = """
 [job]
 name = "gpt-tiny"

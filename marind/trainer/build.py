@@ -1,0 +1,141 @@
+"""Everything a training run holds before its first step: model, optimizer, data, checkpointer, progress.
+
+:func:`build` makes the model (identical initial weights on every rank), its parallel layout
+and the AdamW optimizer; :func:`setup_run` adds what the loop reports through (logger with
+the rank bound, progress record, checkpointer) and returns them together as a :class:`Run`,
+the one object ``marind.trainer.loop`` and its modes share.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from marind.core.log import get_logger
+from marind.core.progress import ProgressWriter
+from marind.core.spec import RunSpec, grad_accum_steps
+from marind.core.workerenv import WorkerEnv
+from marind.trainer.checkpointing import Checkpointer
+from marind.trainer.data import Sampler, TokenDataset
+from marind.trainer.model import GPT, ModelConfig
+from marind.trainer.parallel import Layout, build_mesh, parallelize
+
+if TYPE_CHECKING:
+    from marind.trainer.loop import TrainMode
+
+
+@dataclass
+class Built:
+    """The model side of a run, as :func:`build` makes it."""
+
+    model: GPT
+    optimizer: torch.optim.Optimizer
+    cfg: ModelConfig
+    layout: Layout
+    sampler: Sampler
+    rank: int
+    world: int
+
+
+def build(spec: RunSpec, device: torch.device) -> Built:
+    """Model, layout, optimizer and sampler of this rank (collective: every rank calls it).
+
+    Args:
+        spec: the run's spec.
+        device: this rank's device.
+
+    Returns:
+        The built parts.
+
+    Raises:
+        ValueError: ``model.vocab_size`` is smaller than the data's vocabulary.
+        OSError: the dataset cannot be read.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh, layout = build_mesh(spec, world, device.type)
+    dataset = TokenDataset(spec.data.path)
+    cfg = ModelConfig.from_spec(spec.model, seq_len=spec.data.seq_len, data_vocab_size=dataset.vocab_size)
+    if cfg.vocab_size < dataset.vocab_size:
+        raise ValueError(f"model.vocab_size = {cfg.vocab_size} is smaller than the data's vocabulary "
+                         f"({dataset.vocab_size}); raise it or remove it")
+    torch.manual_seed(spec.train.seed)  # identical initial weights on every rank
+    with torch.device(device):
+        model = GPT(cfg)
+    parallelize(model, mesh, spec)
+    o = spec.optim
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                  foreach=layout.tp == 1)
+    return Built(model, optimizer, cfg, layout, Sampler(dataset, spec.data.seq_len, spec.train.seed), rank, world)
+
+
+@dataclass
+class Run:
+    """One rank's training run: what the loop and its mode read and drive.
+
+    Attributes:
+        spec: the run's spec.
+        device: this rank's device.
+        env: what marind told the worker (``MARIND_*``).
+        model, optimizer, cfg, layout, sampler, rank, world: as :func:`build` made them.
+        local_rank: rank on this node (torchrun's ``LOCAL_RANK``).
+        log: the trainer's logger, with ``rank`` (and the mode's context) bound.
+        progress: this rank's progress record.
+        ckpt: durable checkpoints through ckpt_store.
+        accum: micro-batches per step on this rank.
+        params: the model's parameters, in order.
+    """
+
+    spec: RunSpec
+    device: torch.device
+    env: WorkerEnv
+    model: GPT
+    optimizer: torch.optim.Optimizer
+    cfg: ModelConfig
+    layout: Layout
+    sampler: Sampler
+    rank: int
+    world: int
+    local_rank: int
+    log: Any
+    progress: ProgressWriter
+    ckpt: Checkpointer
+    accum: int
+    params: list[torch.nn.Parameter]
+
+
+def setup_run(spec: RunSpec, device: torch.device, env: WorkerEnv, mode: TrainMode) -> Run:
+    """Build this rank's run: :func:`build`, ``mode.prepare``, logging context, progress, checkpointer.
+
+    Args:
+        spec: the run's spec.
+        device: this rank's device.
+        env: the worker environment.
+        mode: the training mode (its ``prepare`` runs on the fresh model and optimizer).
+
+    Returns:
+        The run, before anything is restored.
+
+    Raises:
+        ValueError: see :func:`build`.
+    """
+    b = build(spec, device)
+    mode.prepare(b.model, b.optimizer)
+    local_rank = int(os.environ.get("LOCAL_RANK", b.rank))
+    structlog.contextvars.bind_contextvars(rank=b.rank, **mode.log_context(),
+                                           **({"job": env.job_id} if env.job_id else {}))
+    log = get_logger("trainer")
+    progress = ProgressWriter(b.rank, local_rank, b.world, env.run_dir)
+    ckpt = Checkpointer(spec, b.model, b.optimizer, rank=b.rank, world_size=b.world, layout=b.layout.as_dict())
+    return Run(spec=spec, device=device, env=env, model=b.model, optimizer=b.optimizer, cfg=b.cfg,
+               layout=b.layout, sampler=b.sampler, rank=b.rank, world=b.world, local_rank=local_rank, log=log,
+               progress=progress, ckpt=ckpt, accum=grad_accum_steps(spec, b.layout.dp_size),
+               params=list(b.model.parameters()))
