@@ -231,6 +231,18 @@ def _save(run: Run, mode: TrainMode, state: LoopState, *, wait: bool = False) ->
     run.ckpt.save(state.step, state.position, wait=wait)
 
 
+def stop_here(requested: bool, step: int, stop_at: int) -> bool:
+    """Whether this rank asks to stop after the step just taken.
+
+    Args:
+        requested: a SIGTERM (or the agent's stop) arrived.
+        step: the step counter after this step (unchanged by a step torchft did not commit).
+        stop_at: the test hook ``MARIND_TEST_STOP_AT_STEP``; 0 means off, so a torchft run
+            whose first step is not committed (step still 0) keeps going.
+    """
+    return requested or (stop_at > 0 and step == stop_at)
+
+
 def run_loop(run: Run, mode: TrainMode, stop: StopFlag) -> Result:
     """Train ``run`` in ``mode`` to ``train.steps`` or a stop.
 
@@ -267,7 +279,7 @@ def run_loop(run: Run, mode: TrainMode, stop: StopFlag) -> Result:
         run.optimizer.zero_grad(set_to_none=mode.grads_to_none)
         mode.advance(run, state, committed)
         flags = torch.stack([loss_acc.float(),
-                             torch.tensor(float(stop.requested or state.step == stop_at), device=run.device),
+                             torch.tensor(float(stop_here(stop.requested, state.step, stop_at)), device=run.device),
                              torch.tensor(float(run.rank == 0 and ckpt.time_due()), device=run.device)])
         dist.all_reduce(flags)
         state.loss = loss = float(flags[0]) / run.world

@@ -8,7 +8,7 @@ import pytest
 
 from marind.core.spec import RunSpec
 from marind.core.workerenv import WorkerEnv
-from marind.trainer.loop import LoopState, Result, TrainMode, log_due
+from marind.trainer.loop import LoopState, Result, TrainMode, log_due, stop_here
 from marind.trainer.train import ElasticMode, nan_steps
 
 pytestmark = pytest.mark.unit
@@ -122,3 +122,13 @@ def test_torchft_step_and_position_are_the_managers():
     state = LoopState()
     mode.advance(run, state, committed=True)
     assert (state.step, state.position) == (7, 7 * 4 * 3)    # global_batch 4 per group, 3 groups
+
+
+def test_the_test_stop_hook_is_off_at_zero_even_while_the_step_stays_at_zero():
+    # torchft: a first step that no quorum committed leaves the counter at 0; with the
+    # hook unset (0) that must not read as "stop at step 0" (it used to: exit 143).
+    assert not stop_here(False, 0, 0)
+    assert not stop_here(False, 5, 0)
+    assert stop_here(False, 5, 5)
+    assert not stop_here(False, 4, 5)
+    assert stop_here(True, 0, 0)
