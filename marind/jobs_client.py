@@ -1,6 +1,6 @@
 """The client library behind `marind submit/status/cancel/logs/nodes/rm`.
 
-A thin layer over ``EtcdClient`` and ``marind.agent.jobs``; the CLI only
+A thin layer over ``EtcdClient`` and ``marind.agent.job_records``; the CLI only
 parses arguments and prints. ``status_document`` is the ``--json``
 schema of DESIGN §5.
 """
@@ -10,12 +10,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from marind.agent import jobs as J
+from marind.agent import job_records as J
 from marind.agent.config import client_settings, resolve_endpoint
 from marind.agent.events import list_events
-from marind.agent.jobstate import JobEvent, JobState
-from marind.agent.jobwatch import JobWatch
-from marind.agent.lighthouse import ft_status, is_torchft
+from marind.agent.lifecycle import JobEvent, JobState
+from marind.agent.change_watch import ChangeWatch
+from marind.agent.ft_coordinator import ft_status, is_torchft
 from marind.agent.registry import live_nodes
 from marind.core.errors import NotFound
 from marind.core.etcd_client import EtcdClient
@@ -111,7 +111,7 @@ class JobsClient:
         per progress report, not a read per second.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        watch = JobWatch(self.client, resync_s=resync, prefix=self.client.key("jobs", job) + "/")
+        watch = ChangeWatch(self.client, resync_s=resync, prefix=self.client.key("jobs", job) + "/")
         last = None
         try:
             while True:

@@ -30,10 +30,10 @@ from marind.agent import progress as prog
 from marind.agent.config import AgentConfig, endpoint_file
 from marind.agent.events import append_event
 from marind.agent.hang import HangDetector
-from marind.agent.jobs import JobView, job_nodes, list_job_ids, read_job, update_state
-from marind.agent.jobstate import JobEvent, JobState
-from marind.agent.jobwatch import JobWatch
-from marind.agent.lighthouse import FTCoordinator, is_torchft
+from marind.agent.job_records import JobView, job_nodes, list_job_ids, read_job, update_state
+from marind.agent.lifecycle import JobEvent, JobState
+from marind.agent.change_watch import ChangeWatch
+from marind.agent.ft_coordinator import FTCoordinator, is_torchft
 from marind.agent.membership import Membership
 from marind.agent.registry import NodeRegistry
 from marind.agent.supervisor import (
@@ -94,7 +94,7 @@ class Agent:
         self._outbox: list[tuple[str, Callable[[], None]]] = []
         self._warned_too_big: set[str] = set()
         self.client: EtcdClient | None = None
-        self.jobwatch: JobWatch | None = None
+        self.jobwatch: ChangeWatch | None = None
         self.registry: NodeRegistry | None = None
         self.etcd_server = None
         self.metrics_server: MetricsServer | None = None
@@ -175,7 +175,7 @@ class Agent:
         c = self.config
         self.client = EtcdClient(self.endpoint, prefix=c.prefix, user=c.etcd_user,
                                  password=c.etcd_password, tls=c.tls)
-        self.jobwatch = JobWatch(self.client)
+        self.jobwatch = ChangeWatch(self.client)
         self.registry = NodeRegistry(self.client, self.node, slots=self.slots, labels=dict(c.labels),
                                      ttl=c.lease_ttl, on_keepalive_failure=self._keepalive_failed)
         last_log = 0.0

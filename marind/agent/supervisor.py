@@ -101,7 +101,7 @@ def torchrun_command(*, python: str, job: str, spec: dict, endpoint: str, prefix
     if fault.get("mode") == "torchft":
         if replica_group is None:
             raise ValueError("a torchft job's torchrun needs the node's replica_group")
-        # the group's nodes_per_group nodes (marind/agent/lighthouse.py) meet in a rendezvous of
+        # the group's nodes_per_group nodes (marind/agent/ft_coordinator.py) meet in a rendezvous of
         # their own, under the job's keys. Not --standalone: its c10d handler reuses the workers'
         # store across restarts, and restarted workers then dial the dead ones' addresses.
         nodes, run_id = str(int(fault.get("nodes_per_group", 1))), f"rg-{replica_group}"

@@ -94,7 +94,7 @@ def test_torchrun_is_one_rendezvous_per_group_under_the_job():
 
 
 def test_claim_order_completes_groups_before_starting_new_ones():
-    from marind.agent.lighthouse import claim_order, group_members
+    from marind.agent.ft_coordinator import claim_order, group_members
     assert claim_order({}, 2, 2) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     held = {1: {0: "a"}}
     assert claim_order(held, 3, 2) == [(1, 1), (0, 0), (0, 1), (2, 0), (2, 1)]

@@ -1,6 +1,6 @@
 """A job's keys in etcd, read and written the one way (DESIGN §2).
 
-``update_state`` applies ``jobstate.apply`` with compare-and-swap on the
+``update_state`` applies ``lifecycle.apply`` with compare-and-swap on the
 state key's mod_revision, retrying on contention, so every agent and the
 CLI move a job's state through the one transition function.
 """
@@ -13,7 +13,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from marind.agent.jobstate import JobEvent, JobState, StateRecord, apply
+from marind.agent.lifecycle import JobEvent, JobState, StateRecord, apply
 from marind.core.errors import NotFound
 from marind.core.etcd_client import EtcdClient
 
@@ -47,7 +47,7 @@ class JobView:
         return int(self.spec.get("job", {}).get("nproc_per_node", 1))
 
 
-def state_key(client: EtcdClient, job: str) -> str:
+def job_state_key(client: EtcdClient, job: str) -> str:
     return client.key("jobs", job, "state")
 
 
@@ -67,14 +67,14 @@ def read_job(client: EtcdClient, job: str) -> JobView:
     if spec_raw is None:
         raise NotFound(f"no job {job!r}: see `marind status` for the jobs there are")
     spec = json.loads(spec_raw)
-    raw, rev = client.get(state_key(client, job))
+    raw, rev = client.get(job_state_key(client, job))
     state = StateRecord.from_dict(json.loads(raw)) if raw else StateRecord(JobState.PENDING)
     cancel = client.get_json(client.key("jobs", job, "cancel"))
     return JobView(id=job, spec=spec, state=state, state_rev=rev, cancel=cancel, submitted_rev=spec_rev)
 
 
 def changed_key(client: EtcdClient) -> str:
-    """The key every agent watches to know when to read the jobs again (``marind.agent.jobwatch``)."""
+    """The key every agent watches to know when to read the jobs again (``marind.agent.change_watch``)."""
     return client.key("jobs_changed")
 
 
@@ -87,7 +87,7 @@ def create_job(client: EtcdClient, job: str, spec: dict, now: float | None = Non
     now = time.time() if now is None else now
     if not client.create(client.key("jobs", job, "spec"), json.dumps(spec, sort_keys=True)):
         return False
-    client.put_json(state_key(client, job),
+    client.put_json(job_state_key(client, job),
                     StateRecord(JobState.PENDING, reason="submitted", updated_at=now).to_dict())
     mark_jobs_changed(client)
     return True
@@ -97,7 +97,7 @@ def update_state(client: EtcdClient, job: str, event: JobEvent, *, reason: str =
                  restarts: int | None = None, step: int | None = None,
                  attempts: int = 20) -> StateRecord | None:
     """Apply ``event`` by CAS; returns the new record, or None when the move was refused/no-op."""
-    key = state_key(client, job)
+    key = job_state_key(client, job)
     for _ in range(attempts):
         raw, rev = client.get(key)
         current = StateRecord.from_dict(json.loads(raw)) if raw else StateRecord(JobState.PENDING)

@@ -3,7 +3,7 @@
 Reading every job's spec, state and cancel key on every tick costs etcd
 O(nodes x jobs) reads per tick. Instead, whoever changes the set of jobs
 or a job's state (submit, a state transition, cancel, ``marind rm``) also
-touches one key, ``{p}/jobs_changed`` (``marind.agent.jobs.mark_jobs_changed``);
+touches one key, ``{p}/jobs_changed`` (``marind.agent.job_records.mark_jobs_changed``);
 each agent watches that key and reads the jobs only when it changed, when
 its own situation asks for it (``poke``: a job waiting for free slots, a
 run that ended here), while etcd is away, and every ``resync_s`` seconds
@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from marind.agent.jobs import changed_key
+from marind.agent.job_records import changed_key
 from marind.core.errors import ControlPlaneUnavailable
 from marind.core.etcd_client import EtcdClient
 from marind.core.log import get_logger
@@ -24,7 +24,7 @@ from marind.core.log import get_logger
 DEFAULT_RESYNC_S = 5.0
 
 
-class JobWatch:
+class ChangeWatch:
     """``prefix``: the keys to watch (default ``{p}/jobs_changed``, what agents follow; `marind
     submit --wait` follows one job's keys, ``{p}/jobs/{job}/``)."""
 

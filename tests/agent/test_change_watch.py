@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from marind.agent.jobs import create_job, mark_jobs_changed, update_state
-from marind.agent.jobstate import JobEvent
-from marind.agent.jobwatch import JobWatch
+from marind.agent.job_records import create_job, mark_jobs_changed, update_state
+from marind.agent.lifecycle import JobEvent
+from marind.agent.change_watch import ChangeWatch
 from tests.agent.helpers import wait_for
 
 
@@ -20,7 +20,7 @@ class Clock:
 
 def test_reads_on_change_poke_and_resync(etcd_client):
     clock = Clock()
-    watch = JobWatch(etcd_client, resync_s=5.0, clock=clock)
+    watch = ChangeWatch(etcd_client, resync_s=5.0, clock=clock)
     try:
         assert watch.due()                       # never read yet
         watch.begin_read()
