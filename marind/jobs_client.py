@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 from marind.agent import job_records as J
+from marind.agent.change_watch import ChangeWatch
 from marind.agent.config import client_settings, resolve_endpoint
 from marind.agent.events import list_events
-from marind.agent.lifecycle import JobEvent, JobState
-from marind.agent.change_watch import ChangeWatch
 from marind.agent.ft_coordinator import ft_status, is_torchft
+from marind.agent.lifecycle import JobEvent, JobState
 from marind.agent.registry import live_nodes
 from marind.core.errors import NotFound
 from marind.core.etcd_client import EtcdClient
@@ -60,7 +60,7 @@ class JobsClient:
         world = progress.get("world_size") if progress else None
         if not world and nodes:
             world = sum(len(n.get("workers", [])) for n in nodes.values()) or len(nodes) * nproc
-        return {"id": view.id, "name": view.spec.get("job", {}).get("name", view.id),
+        return {"id": view.id, "name": view.name,
                 "state": view.state.state.value, "reason": view.state.reason,
                 "nodes": sorted(nodes), "world_size": world or 0,
                 "step": _last_step(progress.get("step"), view.state.step), "loss": progress.get("loss"),
@@ -69,8 +69,9 @@ class JobsClient:
                 "restarts": view.state.restarts,
                 "updated_at": max(view.state.updated_at, float(progress.get("updated_at") or 0)),
                 "submitted_rev": view.submitted_rev,
-                "target_steps": view.spec.get("train", {}).get("steps"),
-                "torchft": ft_status(self.client, view.id, nodes) if is_torchft(view.spec) else None}
+                "target_steps": view.target_steps,
+                "torchft": ft_status(self.client, view.id, nodes)
+                if is_torchft(view.run_spec or view.spec) else None}
 
     def nodes(self) -> list[dict]:
         return [dict(v, node=k) for k, v in sorted(live_nodes(self.client).items())]

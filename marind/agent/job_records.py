@@ -12,10 +12,12 @@ import re
 import secrets
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from marind.agent.lifecycle import JobEvent, JobState, StateRecord, apply
-from marind.core.errors import NotFound
+from marind.core.errors import NotFound, SpecError
 from marind.core.etcd_client import EtcdClient
+from marind.core.spec import RunSpec
 
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
 
@@ -33,7 +35,12 @@ def check_job_id(job: str) -> str:
 
 @dataclass(frozen=True)
 class JobView:
-    """One job as read from etcd."""
+    """One job as read from etcd.
+
+    ``spec`` is the stored document (``RunSpec.to_dict()`` as `marind submit` wrote it);
+    ``run_spec`` the same parsed, or None when the document is not a valid spec (written by
+    hand or by an older client: ``spec_error`` says why; the CLI still shows what it can).
+    """
 
     id: str
     spec: dict
@@ -41,10 +48,48 @@ class JobView:
     state_rev: int
     cancel: dict | None
     submitted_rev: int          # the spec key's revision: submission order
+    run_spec: RunSpec | None = None
+    spec_error: str | None = None
+
+    def _job_field(self, name: str, default: Any) -> Any:
+        if self.run_spec is not None:
+            return getattr(self.run_spec.job, name)
+        return (self.spec.get("job") or {}).get(name, default)
+
+    @property
+    def name(self) -> str:
+        """``job.name`` (the id when the stored spec has none)."""
+        return str(self._job_field("name", self.id))
 
     @property
     def nproc_per_node(self) -> int:
-        return int(self.spec.get("job", {}).get("nproc_per_node", 1))
+        """Slots the job needs on each node."""
+        return int(self._job_field("nproc_per_node", 1))
+
+    @property
+    def target_steps(self) -> int | None:
+        """``train.steps``: where the job ends."""
+        if self.run_spec is not None:
+            return self.run_spec.train.steps
+        steps = (self.spec.get("train") or {}).get("steps")
+        return None if steps is None else int(steps)
+
+
+def parse_stored_spec(doc: Any) -> tuple[RunSpec | None, str | None]:
+    """A stored spec document as a ``RunSpec``.
+
+    Args:
+        doc: the JSON value of ``{p}/jobs/{job}/spec``.
+
+    Returns:
+        (spec, None), or (None, why) when it is not a valid spec.
+    """
+    if not isinstance(doc, dict):
+        return None, f"the stored spec is a {type(doc).__name__}, not a table"
+    try:
+        return RunSpec.from_dict(doc, check_worlds=False), None
+    except (SpecError, TypeError, ValueError) as exc:
+        return None, str(exc)
 
 
 def job_state_key(client: EtcdClient, job: str) -> str:
@@ -67,10 +112,12 @@ def read_job(client: EtcdClient, job: str) -> JobView:
     if spec_raw is None:
         raise NotFound(f"no job {job!r}: see `marind status` for the jobs there are")
     spec = json.loads(spec_raw)
+    run_spec, spec_error = parse_stored_spec(spec)
     raw, rev = client.get(job_state_key(client, job))
     state = StateRecord.from_dict(json.loads(raw)) if raw else StateRecord(JobState.PENDING)
     cancel = client.get_json(client.key("jobs", job, "cancel"))
-    return JobView(id=job, spec=spec, state=state, state_rev=rev, cancel=cancel, submitted_rev=spec_rev)
+    return JobView(id=job, spec=spec, state=state, state_rev=rev, cancel=cancel, submitted_rev=spec_rev,
+                   run_spec=run_spec, spec_error=spec_error)
 
 
 def changed_key(client: EtcdClient) -> str:

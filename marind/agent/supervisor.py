@@ -22,13 +22,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
+from marind.core import workerenv as WE
 from marind.core.log import get_logger
-from marind.core.spec import TRAINER_ENTRYPOINT
+from marind.core.spec import RunSpec
 from marind.zygote import read_pid_map
 
 PR_SET_PDEATHSIG = 1
@@ -45,12 +47,12 @@ _PDEATHSIG_SHIM = (
     "    pass\n"
     "if os.getppid() != int(sys.argv[1]):\n"
     "    sys.exit(143)  # the agent is already gone\n"
-    "z = os.environ.get('MARIND_ZYGOTE_SOCKET')\n"
+    f"z = os.environ.get('{WE.ZYGOTE_SOCKET}')\n"
     "if z:  # warm starts: the zygote becomes torchrun's child (marind/zygote.py)\n"
     "    me = os.getpid()\n"
     "    if os.fork() == 0:\n"
     "        os.execv(sys.executable, [sys.executable, '-m', 'marind.zygote', z,\n"
-    "                 os.environ['MARIND_ZYGOTE_PIDS'], os.environ['MARIND_ZYGOTE_ENTRYPOINT'], str(me)])\n"
+    f"                 os.environ['{WE.ZYGOTE_PIDS}'], os.environ['{WE.ZYGOTE_ENTRYPOINT}'], str(me)])\n"
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
 
@@ -91,66 +93,114 @@ def spec_to_toml(spec: dict) -> str:
     return "\n".join(lines)
 
 
-def torchrun_command(*, python: str, job: str, spec: dict, endpoint: str, prefix: str,
+def torchrun_command(*, python: str, job: str, spec: RunSpec, endpoint: str, prefix: str,
                      run_toml: Path, rdzv_conf: str = "", backend: str = "etcd3",
                      replica_group: int | None = None) -> list[str]:
-    """torchrun for this node's part of ``job``; torchft jobs name the node's ``replica_group``."""
-    j = spec.get("job", {})
-    nodes, run_id = str(j.get("nodes", "1:1")), job
-    fault = spec.get("fault") or {}
-    if fault.get("mode") == "torchft":
+    """torchrun's command line for this node's part of ``job``.
+
+    Args:
+        python: the interpreter that runs torchrun.
+        job: the job's id (the rendezvous id of an elastic job).
+        spec: the job's spec.
+        endpoint: etcd's endpoints, comma-separated (schemes are dropped).
+        prefix: the marind key prefix in etcd.
+        run_toml: the stored run.toml the entrypoint reads.
+        rdzv_conf: extra ``--rdzv-conf`` entries, comma-separated.
+        backend: the rendezvous backend.
+        replica_group: torchft jobs: the node's replica-group slot.
+
+    Returns:
+        The argv.
+
+    Raises:
+        ValueError: a torchft job without ``replica_group``.
+    """
+    j = spec.job
+    nodes, run_id = f"{j.nodes[0]}:{j.nodes[1]}", job
+    if spec.fault.mode == "torchft":
         if replica_group is None:
             raise ValueError("a torchft job's torchrun needs the node's replica_group")
         # the group's nodes_per_group nodes (marind/agent/ft_coordinator.py) meet in a rendezvous of
         # their own, under the job's keys. Not --standalone: its c10d handler reuses the workers'
         # store across restarts, and restarted workers then dial the dead ones' addresses.
-        nodes, run_id = str(int(fault.get("nodes_per_group", 1))), f"rg-{replica_group}"
+        nodes, run_id = str(spec.fault.nodes_per_group), f"rg-{replica_group}"
         prefix = f"{prefix.rstrip('/')}/jobs/{job}/ft"
     conf = [f"prefix={prefix}"] + [c for c in rdzv_conf.split(",") if c.strip()]
     endpoint = ",".join(e.split("://", 1)[-1] for e in endpoint.split(","))
     rdzv = [f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
             f"--rdzv-conf={','.join(conf)}", f"--nnodes={nodes}"]
     return [python, "-m", "torch.distributed.run", *rdzv,
-            f"--nproc-per-node={int(j.get('nproc_per_node', 1))}",
-            f"--max-restarts={int(j.get('max_restarts', 3))}", "--monitor-interval=0.5",
-            *(["-m", "marind.zygote_stub"] if j.get("warm_start", True) else ["-m"]),
-            str(j.get("entrypoint", TRAINER_ENTRYPOINT)), str(run_toml)]
+            f"--nproc-per-node={j.nproc_per_node}",
+            f"--max-restarts={j.max_restarts}", "--monitor-interval=0.5",
+            *(["-m", "marind.zygote_stub"] if j.warm_start else ["-m"]),
+            j.entrypoint, str(run_toml)]
 
 
-def worker_env(base: dict, *, job: str, node: str, run_dir: Path, spec: dict,
-               etcd_user: str | None = None, etcd_password: str | None = None) -> dict:
+def worker_env(base: Mapping[str, str], *, job: str, node: str, run_dir: Path, spec: RunSpec,
+               etcd_user: str | None = None, etcd_password: str | None = None) -> dict[str, str]:
+    """The environment of a job's torchrun and workers (names in ``marind.core.workerenv``).
+
+    Args:
+        base: the agent's environment (systemd's notify variables are dropped).
+        job: the job's id.
+        node: this node's name.
+        run_dir: the job's run dir on this node.
+        spec: the job's spec (``job.env`` is added last, ``job.warm_start`` adds the zygote's).
+        etcd_user: etcd credentials handed down to the workers.
+        etcd_password: etcd credentials handed down to the workers.
+
+    Returns:
+        The environment.
+    """
     env = dict(base)
     env.pop("NOTIFY_SOCKET", None)          # the workers are not the service
     env.pop("WATCHDOG_USEC", None)
     env.pop("WATCHDOG_PID", None)
     env.setdefault("OMP_NUM_THREADS", "1")
-    env.update({"MARIND_RUN_DIR": str(run_dir), "MARIND_JOB_ID": job, "MARIND_NODE": node,
+    env.update({WE.RUN_DIR: str(run_dir), WE.JOB_ID: job, WE.NODE: node,
                 "PYTHONUNBUFFERED": "1", "TORCHELASTIC_ERROR_FILE": str(run_dir / "logs" / "error.json")})
     if etcd_user:
-        env["MARIND_ETCD_USER"] = etcd_user
+        env[WE.ETCD_USER] = etcd_user
     if etcd_password:
-        env["MARIND_ETCD_PASSWORD"] = etcd_password
-    if spec.get("job", {}).get("warm_start", True):
-        env.update(zygote_env(job, run_dir, str(spec.get("job", {}).get("entrypoint", TRAINER_ENTRYPOINT))))
-    for key, value in (spec.get("job", {}).get("env") or {}).items():
-        env[str(key)] = str(value)
+        env[WE.ETCD_PASSWORD] = etcd_password
+    if spec.job.warm_start:
+        env.update(zygote_env(job, run_dir, spec.job.entrypoint))
+    for key, value in spec.job.env:
+        env[key] = value
     return env
 
 
-def zygote_env(job: str, run_dir: Path, entrypoint: str) -> dict:
-    """Where torchrun's zygote listens (an abstract socket of this agent and job) and what it loads."""
-    return {"MARIND_ZYGOTE_SOCKET": f"@marind-zygote-{os.getpid()}-{job}",
-            "MARIND_ZYGOTE_PIDS": str(run_dir / "zygote.pids.json"),
-            "MARIND_ZYGOTE_ENTRYPOINT": entrypoint}
+def zygote_env(job: str, run_dir: Path, entrypoint: str) -> dict[str, str]:
+    """Where torchrun's zygote listens (an abstract socket of this agent and job) and what it loads.
+
+    Args:
+        job: the job's id.
+        run_dir: the job's run dir (the zygote's pid map goes there).
+        entrypoint: the module the zygote preloads.
+
+    Returns:
+        The ``MARIND_ZYGOTE_*`` variables.
+    """
+    return {WE.ZYGOTE_SOCKET: f"@marind-zygote-{os.getpid()}-{job}",
+            WE.ZYGOTE_PIDS: str(run_dir / "zygote.pids.json"),
+            WE.ZYGOTE_ENTRYPOINT: entrypoint}
 
 
-def prepare_run_dir(run_dir: Path, spec: dict) -> Path:
-    """Fresh progress dir, logs dir, run.toml; returns the run.toml path."""
+def prepare_run_dir(run_dir: Path, spec: RunSpec) -> Path:
+    """Fresh progress dir, logs dir, run.toml.
+
+    Args:
+        run_dir: the job's run dir on this node.
+        spec: the job's spec, written as run.toml.
+
+    Returns:
+        The run.toml path.
+    """
     shutil.rmtree(run_dir / "progress", ignore_errors=True)
     (run_dir / "progress").mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     path = run_dir / "run.toml"
-    path.write_text(spec_to_toml(spec))
+    path.write_text(spec_to_toml(spec.to_dict()))
     return path
 
 
@@ -225,7 +275,7 @@ class TorchrunSupervisor:
         except psutil.Error:
             return []
         out = []
-        forked = read_pid_map(self.env["MARIND_ZYGOTE_PIDS"]) if "MARIND_ZYGOTE_PIDS" in self.env else {}
+        forked = read_pid_map(self.env[WE.ZYGOTE_PIDS]) if WE.ZYGOTE_PIDS in self.env else {}
         for child in children:
             known = self._stubs.get(child.pid)
             if known is None or known.rank is None:
@@ -247,12 +297,25 @@ class TorchrunSupervisor:
             self._save_pids()
         return sorted(out, key=lambda w: (w.rank if w.rank is not None else -1))
 
-    def signal_workers(self, sig: int) -> list[int]:
+    def worker_pids(self) -> list[int]:
+        """The workers' pids as last seen by ``workers()``."""
+        return list(self._workers)
+
+    def signal_workers(self, sig: int, pids: Iterable[int] | None = None) -> list[int]:
+        """Send ``sig`` to the workers.
+
+        Args:
+            sig: the signal.
+            pids: the workers to signal (default: those last seen by ``workers()``).
+
+        Returns:
+            The pids the signal reached.
+        """
         sent = []
-        for w in list(self._workers.values()):
+        for pid in list(self._workers) if pids is None else pids:
             try:
-                os.kill(w.pid, sig)
-                sent.append(w.pid)
+                os.kill(pid, sig)
+                sent.append(pid)
             except ProcessLookupError:
                 pass
         return sent
@@ -290,10 +353,11 @@ class TorchrunSupervisor:
         if self.proc is None:
             return
         pids = [self.proc.pid, *self._workers]
-        doc = {"torchrun_pid": self.proc.pid, "processes": []}
+        processes: list[dict] = []
+        doc = {"torchrun_pid": self.proc.pid, "processes": processes}
         for pid in pids:
             try:
-                doc["processes"].append({"pid": pid, "create_time": psutil.Process(pid).create_time()})
+                processes.append({"pid": pid, "create_time": psutil.Process(pid).create_time()})
             except psutil.Error:
                 continue
         tmp = self.run_dir / ".pids.json.tmp"
