@@ -16,6 +16,8 @@ from marind.agent.supervisor import spec_to_toml, torchrun_command, worker_env
 from marind.core.errors import ControlPlaneUnavailable, SpecError
 from marind.core.spec import load_spec
 
+pytestmark = pytest.mark.unit
+
 
 def test_terminal_states_never_change():
     for state in JobState:

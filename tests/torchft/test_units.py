@@ -10,6 +10,8 @@ from marind.agent.supervisor import torchrun_command
 from marind.core.errors import SpecError
 from marind.core.spec import load_spec
 
+pytestmark = pytest.mark.unit
+
 BASE = """
 [job]
 nodes = "1:{nodes}"
