@@ -32,19 +32,40 @@ def connect(etcd: str | None = None, config_file: str | None = None) -> EtcdClie
 
 
 class JobsClient:
+    """The jobs on one control plane, as the CLI sees them.
+
+    Args:
+        client: the etcd client (``connect``).
+    """
+
     def __init__(self, client: EtcdClient):
         self.client = client
 
     def submit(self, spec_dict: dict, name: str, job_id: str | None = None) -> str:
+        """Create a PENDING job.
+
+        Args:
+            spec_dict: the validated spec (``RunSpec.to_dict()``).
+            name: ``job.name``, the stem of a generated id.
+            job_id: an id of the user's choosing instead.
+
+        Returns:
+            The job's id.
+
+        Raises:
+            ValueError: a bad ``job_id``, or a job with that id exists.
+        """
         job = J.check_job_id(job_id) if job_id else J.new_job_id(name)
         if not J.create_job(self.client, job, spec_dict):
             raise ValueError(f"job {job} already exists: pick another --id or `marind rm {job}`")
         return job
 
     def job(self, job: str) -> dict:
+        """One job's status row (``NotFound`` when there is no such job)."""
         return self._job_row(J.read_job(self.client, job))
 
     def jobs(self) -> list[dict]:
+        """Every job's status row, in submission order."""
         rows = []
         for job in J.list_job_ids(self.client):
             try:
@@ -74,9 +95,11 @@ class JobsClient:
                 if is_torchft(view.run_spec or view.spec) else None}
 
     def nodes(self) -> list[dict]:
+        """The registered nodes' records, by name."""
         return [dict(v, node=k) for k, v in sorted(live_nodes(self.client).items())]
 
     def status_document(self, job: str | None = None) -> dict:
+        """`marind status --json`: schema version, nodes, and the jobs (or ``job``) (DESIGN §5)."""
         jobs = [self.job(job)] if job else self.jobs()
         keys = ("id", "name", "state", "nodes", "world_size", "step", "loss", "tokens_per_s",
                 "last_checkpoint_step", "restarts", "updated_at")
@@ -85,6 +108,15 @@ class JobsClient:
                          for j in jobs]}
 
     def cancel(self, job: str, by: str) -> str:
+        """Ask the agents to stop a job and move it to CANCELLED.
+
+        Args:
+            job: the job's id.
+            by: who asks (recorded in the reason).
+
+        Returns:
+            The job's state afterwards (a terminal job keeps its state).
+        """
         view = J.read_job(self.client, job)
         if view.state.state.is_terminal():
             return view.state.state.value
@@ -93,6 +125,15 @@ class JobsClient:
         return (new.state if new else J.read_job(self.client, job).state.state).value
 
     def remove(self, job: str, force: bool = False) -> None:
+        """Delete a job's keys.
+
+        Args:
+            job: the job's id.
+            force: remove a job that is not terminal too.
+
+        Raises:
+            ValueError: the job is not terminal and ``force`` is not set.
+        """
         view = J.read_job(self.client, job)
         if not view.state.state.is_terminal() and not force:
             raise ValueError(f"job {job} is {view.state.state.value}: `marind cancel {job}` first, or pass --force")
@@ -100,6 +141,7 @@ class JobsClient:
         J.mark_jobs_changed(self.client)
 
     def events(self, job: str) -> list[dict]:
+        """The job's event ring, oldest first."""
         return list_events(self.client, job)
 
     def wait(self, job: str, on_change=None, timeout: float | None = None, poll: float = 1.0,

@@ -25,8 +25,15 @@ DEFAULT_RESYNC_S = 5.0
 
 
 class ChangeWatch:
-    """``prefix``: the keys to watch (default ``{p}/jobs_changed``, what agents follow; `marind
-    submit --wait` follows one job's keys, ``{p}/jobs/{job}/``)."""
+    """When to read again, from a watch on ``prefix``.
+
+    Args:
+        client: the etcd client.
+        resync_s: read at least this often, in case a watch event was lost.
+        clock: monotonic time (injected in tests).
+        prefix: the keys to watch (default ``{p}/jobs_changed``, what agents follow; `marind
+            submit --wait` follows one job's keys, ``{p}/jobs/{job}/``).
+    """
 
     def __init__(self, client: EtcdClient, resync_s: float = DEFAULT_RESYNC_S,
                  clock: Callable[[], float] = time.monotonic, prefix: str | None = None):
@@ -53,6 +60,7 @@ class ChangeWatch:
             self.log.debug("job_watch_unavailable", error=str(exc))
 
     def due(self) -> bool:
+        """Must the jobs be read now (a change seen, a poke, no watch, or the resync is due)?"""
         with self._lock:
             return (self._dirty or self._watch_id is None
                     or self.clock() - self._last_read >= self.resync_s)
@@ -70,6 +78,7 @@ class ChangeWatch:
             self._dirty = True
 
     def stop(self) -> None:
+        """Cancel the watch."""
         if self._watch_id is not None:
             self.client.cancel_watch(self._watch_id)
             self._watch_id = None

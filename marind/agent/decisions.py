@@ -38,6 +38,8 @@ RUNNING_PHASES = ("training", "checkpointing", "done")
 # ---------------------------------------------------------------- slots
 
 class Admission(str, Enum):
+    """``admit``'s verdict."""
+
     START = "start"          # the job fits in the free slots
     WAIT = "wait"            # not now: other jobs hold the slots
     TOO_BIG = "too_big"      # never on this node: it has fewer slots than the job needs
@@ -102,6 +104,8 @@ def on_terminal_state(state: JobState, *, torchrun_running: bool, terminal_since
 # ---------------------------------------------------------------- rendezvous rounds
 
 class Generation(str, Enum):
+    """``classify_workers``' verdict."""
+
     SAME = "same"            # the round this node knows (or no workers)
     SPAWNING = "spawning"    # more workers of the current round
     NEW = "new"              # workers of a new round: torchrun (re)started them
@@ -148,6 +152,8 @@ def workers_running(phases: Iterable[str], *, awaiting_since: float, now: float,
 # ---------------------------------------------------------------- torchrun exited
 
 class ExitAction(str, Enum):
+    """What a torchrun exit means for the job."""
+
     RETRY = "retry"          # etcd was away: start the job again here once it is back
     SUCCEED = "succeed"      # the job SUCCEEDED
     FAIL = "fail"            # the job FAILED
@@ -212,6 +218,8 @@ def after_group_failure(others: Sequence[str] | None) -> tuple[bool, str]:
 # ---------------------------------------------------------------- hangs
 
 class HangAction(str, Enum):
+    """``on_hang``'s action for this tick."""
+
     NONE = "none"            # not hung
     DUMP = "dump"            # hung: SIGUSR1 the workers (stacks into the log), kill them later
     WAIT = "wait"            # the stacks are being dumped

@@ -122,12 +122,20 @@ class LighthouseProcess:
 
     @property
     def address(self) -> str:
+        """The lighthouse's URL."""
         return f"http://{self.host}:{self.port}"
 
     def alive(self) -> bool:
+        """Is the process running?"""
         return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> None:
+        """Start the lighthouse on a free port and wait until it listens.
+
+        Raises:
+            ImportError: torchft is not installed.
+            RuntimeError: it did not listen within ``READY_TIMEOUT_S`` (the log says why).
+        """
         f = self.fault
         self.port = free_port()
         args = [sys.executable, "-c", _SERVE, extension_path(), f"0.0.0.0:{self.port}",
@@ -145,6 +153,7 @@ class LighthouseProcess:
             time.sleep(0.05)
 
     def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 3 s."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
@@ -188,6 +197,7 @@ class FTCoordinator:
         self.log = get_logger(__name__, node=node, job=job)
 
     def key(self, *parts: str) -> str:
+        """A key under ``{p}/jobs/{job}/ft/``."""
         return self.client.key("jobs", self.job, "ft", *parts)
 
     @property
@@ -197,9 +207,11 @@ class FTCoordinator:
 
     @property
     def holds_lighthouse(self) -> bool:
+        """Does this node run the elected lighthouse?"""
         return bool(self.lighthouse and self.lighthouse.get("node") == self.node and self.proc and self.proc.alive())
 
-    def worker_env(self) -> dict:
+    def worker_env(self) -> dict[str, str]:
+        """What the workers learn of their group and lighthouse (``marind.core.workerenv``)."""
         address, _ = self.published or ("", 0)
         return {WE.REPLICA_GROUP: str(self.slot), WE.TORCHFT_LIGHTHOUSE: address}
 

@@ -23,11 +23,31 @@ _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
 
 
 def new_job_id(name: str, now: float | None = None) -> str:
+    """A fresh job id: ``{name}-{UTC stamp}-{4 hex digits}``.
+
+    Args:
+        name: the job's ``job.name``.
+        now: the time to stamp (default: now).
+
+    Returns:
+        The id.
+    """
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
     return f"{name}-{stamp}-{secrets.token_hex(2)}"
 
 
 def check_job_id(job: str) -> str:
+    """A user-chosen job id, checked.
+
+    Args:
+        job: the id.
+
+    Returns:
+        ``job``.
+
+    Raises:
+        ValueError: it is not letters, digits, '.', '_' or '-' (starting with a letter or digit).
+    """
     if not _JOB_ID_RE.match(job or ""):
         raise ValueError(f"bad job id {job!r}: expected letters, digits, '.', '_' or '-'")
     return job
@@ -93,6 +113,7 @@ def parse_stored_spec(doc: Any) -> tuple[RunSpec | None, str | None]:
 
 
 def job_state_key(client: EtcdClient, job: str) -> str:
+    """``{p}/jobs/{job}/state``: the job's ``StateRecord`` (not the rendezvous' state key)."""
     return client.key("jobs", job, "state")
 
 
@@ -108,6 +129,19 @@ def list_job_ids(client: EtcdClient) -> list[str]:
 
 
 def read_job(client: EtcdClient, job: str) -> JobView:
+    """Read one job's spec, state and cancel request.
+
+    Args:
+        client: the etcd client.
+        job: the job's id.
+
+    Returns:
+        The job as read.
+
+    Raises:
+        NotFound: there is no such job.
+        ControlPlaneUnavailable: etcd is unreachable.
+    """
     spec_raw, spec_rev = client.get(client.key("jobs", job, "spec"))
     if spec_raw is None:
         raise NotFound(f"no job {job!r}: see `marind status` for the jobs there are")
@@ -126,11 +160,22 @@ def changed_key(client: EtcdClient) -> str:
 
 
 def mark_jobs_changed(client: EtcdClient) -> None:
+    """Touch ``{p}/jobs_changed``: every agent reads the jobs again."""
     client.put(changed_key(client), repr(time.time()))
 
 
 def create_job(client: EtcdClient, job: str, spec: dict, now: float | None = None) -> bool:
-    """Write spec (only if absent) and the initial PENDING state; False when the id exists."""
+    """Write spec (only if absent) and the initial PENDING state.
+
+    Args:
+        client: the etcd client.
+        job: the job's id.
+        spec: the spec document (``RunSpec.to_dict()``).
+        now: the time of submission (default: now).
+
+    Returns:
+        True; False when the id exists.
+    """
     now = time.time() if now is None else now
     if not client.create(client.key("jobs", job, "spec"), json.dumps(spec, sort_keys=True)):
         return False
@@ -160,5 +205,6 @@ def update_state(client: EtcdClient, job: str, event: JobEvent, *, reason: str =
 
 
 def job_nodes(client: EtcdClient, job: str) -> dict[str, dict]:
+    """The job's per-node records (``{p}/jobs/{job}/nodes/*``), keyed by node."""
     rows = client.get_prefix_json(client.key("jobs", job, "nodes") + "/")
     return {k.rsplit("/", 1)[-1]: v for k, v in rows.items() if isinstance(v, dict)}

@@ -206,6 +206,8 @@ def prepare_run_dir(run_dir: Path, spec: RunSpec) -> Path:
 
 @dataclass(frozen=True)
 class WorkerProc:
+    """One worker of torchrun's current round, as seen from this node."""
+
     pid: int                      # the worker itself (signal this one)
     rank: int | None
     local_rank: int | None
@@ -213,6 +215,7 @@ class WorkerProc:
 
     @property
     def launched_by(self) -> int:
+        """torchrun's child that stands for this worker (its stub on a warm start)."""
         return self.launcher if self.launcher is not None else self.pid
 
 
@@ -232,6 +235,15 @@ def _rank_env(proc: psutil.Process) -> tuple[int | None, int | None]:
 
 @dataclass
 class TorchrunSupervisor:
+    """One torchrun on this node: started in its own session, watched, stopped.
+
+    Args:
+        job: the job's id.
+        run_dir: the job's run dir (logs, ``pids.json``).
+        command: torchrun's argv (``torchrun_command``).
+        env: its environment (``worker_env``).
+    """
+
     job: str
     run_dir: Path
     command: list[str]
@@ -246,6 +258,7 @@ class TorchrunSupervisor:
         self.log = get_logger(__name__, job=self.job)
 
     def start(self) -> None:
+        """Start torchrun behind the PDEATHSIG shim, output appended to ``logs/torchrun.log``."""
         log_path = self.run_dir / "logs" / "torchrun.log"
         with open(log_path, "ab") as logf:
             logf.write(f"--- marind: starting torchrun at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
@@ -261,9 +274,11 @@ class TorchrunSupervisor:
 
     @property
     def pid(self) -> int | None:
+        """torchrun's pid (None before ``start``)."""
         return self.proc.pid if self.proc else None
 
     def poll(self) -> int | None:
+        """torchrun's exit code, or None while it runs (or before ``start``)."""
         return self.proc.poll() if self.proc else None
 
     def workers(self) -> list[WorkerProc]:
@@ -416,4 +431,5 @@ def _killpg(pid: int, sig: int) -> None:
 
 
 def default_python() -> str:
+    """The interpreter that runs torchrun when the config names none: the agent's own."""
     return sys.executable
