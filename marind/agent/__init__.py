@@ -9,7 +9,8 @@ Modules, one concept each:
   progress and records) and ``launch``;
 * ``outbox``: what the agent writes to etcd, in order, surviving an outage;
 * ``link``: the etcd client and what hangs off it; ``embedded_etcd``: `--embedded`;
-* ``supervisor``: one torchrun process tree (command, environment, run dir, stop, reaping);
+* ``supervisor``: one torchrun process tree (start, workers, stop, reaping leftovers);
+* ``torchrun_args``: what a torchrun runs with (run dir, run.toml, command line, environment);
 * ``hang``: pure stall detection; ``progress``: workers' progress records;
 * ``lifecycle``: the job state enum and the one transition function;
 * ``job_records``: a job's keys in etcd, read and written the one way;

@@ -44,14 +44,8 @@ from marind.agent.lifecycle import JobEvent
 from marind.agent.membership import Membership
 from marind.agent.outbox import Outbox
 from marind.agent.registry import NodeRegistry
-from marind.agent.supervisor import (
-    TorchrunSupervisor,
-    WorkerProc,
-    default_python,
-    prepare_run_dir,
-    torchrun_command,
-    worker_env,
-)
+from marind.agent.supervisor import TorchrunSupervisor, WorkerProc
+from marind.agent.torchrun_args import default_python, prepare_run_dir, torchrun_command, worker_env
 from marind.core.errors import ControlPlaneUnavailable
 from marind.core.etcd_client import EtcdClient
 from marind.core.log import get_logger

@@ -12,7 +12,7 @@ from marind.agent import progress as prog
 from marind.agent.config import load_config, parse_config_text, resolve_endpoint
 from marind.agent.hang import HangDetector
 from marind.agent.lifecycle import JobEvent, JobState, StateRecord, apply, transition
-from marind.agent.supervisor import spec_to_toml, torchrun_command, worker_env
+from marind.agent.torchrun_args import spec_to_toml, torchrun_command, worker_env
 from marind.core.errors import ControlPlaneUnavailable, SpecError
 from marind.core.spec import load_spec
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from marind.agent.supervisor import torchrun_command
+from marind.agent.torchrun_args import torchrun_command
 from marind.core.errors import SpecError
 from marind.core.spec import load_spec
 
