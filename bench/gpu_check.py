@@ -66,7 +66,8 @@ def _steps_in(text: str) -> list[dict]:
 
 
 def run_trainer(root: Path, nproc: int, steps: int, data: str) -> dict:
-    from marind.agent.supervisor import _PDEATHSIG_SHIM, zygote_env
+    from marind.agent.supervisor import _PDEATHSIG_SHIM
+    from marind.agent.torchrun_args import zygote_env
     spec = root / f"spec-{steps}.toml"
     spec.write_text(SPEC.format(nproc=nproc, data=data, steps=steps, ckpt=root / "ckpt"))
     env = dict(os.environ, PYTHONPATH=str(REPO), MARIND_LOG_JSON="1", OMP_NUM_THREADS="1",

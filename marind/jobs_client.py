@@ -1,6 +1,6 @@
 """The client library behind `marind submit/status/cancel/logs/nodes/rm`.
 
-A thin layer over ``EtcdClient`` and ``marind.agent.jobs``; the CLI only
+A thin layer over ``EtcdClient`` and ``marind.agent.job_records``; the CLI only
 parses arguments and prints. ``status_document`` is the ``--json``
 schema of DESIGN §5.
 """
@@ -10,12 +10,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from marind.agent import jobs as J
+from marind.agent import job_records as J
+from marind.agent.change_watch import ChangeWatch
 from marind.agent.config import client_settings, resolve_endpoint
 from marind.agent.events import list_events
-from marind.agent.jobstate import JobEvent, JobState
-from marind.agent.jobwatch import JobWatch
-from marind.agent.lighthouse import ft_status, is_torchft
+from marind.agent.ft_coordinator import ft_status, is_torchft
+from marind.agent.lifecycle import JobEvent, JobState
 from marind.agent.registry import live_nodes
 from marind.core.errors import NotFound
 from marind.core.etcd_client import EtcdClient
@@ -32,19 +32,40 @@ def connect(etcd: str | None = None, config_file: str | None = None) -> EtcdClie
 
 
 class JobsClient:
+    """The jobs on one control plane, as the CLI sees them.
+
+    Args:
+        client: the etcd client (``connect``).
+    """
+
     def __init__(self, client: EtcdClient):
         self.client = client
 
     def submit(self, spec_dict: dict, name: str, job_id: str | None = None) -> str:
+        """Create a PENDING job.
+
+        Args:
+            spec_dict: the validated spec (``RunSpec.to_dict()``).
+            name: ``job.name``, the stem of a generated id.
+            job_id: an id of the user's choosing instead.
+
+        Returns:
+            The job's id.
+
+        Raises:
+            ValueError: a bad ``job_id``, or a job with that id exists.
+        """
         job = J.check_job_id(job_id) if job_id else J.new_job_id(name)
         if not J.create_job(self.client, job, spec_dict):
             raise ValueError(f"job {job} already exists: pick another --id or `marind rm {job}`")
         return job
 
     def job(self, job: str) -> dict:
+        """One job's status row (``NotFound`` when there is no such job)."""
         return self._job_row(J.read_job(self.client, job))
 
     def jobs(self) -> list[dict]:
+        """Every job's status row, in submission order."""
         rows = []
         for job in J.list_job_ids(self.client):
             try:
@@ -60,7 +81,7 @@ class JobsClient:
         world = progress.get("world_size") if progress else None
         if not world and nodes:
             world = sum(len(n.get("workers", [])) for n in nodes.values()) or len(nodes) * nproc
-        return {"id": view.id, "name": view.spec.get("job", {}).get("name", view.id),
+        return {"id": view.id, "name": view.name,
                 "state": view.state.state.value, "reason": view.state.reason,
                 "nodes": sorted(nodes), "world_size": world or 0,
                 "step": _last_step(progress.get("step"), view.state.step), "loss": progress.get("loss"),
@@ -69,13 +90,16 @@ class JobsClient:
                 "restarts": view.state.restarts,
                 "updated_at": max(view.state.updated_at, float(progress.get("updated_at") or 0)),
                 "submitted_rev": view.submitted_rev,
-                "target_steps": view.spec.get("train", {}).get("steps"),
-                "torchft": ft_status(self.client, view.id, nodes) if is_torchft(view.spec) else None}
+                "target_steps": view.target_steps,
+                "torchft": ft_status(self.client, view.id, nodes)
+                if is_torchft(view.run_spec or view.spec) else None}
 
     def nodes(self) -> list[dict]:
+        """The registered nodes' records, by name."""
         return [dict(v, node=k) for k, v in sorted(live_nodes(self.client).items())]
 
     def status_document(self, job: str | None = None) -> dict:
+        """`marind status --json`: schema version, nodes, and the jobs (or ``job``) (DESIGN §5)."""
         jobs = [self.job(job)] if job else self.jobs()
         keys = ("id", "name", "state", "nodes", "world_size", "step", "loss", "tokens_per_s",
                 "last_checkpoint_step", "restarts", "updated_at")
@@ -84,6 +108,15 @@ class JobsClient:
                          for j in jobs]}
 
     def cancel(self, job: str, by: str) -> str:
+        """Ask the agents to stop a job and move it to CANCELLED.
+
+        Args:
+            job: the job's id.
+            by: who asks (recorded in the reason).
+
+        Returns:
+            The job's state afterwards (a terminal job keeps its state).
+        """
         view = J.read_job(self.client, job)
         if view.state.state.is_terminal():
             return view.state.state.value
@@ -92,6 +125,15 @@ class JobsClient:
         return (new.state if new else J.read_job(self.client, job).state.state).value
 
     def remove(self, job: str, force: bool = False) -> None:
+        """Delete a job's keys.
+
+        Args:
+            job: the job's id.
+            force: remove a job that is not terminal too.
+
+        Raises:
+            ValueError: the job is not terminal and ``force`` is not set.
+        """
         view = J.read_job(self.client, job)
         if not view.state.state.is_terminal() and not force:
             raise ValueError(f"job {job} is {view.state.state.value}: `marind cancel {job}` first, or pass --force")
@@ -99,6 +141,7 @@ class JobsClient:
         J.mark_jobs_changed(self.client)
 
     def events(self, job: str) -> list[dict]:
+        """The job's event ring, oldest first."""
         return list_events(self.client, job)
 
     def wait(self, job: str, on_change=None, timeout: float | None = None, poll: float = 1.0,
@@ -111,7 +154,7 @@ class JobsClient:
         per progress report, not a read per second.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        watch = JobWatch(self.client, resync_s=resync, prefix=self.client.key("jobs", job) + "/")
+        watch = ChangeWatch(self.client, resync_s=resync, prefix=self.client.key("jobs", job) + "/")
         last = None
         try:
             while True:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 
 
 class Notifier:
@@ -59,11 +60,18 @@ class Notifier:
             self._sock = None
 
 
-def watchdog_interval(env: dict | None = None) -> float | None:
-    """Seconds between WATCHDOG=1 pings (half the configured timeout), or None when off."""
-    env = os.environ if env is None else env
-    usec = env.get("WATCHDOG_USEC")
-    pid = env.get("WATCHDOG_PID")
+def watchdog_interval(env: Mapping[str, str] | None = None) -> float | None:
+    """Seconds between WATCHDOG=1 pings (half the configured timeout), or None when off.
+
+    Args:
+        env: the environment to read (``os.environ`` when None).
+
+    Returns:
+        The interval, or None when systemd's watchdog is off or meant for another process.
+    """
+    environ: Mapping[str, str] = os.environ if env is None else env
+    usec = environ.get("WATCHDOG_USEC")
+    pid = environ.get("WATCHDOG_PID")
     if not usec or (pid and pid != str(os.getpid())):
         return None
     try:

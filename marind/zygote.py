@@ -48,7 +48,6 @@ import traceback
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
-SOCKET_ENV = "MARIND_ZYGOTE_SOCKET"
 MAX_HEADER = 4 << 20
 
 
@@ -57,10 +56,6 @@ def _set_pdeathsig(sig: int) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
     except OSError:
         pass
-
-
-PIDS_ENV = "MARIND_ZYGOTE_PIDS"
-ENTRYPOINT_ENV = "MARIND_ZYGOTE_ENTRYPOINT"
 
 
 def address(name: str) -> str:
@@ -208,7 +203,8 @@ class Zygote:
         pid = os.fork()
         if pid == 0:
             self.sel.close()
-            self.listener.close()
+            if self.listener is not None:
+                self.listener.close()
             for other, _ in self.children.values():
                 other.close()
             conn.close()
@@ -254,7 +250,10 @@ class Zygote:
             if os.getppid() != parent_pid:
                 self.stopping = True
             for key, _ in self.sel.select(timeout=0.05):
-                conn, _ = key.fileobj.accept()
+                listener = key.fileobj          # the only registered object
+                if not isinstance(listener, socket.socket):
+                    continue
+                conn, _ = listener.accept()
                 if self.stopping:
                     conn.close()               # the stub starts its worker cold
                 else:

@@ -19,12 +19,15 @@ import signal
 import socket
 import sys
 import time
+from typing import NoReturn
+
+from marind.core.workerenv import ZYGOTE_PREFIX, ZYGOTE_SOCKET, ZYGOTE_WAIT
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2, signal.SIGCONT, signal.SIGWINCH)
 
 
-def _cold(module: str, args: list[str], why: str) -> None:
+def _cold(module: str, args: list[str], why: str) -> NoReturn:
     if why:
         sys.stderr.write(f"marind.zygote_stub: cold start ({why})\n")
         sys.stderr.flush()
@@ -65,10 +68,10 @@ def main() -> None:
         sys.stderr.write("usage: python -m marind.zygote_stub MODULE [ARGS...]\n")
         sys.exit(2)
     module, args = sys.argv[1], sys.argv[2:]
-    path = os.environ.get("MARIND_ZYGOTE_SOCKET")
+    path = os.environ.get(ZYGOTE_SOCKET)
     if not path:
         _cold(module, args, "")
-    sock = _connect(path, float(os.environ.get("MARIND_ZYGOTE_WAIT", "30")))
+    sock = _connect(path, float(os.environ.get(ZYGOTE_WAIT, "30")))
     if sock is None:
         _cold(module, args, f"no zygote at {path}")
     # From here a signal is this job's: one that lands before the worker exists is held and sent
@@ -87,7 +90,7 @@ def main() -> None:
     for sig in FORWARDED:
         signal.signal(sig, forward)
     lifeline_r, lifeline_w = os.pipe()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MARIND_ZYGOTE_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ZYGOTE_PREFIX)}
     header = json.dumps({"module": module, "args": args, "env": env, "cwd": os.getcwd(),
                          "stub_pid": os.getpid()}).encode() + b"\n"
     buf = bytearray()
@@ -104,12 +107,12 @@ def main() -> None:
         os.close(lifeline_w)
         for sig in FORWARDED:
             signal.signal(sig, signal.SIG_DFL)
-        for sig in pending:
-            os.kill(os.getpid(), sig)
+        for held in pending:
+            os.kill(os.getpid(), held)
         _cold(module, args, why)
     worker = int(reply["pid"])
-    for sig in pending:
-        forward(sig, None)
+    for held in pending:
+        forward(held, None)
 
     status = _read_line(sock, buf)    # blocks until the worker ends; the lifeline stays open meanwhile
     if status is None:                # the zygote died: its workers die with it (PDEATHSIG)
@@ -119,12 +122,12 @@ def main() -> None:
             pass
         sys.exit(1)
     if "signal" in status:
-        sig = int(status["signal"])
-        if sig not in (signal.SIGKILL, signal.SIGSTOP):
-            signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
+        died_by = int(status["signal"])
+        if died_by not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(died_by, signal.SIG_DFL)
+        os.kill(os.getpid(), died_by)
         time.sleep(1)                 # a signal that does not kill by default (e.g. SIGCONT): fall through
-        sys.exit(128 + sig)
+        sys.exit(128 + died_by)
     sys.exit(int(status.get("exit", 1)))
 
 

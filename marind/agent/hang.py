@@ -16,15 +16,23 @@ from dataclasses import dataclass
 
 @dataclass
 class HangDetector:
+    """Stall detection for one job's current round (the clock is the caller's ``now``).
+
+    Args:
+        timeout: seconds without a change of marker that make a hang (``job.hang_timeout``).
+    """
+
     timeout: float
     _marker: Hashable | None = None
     _since: float | None = None
 
     def reset(self) -> None:
+        """Disarm until a marker is seen again (a new round)."""
         self._marker = None
         self._since = None
 
     def observe(self, now: float, marker: Hashable | None) -> None:
+        """Note the round's progress marker at ``now``; None (no progress record yet) is ignored."""
         if marker is None:
             return
         if marker != self._marker:
@@ -32,6 +40,7 @@ class HangDetector:
             self._since = now
 
     def check(self, now: float) -> tuple[bool, str]:
+        """(hung, why) at ``now``."""
         if self._since is None:
             return False, "no progress seen yet"
         stalled = now - self._since

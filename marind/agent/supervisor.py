@@ -1,9 +1,10 @@
-"""One torchrun per job on this node: run dir, command, process tree, stop.
+"""One torchrun per job on this node: its process tree, workers, stop, and leftovers.
 
 The run dir is ``{state_dir}/jobs/{job}/``: ``run.toml`` (the validated
-spec), ``logs/torchrun.log`` (torchrun's and the workers' output),
-``progress/`` (the workers' records) and ``pids.json`` (torchrun's and
-the workers' pids with their start times).
+spec, written by ``marind.agent.torchrun_args``), ``logs/torchrun.log``
+(torchrun's and the workers' output), ``progress/`` (the workers'
+records) and ``pids.json`` (torchrun's and the workers' pids with their
+start times).
 
 torchrun runs in its own session with ``PR_SET_PDEATHSIG = SIGTERM`` (set by a shim):
 if the agent dies, torchrun is told to stop and stops its workers. When
@@ -17,18 +18,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
+from marind.core import workerenv as WE
 from marind.core.log import get_logger
-from marind.core.spec import TRAINER_ENTRYPOINT
 from marind.zygote import read_pid_map
 
 PR_SET_PDEATHSIG = 1
@@ -45,117 +46,20 @@ _PDEATHSIG_SHIM = (
     "    pass\n"
     "if os.getppid() != int(sys.argv[1]):\n"
     "    sys.exit(143)  # the agent is already gone\n"
-    "z = os.environ.get('MARIND_ZYGOTE_SOCKET')\n"
+    f"z = os.environ.get('{WE.ZYGOTE_SOCKET}')\n"
     "if z:  # warm starts: the zygote becomes torchrun's child (marind/zygote.py)\n"
     "    me = os.getpid()\n"
     "    if os.fork() == 0:\n"
     "        os.execv(sys.executable, [sys.executable, '-m', 'marind.zygote', z,\n"
-    "                 os.environ['MARIND_ZYGOTE_PIDS'], os.environ['MARIND_ZYGOTE_ENTRYPOINT'], str(me)])\n"
+    f"                 os.environ['{WE.ZYGOTE_PIDS}'], os.environ['{WE.ZYGOTE_ENTRYPOINT}'], str(me)])\n"
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
 
 
-def _toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {type(value).__name__} to TOML")
-
-
-def spec_to_toml(spec: dict) -> str:
-    """The spec dict (``RunSpec.to_dict()``) as run.toml; None values are left out."""
-    lines: list[str] = []
-
-    def table(name: str, data: dict) -> None:
-        lines.append(f"[{name}]")
-        subtables = []
-        for key, value in data.items():
-            if value is None:
-                continue
-            if isinstance(value, dict):
-                subtables.append((f"{name}.{key}", value))
-            else:
-                lines.append(f"{json.dumps(key) if not key.replace('_', '').isalnum() else key} = "
-                             f"{_toml_value(value)}")
-        lines.append("")
-        for sub_name, sub in subtables:
-            table(sub_name, sub)
-
-    for section, data in spec.items():
-        table(section, data)
-    return "\n".join(lines)
-
-
-def torchrun_command(*, python: str, job: str, spec: dict, endpoint: str, prefix: str,
-                     run_toml: Path, rdzv_conf: str = "", backend: str = "etcd3",
-                     replica_group: int | None = None) -> list[str]:
-    """torchrun for this node's part of ``job``; torchft jobs name the node's ``replica_group``."""
-    j = spec.get("job", {})
-    nodes, run_id = str(j.get("nodes", "1:1")), job
-    fault = spec.get("fault") or {}
-    if fault.get("mode") == "torchft":
-        if replica_group is None:
-            raise ValueError("a torchft job's torchrun needs the node's replica_group")
-        # the group's nodes_per_group nodes (marind/agent/lighthouse.py) meet in a rendezvous of
-        # their own, under the job's keys. Not --standalone: its c10d handler reuses the workers'
-        # store across restarts, and restarted workers then dial the dead ones' addresses.
-        nodes, run_id = str(int(fault.get("nodes_per_group", 1))), f"rg-{replica_group}"
-        prefix = f"{prefix.rstrip('/')}/jobs/{job}/ft"
-    conf = [f"prefix={prefix}"] + [c for c in rdzv_conf.split(",") if c.strip()]
-    endpoint = ",".join(e.split("://", 1)[-1] for e in endpoint.split(","))
-    rdzv = [f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
-            f"--rdzv-conf={','.join(conf)}", f"--nnodes={nodes}"]
-    return [python, "-m", "torch.distributed.run", *rdzv,
-            f"--nproc-per-node={int(j.get('nproc_per_node', 1))}",
-            f"--max-restarts={int(j.get('max_restarts', 3))}", "--monitor-interval=0.5",
-            *(["-m", "marind.zygote_stub"] if j.get("warm_start", True) else ["-m"]),
-            str(j.get("entrypoint", TRAINER_ENTRYPOINT)), str(run_toml)]
-
-
-def worker_env(base: dict, *, job: str, node: str, run_dir: Path, spec: dict,
-               etcd_user: str | None = None, etcd_password: str | None = None) -> dict:
-    env = dict(base)
-    env.pop("NOTIFY_SOCKET", None)          # the workers are not the service
-    env.pop("WATCHDOG_USEC", None)
-    env.pop("WATCHDOG_PID", None)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.update({"MARIND_RUN_DIR": str(run_dir), "MARIND_JOB_ID": job, "MARIND_NODE": node,
-                "PYTHONUNBUFFERED": "1", "TORCHELASTIC_ERROR_FILE": str(run_dir / "logs" / "error.json")})
-    if etcd_user:
-        env["MARIND_ETCD_USER"] = etcd_user
-    if etcd_password:
-        env["MARIND_ETCD_PASSWORD"] = etcd_password
-    if spec.get("job", {}).get("warm_start", True):
-        env.update(zygote_env(job, run_dir, str(spec.get("job", {}).get("entrypoint", TRAINER_ENTRYPOINT))))
-    for key, value in (spec.get("job", {}).get("env") or {}).items():
-        env[str(key)] = str(value)
-    return env
-
-
-def zygote_env(job: str, run_dir: Path, entrypoint: str) -> dict:
-    """Where torchrun's zygote listens (an abstract socket of this agent and job) and what it loads."""
-    return {"MARIND_ZYGOTE_SOCKET": f"@marind-zygote-{os.getpid()}-{job}",
-            "MARIND_ZYGOTE_PIDS": str(run_dir / "zygote.pids.json"),
-            "MARIND_ZYGOTE_ENTRYPOINT": entrypoint}
-
-
-def prepare_run_dir(run_dir: Path, spec: dict) -> Path:
-    """Fresh progress dir, logs dir, run.toml; returns the run.toml path."""
-    shutil.rmtree(run_dir / "progress", ignore_errors=True)
-    (run_dir / "progress").mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    path = run_dir / "run.toml"
-    path.write_text(spec_to_toml(spec))
-    return path
-
-
 @dataclass(frozen=True)
 class WorkerProc:
+    """One worker of torchrun's current round, as seen from this node."""
+
     pid: int                      # the worker itself (signal this one)
     rank: int | None
     local_rank: int | None
@@ -163,6 +67,7 @@ class WorkerProc:
 
     @property
     def launched_by(self) -> int:
+        """torchrun's child that stands for this worker (its stub on a warm start)."""
         return self.launcher if self.launcher is not None else self.pid
 
 
@@ -182,6 +87,15 @@ def _rank_env(proc: psutil.Process) -> tuple[int | None, int | None]:
 
 @dataclass
 class TorchrunSupervisor:
+    """One torchrun on this node: started in its own session, watched, stopped.
+
+    Args:
+        job: the job's id.
+        run_dir: the job's run dir (logs, ``pids.json``).
+        command: torchrun's argv (``torchrun_command``).
+        env: its environment (``worker_env``).
+    """
+
     job: str
     run_dir: Path
     command: list[str]
@@ -196,6 +110,7 @@ class TorchrunSupervisor:
         self.log = get_logger(__name__, job=self.job)
 
     def start(self) -> None:
+        """Start torchrun behind the PDEATHSIG shim, output appended to ``logs/torchrun.log``."""
         log_path = self.run_dir / "logs" / "torchrun.log"
         with open(log_path, "ab") as logf:
             logf.write(f"--- marind: starting torchrun at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
@@ -211,9 +126,11 @@ class TorchrunSupervisor:
 
     @property
     def pid(self) -> int | None:
+        """torchrun's pid (None before ``start``)."""
         return self.proc.pid if self.proc else None
 
     def poll(self) -> int | None:
+        """torchrun's exit code, or None while it runs (or before ``start``)."""
         return self.proc.poll() if self.proc else None
 
     def workers(self) -> list[WorkerProc]:
@@ -225,7 +142,7 @@ class TorchrunSupervisor:
         except psutil.Error:
             return []
         out = []
-        forked = read_pid_map(self.env["MARIND_ZYGOTE_PIDS"]) if "MARIND_ZYGOTE_PIDS" in self.env else {}
+        forked = read_pid_map(self.env[WE.ZYGOTE_PIDS]) if WE.ZYGOTE_PIDS in self.env else {}
         for child in children:
             known = self._stubs.get(child.pid)
             if known is None or known.rank is None:
@@ -247,12 +164,25 @@ class TorchrunSupervisor:
             self._save_pids()
         return sorted(out, key=lambda w: (w.rank if w.rank is not None else -1))
 
-    def signal_workers(self, sig: int) -> list[int]:
+    def worker_pids(self) -> list[int]:
+        """The workers' pids as last seen by ``workers()``."""
+        return list(self._workers)
+
+    def signal_workers(self, sig: int, pids: Iterable[int] | None = None) -> list[int]:
+        """Send ``sig`` to the workers.
+
+        Args:
+            sig: the signal.
+            pids: the workers to signal (default: those last seen by ``workers()``).
+
+        Returns:
+            The pids the signal reached.
+        """
         sent = []
-        for w in list(self._workers.values()):
+        for pid in list(self._workers) if pids is None else pids:
             try:
-                os.kill(w.pid, sig)
-                sent.append(w.pid)
+                os.kill(pid, sig)
+                sent.append(pid)
             except ProcessLookupError:
                 pass
         return sent
@@ -290,10 +220,11 @@ class TorchrunSupervisor:
         if self.proc is None:
             return
         pids = [self.proc.pid, *self._workers]
-        doc = {"torchrun_pid": self.proc.pid, "processes": []}
+        processes: list[dict] = []
+        doc = {"torchrun_pid": self.proc.pid, "processes": processes}
         for pid in pids:
             try:
-                doc["processes"].append({"pid": pid, "create_time": psutil.Process(pid).create_time()})
+                processes.append({"pid": pid, "create_time": psutil.Process(pid).create_time()})
             except psutil.Error:
                 continue
         tmp = self.run_dir / ".pids.json.tmp"
@@ -349,7 +280,3 @@ def _killpg(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def default_python() -> str:
-    return sys.executable

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from marind.agent.membership import Membership, vanished
 
 
+@pytest.mark.unit
 def test_vanished_is_the_incarnations_gone_or_replaced_except_mine():
     assert vanished({"a": "1", "b": "2", "c": "3"}, {"a": "1", "b": "9"}, me="a") == [("b", "2"), ("c", "3")]
     assert vanished({"a": "1"}, {}, me="a") == []

@@ -13,6 +13,7 @@ from marind.metrics import Metrics, MetricsServer
 from marind.sdnotify import Notifier, watchdog_interval
 
 
+@pytest.mark.unit
 def test_no_socket_is_a_no_op(monkeypatch):
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     n = Notifier()
@@ -41,6 +42,7 @@ def test_messages_reach_a_datagram_socket(tmp_path, abstract):
         sock.close()
 
 
+@pytest.mark.unit
 def test_watchdog_interval():
     assert watchdog_interval({}) is None
     assert watchdog_interval({"WATCHDOG_USEC": "4000000"}) == 2.0

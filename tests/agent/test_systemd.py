@@ -28,6 +28,7 @@ def test_unit_verifies(tmp_path):
     assert res.returncode == 0 and not problems, res.stdout + res.stderr
 
 
+@pytest.mark.unit
 def test_unit_has_the_promised_settings():
     text = UNIT.read_text()
     for setting in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "KillMode=mixed", "TimeoutStopSec=",
@@ -36,6 +37,7 @@ def test_unit_has_the_promised_settings():
         assert setting in text, setting
 
 
+@pytest.mark.unit
 def test_example_config_loads():
     config = load_config(str(REPO_ROOT / "systemd" / "marind.toml.example"), env={}, flags={})
     assert config.etcd.startswith("http://10.0.0.1:2379") and config.metrics_port == 9465

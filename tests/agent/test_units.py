@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,10 +11,12 @@ import pytest
 from marind.agent import progress as prog
 from marind.agent.config import load_config, parse_config_text, resolve_endpoint
 from marind.agent.hang import HangDetector
-from marind.agent.jobstate import JobEvent, JobState, StateRecord, apply, transition
-from marind.agent.supervisor import spec_to_toml, torchrun_command, worker_env
+from marind.agent.lifecycle import JobEvent, JobState, StateRecord, apply, transition
+from marind.agent.torchrun_args import spec_to_toml, torchrun_command, worker_env
 from marind.core.errors import ControlPlaneUnavailable, SpecError
 from marind.core.spec import load_spec
+
+pytestmark = pytest.mark.unit
 
 
 def test_terminal_states_never_change():
@@ -143,18 +146,18 @@ def test_run_toml_round_trip_and_command(tmp_path):
     spec = load_spec(SPEC)
     text = spec_to_toml(spec.to_dict())
     assert load_spec(text).to_dict() == spec.to_dict()
-    cmd = torchrun_command(python="py", job="j1", spec=spec.to_dict(), endpoint="http://h:2379,http://g:1",
+    cmd = torchrun_command(python="py", job="j1", spec=spec, endpoint="http://h:2379,http://g:1",
                            prefix="/p", run_toml=Path("/r/run.toml"), rdzv_conf="last_call_timeout=1")
     assert cmd[:3] == ["py", "-m", "torch.distributed.run"]
     assert "--rdzv-backend=etcd3" in cmd and "--rdzv-endpoint=h:2379,g:1" in cmd and "--rdzv-id=j1" in cmd
     assert "--nnodes=1:3" in cmd and "--nproc-per-node=2" in cmd and "--max-restarts=7" in cmd
     assert "--rdzv-conf=prefix=/p,last_call_timeout=1" in cmd
     assert cmd[-4:] == ["-m", "marind.zygote_stub", "marind.trainer", "/r/run.toml"]     # warm_start (default)
-    cold = dict(spec.to_dict(), job={**spec.to_dict()["job"], "warm_start": False})
+    cold = spec.replace(job=dataclasses.replace(spec.job, warm_start=False))
     assert torchrun_command(python="py", job="j1", spec=cold, endpoint="h:1", prefix="/p",
                             run_toml=Path("/r/run.toml"))[-3:] == ["-m", "marind.trainer", "/r/run.toml"]
     env = worker_env({"NOTIFY_SOCKET": "/run/x", "WATCHDOG_USEC": "1", "PATH": "/bin"}, job="j1", node="n",
-                     run_dir=tmp_path, spec=spec.to_dict())
+                     run_dir=tmp_path, spec=spec)
     assert "NOTIFY_SOCKET" not in env and "WATCHDOG_USEC" not in env
     assert env["MARIND_ZYGOTE_SOCKET"].startswith("@marind-zygote-") and env["MARIND_ZYGOTE_ENTRYPOINT"] == "marind.trainer"
     assert "MARIND_ZYGOTE_SOCKET" not in worker_env({}, job="j1", node="n", run_dir=tmp_path, spec=cold)

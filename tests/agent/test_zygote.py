@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import psutil
@@ -78,13 +77,15 @@ def test_signals_are_forwarded_and_a_killed_worker_kills_its_stub(zygote):
 
 
 def test_a_killed_stub_takes_its_worker_down(zygote):
-    _, env, _ = zygote
+    _, env, pids = zygote
     stub = _stub(env, "sleep")
     worker = psutil.Process(_pid_of(stub.stdout.readline()))
+    assert wait_for(lambda: read_pid_map(pids).get(stub.pid) == worker.pid, 30, "the pid map")
     stub.kill()
-    stub.wait(10)
+    assert stub.wait(10) == -signal.SIGKILL
     worker.wait(10)                                  # the lifeline broke: the worker killed itself
     assert not worker.is_running()
+    assert wait_for(lambda: stub.pid not in read_pid_map(pids), 30, "the zygote to reap the worker")
 
 
 def test_no_zygote_means_a_cold_start(tmp_path):
@@ -102,7 +103,16 @@ def test_the_zygote_leaves_when_its_parent_does(tmp_path):
             f"import time; time.sleep(60)")
     parent = spawn([sys.executable, "-c", code], env=base_env(), stdout=subprocess.PIPE, text=True)
     zyg = psutil.Process(int(parent.stdout.readline()))
-    time.sleep(0.5)
+    assert wait_for(lambda: _listening(name), 60, "the zygote to listen")
+    assert zyg.is_running() and zyg.ppid() == parent.pid
     parent.kill()
-    parent.wait(10)
-    zyg.wait(30)
+    assert parent.wait(10) == -signal.SIGKILL
+    zyg.wait(30)                                     # psutil.TimeoutExpired if it stayed
+    assert not zyg.is_running()
+    assert not _listening(name), "the zygote's socket must go with it"
+
+
+def _listening(name: str) -> bool:
+    """Is an abstract unix socket ``@name`` bound (``/proc/net/unix`` lists it with its '@')?"""
+    with open("/proc/net/unix") as f:
+        return any(line.rstrip().endswith(" " + name) for line in f)

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from marind.agent.lighthouse import FTCoordinator, LighthouseProcess
+from marind.agent.ft_coordinator import FTCoordinator, LighthouseProcess
 from tests.torchft.groups import ft_spec, kill_torchrun, logs, progress, start_group, wait_for
 
 REJOIN_BOUND_S = 60.0     # kill -> the restarted group has committed a step (CPU, 2 cores, loaded)

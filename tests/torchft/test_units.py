@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from marind.agent.supervisor import torchrun_command
+from marind.agent.torchrun_args import torchrun_command
 from marind.core.errors import SpecError
 from marind.core.spec import load_spec
+
+pytestmark = pytest.mark.unit
 
 BASE = """
 [job]
@@ -79,13 +81,13 @@ def test_group_slices_are_disjoint_and_cover_each_step():
 
 
 def test_torchrun_is_one_rendezvous_per_group_under_the_job():
-    s = spec().to_dict()
+    s = spec()
     cmd = torchrun_command(python="py", job="j", spec=s, endpoint="http://e:2379", prefix="/m",
                            run_toml=Path("run.toml"), replica_group=1)
     assert "--standalone" not in cmd and "--nnodes=1" in cmd
     assert "--rdzv-backend=etcd3" in cmd and "--rdzv-id=rg-1" in cmd and "--rdzv-endpoint=e:2379" in cmd
     assert any(c.startswith("--rdzv-conf=prefix=/m/jobs/j/ft") for c in cmd)
-    two = spec(nodes=4, extra="nodes_per_group = 2\n").to_dict()
+    two = spec(nodes=4, extra="nodes_per_group = 2\n")
     cmd = torchrun_command(python="py", job="j", spec=two, endpoint="e:1", prefix="/m", run_toml=Path("r"),
                            replica_group=0)
     assert "--nnodes=2" in cmd and "--rdzv-id=rg-0" in cmd
@@ -94,7 +96,7 @@ def test_torchrun_is_one_rendezvous_per_group_under_the_job():
 
 
 def test_claim_order_completes_groups_before_starting_new_ones():
-    from marind.agent.lighthouse import claim_order, group_members
+    from marind.agent.ft_coordinator import claim_order, group_members
     assert claim_order({}, 2, 2) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     held = {1: {0: "a"}}
     assert claim_order(held, 3, 2) == [(1, 1), (0, 0), (0, 1), (2, 0), (2, 1)]

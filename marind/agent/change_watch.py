@@ -3,7 +3,7 @@
 Reading every job's spec, state and cancel key on every tick costs etcd
 O(nodes x jobs) reads per tick. Instead, whoever changes the set of jobs
 or a job's state (submit, a state transition, cancel, ``marind rm``) also
-touches one key, ``{p}/jobs_changed`` (``marind.agent.jobs.mark_jobs_changed``);
+touches one key, ``{p}/jobs_changed`` (``marind.agent.job_records.mark_jobs_changed``);
 each agent watches that key and reads the jobs only when it changed, when
 its own situation asks for it (``poke``: a job waiting for free slots, a
 run that ended here), while etcd is away, and every ``resync_s`` seconds
@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from marind.agent.jobs import changed_key
+from marind.agent.job_records import changed_key
 from marind.core.errors import ControlPlaneUnavailable
 from marind.core.etcd_client import EtcdClient
 from marind.core.log import get_logger
@@ -24,9 +24,16 @@ from marind.core.log import get_logger
 DEFAULT_RESYNC_S = 5.0
 
 
-class JobWatch:
-    """``prefix``: the keys to watch (default ``{p}/jobs_changed``, what agents follow; `marind
-    submit --wait` follows one job's keys, ``{p}/jobs/{job}/``)."""
+class ChangeWatch:
+    """When to read again, from a watch on ``prefix``.
+
+    Args:
+        client: the etcd client.
+        resync_s: read at least this often, in case a watch event was lost.
+        clock: monotonic time (injected in tests).
+        prefix: the keys to watch (default ``{p}/jobs_changed``, what agents follow; `marind
+            submit --wait` follows one job's keys, ``{p}/jobs/{job}/``).
+    """
 
     def __init__(self, client: EtcdClient, resync_s: float = DEFAULT_RESYNC_S,
                  clock: Callable[[], float] = time.monotonic, prefix: str | None = None):
@@ -53,6 +60,7 @@ class JobWatch:
             self.log.debug("job_watch_unavailable", error=str(exc))
 
     def due(self) -> bool:
+        """Must the jobs be read now (a change seen, a poke, no watch, or the resync is due)?"""
         with self._lock:
             return (self._dirty or self._watch_id is None
                     or self.clock() - self._last_read >= self.resync_s)
@@ -70,6 +78,7 @@ class JobWatch:
             self._dirty = True
 
     def stop(self) -> None:
+        """Cancel the watch."""
         if self._watch_id is not None:
             self.client.cancel_watch(self._watch_id)
             self._watch_id = None

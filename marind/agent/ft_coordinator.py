@@ -34,13 +34,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from marind.core import workerenv as WE
 from marind.core.etcd_client import EtcdClient
 from marind.core.lighthouse_file import LighthouseRecord, write_lighthouse
 from marind.core.log import get_logger
 from marind.core.netutil import free_port, port_open
+from marind.core.spec import FaultSpec, RunSpec
 
 READY_TIMEOUT_S = 10.0
 
@@ -76,31 +78,69 @@ def extension_path() -> str:
     return found[0]
 
 
-def is_torchft(spec: dict) -> bool:
+def fault_settings(spec: RunSpec | FaultSpec | Mapping) -> FaultSpec:
+    """The ``[fault]`` settings of a job.
+
+    Args:
+        spec: the job's spec, its ``fault`` section, or a mapping in ``RunSpec.to_dict()``'s
+            form (only its ``fault`` table is read; durations in seconds).
+
+    Returns:
+        The settings.
+
+    Raises:
+        TypeError: the mapping's ``fault`` table has a key ``FaultSpec`` does not know.
+    """
+    if isinstance(spec, RunSpec):
+        return spec.fault
+    if isinstance(spec, FaultSpec):
+        return spec
+    return FaultSpec(**dict(spec.get("fault") or {}))
+
+
+def is_torchft(spec: RunSpec | Mapping) -> bool:
+    """Does the job run under ``fault.mode = "torchft"``?
+
+    Args:
+        spec: the job's spec, or a mapping in ``RunSpec.to_dict()``'s form (a stored spec).
+
+    Returns:
+        True for a torchft job.
+    """
+    if isinstance(spec, RunSpec):
+        return spec.fault.mode == "torchft"
     return (spec.get("fault") or {}).get("mode") == "torchft"
 
 
 class LighthouseProcess:
     """One ``torchft_lighthouse`` child of this agent."""
 
-    def __init__(self, fault: dict, log_path: Path, host: str):
-        self.fault, self.log_path, self.host = fault, log_path, host
+    def __init__(self, fault: FaultSpec | Mapping, log_path: Path, host: str):
+        self.fault = fault if isinstance(fault, FaultSpec) else FaultSpec(**dict(fault))
+        self.log_path, self.host = log_path, host
         self.proc: subprocess.Popen | None = None
         self.port = 0
 
     @property
     def address(self) -> str:
+        """The lighthouse's URL."""
         return f"http://{self.host}:{self.port}"
 
     def alive(self) -> bool:
+        """Is the process running?"""
         return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> None:
+        """Start the lighthouse on a free port and wait until it listens.
+
+        Raises:
+            ImportError: torchft is not installed.
+            RuntimeError: it did not listen within ``READY_TIMEOUT_S`` (the log says why).
+        """
         f = self.fault
         self.port = free_port()
         args = [sys.executable, "-c", _SERVE, extension_path(), f"0.0.0.0:{self.port}",
-                str(int(f.get("min_replicas", 1))), str(int(float(f.get("join_timeout", 1.0)) * 1000)),
-                str(int(float(f.get("heartbeat_timeout", 5.0)) * 1000))]
+                str(f.min_replicas), str(int(f.join_timeout * 1000)), str(int(f.heartbeat_timeout * 1000))]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -114,6 +154,7 @@ class LighthouseProcess:
             time.sleep(0.05)
 
     def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 3 s."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
@@ -127,14 +168,24 @@ class LighthouseProcess:
 
 
 class FTCoordinator:
-    """Slot, election and published address of one torchft job on this node."""
+    """Slot, election and published address of one torchft job on this node.
 
-    def __init__(self, client: EtcdClient, job: str, node: str, host: str, spec: dict, run_dir: Path,
-                 lease: Callable[[], object]):
+    Args:
+        client: the etcd client.
+        job: the job's id.
+        node: this node's name.
+        host: this node's address (where its lighthouse listens).
+        spec: the job's spec (see ``fault_settings`` for the mapping form).
+        run_dir: the job's run dir on this node.
+        lease: the node's current etcd lease (slot and lighthouse keys live under it).
+    """
+
+    def __init__(self, client: EtcdClient, job: str, node: str, host: str, spec: RunSpec | Mapping,
+                 run_dir: Path, lease: Callable[[], object]):
         self.client, self.job, self.node, self.host = client, job, node, host
-        self.fault = dict(spec.get("fault") or {})
-        self.groups = int(self.fault.get("replica_groups", 2))
-        self.per_group = int(self.fault.get("nodes_per_group", 1))
+        self.fault = fault_settings(spec)
+        self.groups = self.fault.replica_groups
+        self.per_group = self.fault.nodes_per_group
         self.run_dir = Path(run_dir)
         self._lease = lease
         self.slot: int | None = None             # our replica group
@@ -147,6 +198,7 @@ class FTCoordinator:
         self.log = get_logger(__name__, node=node, job=job)
 
     def key(self, *parts: str) -> str:
+        """A key under ``{p}/jobs/{job}/ft/``."""
         return self.client.key("jobs", self.job, "ft", *parts)
 
     @property
@@ -156,11 +208,13 @@ class FTCoordinator:
 
     @property
     def holds_lighthouse(self) -> bool:
+        """Does this node run the elected lighthouse?"""
         return bool(self.lighthouse and self.lighthouse.get("node") == self.node and self.proc and self.proc.alive())
 
-    def worker_env(self) -> dict:
+    def worker_env(self) -> dict[str, str]:
+        """What the workers learn of their group and lighthouse (``marind.core.workerenv``)."""
         address, _ = self.published or ("", 0)
-        return {"MARIND_REPLICA_GROUP": str(self.slot), "TORCHFT_LIGHTHOUSE": address}
+        return {WE.REPLICA_GROUP: str(self.slot), WE.TORCHFT_LIGHTHOUSE: address}
 
     # -- one tick -------------------------------------------------------------------------
     def tick(self) -> None:
@@ -215,7 +269,9 @@ class FTCoordinator:
         if not (self.proc and self.proc.alive()):
             self.proc = LighthouseProcess(self.fault, self.run_dir / "logs" / "lighthouse.log", self.host)
             self.proc.start()
-        record = {"node": self.node, "address": self.proc.address, "pid": self.proc.proc.pid, "at": time.time()}
+        proc = self.proc.proc
+        assert proc is not None     # start() returned: the process runs
+        record = {"node": self.node, "address": self.proc.address, "pid": proc.pid, "at": time.time()}
         if self.client.create(self.key("lighthouse"), json.dumps(record), lease=self._lease()):
             self.elections_won += 1
             current = self._read_lighthouse()

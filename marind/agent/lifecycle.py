@@ -14,6 +14,8 @@ from enum import Enum
 
 
 class JobState(str, Enum):
+    """A job's state in ``{p}/jobs/{job}/state``."""
+
     PENDING = "PENDING"
     RUNNING = "RUNNING"
     RESTARTING = "RESTARTING"
@@ -22,10 +24,13 @@ class JobState(str, Enum):
     CANCELLED = "CANCELLED"
 
     def is_terminal(self) -> bool:
+        """SUCCEEDED, FAILED and CANCELLED never change."""
         return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
 
 
 class JobEvent(str, Enum):
+    """What moves a job's state (``transition``)."""
+
     WORKERS_STARTED = "workers_started"   # workers of a (new) generation are up
     RESTART = "restart"                   # torchrun restarted its workers
     SUCCEEDED = "succeeded"               # torchrun exited 0
@@ -44,6 +49,7 @@ class StateRecord:
     step: int | None = None     # the last step, set with a terminal state by the agent that moved it there
 
     def to_dict(self) -> dict:
+        """The JSON form stored in etcd; ``step`` only when set."""
         out = {"state": self.state.value, "reason": self.reason,
                "restarts": self.restarts, "updated_at": self.updated_at}
         if self.step is not None:
@@ -52,6 +58,7 @@ class StateRecord:
 
     @classmethod
     def from_dict(cls, data: dict) -> StateRecord:
+        """Read ``to_dict``'s form; missing fields take their defaults."""
         return cls(state=JobState(data.get("state", "PENDING")), reason=str(data.get("reason", "")),
                    restarts=int(data.get("restarts", 0)), updated_at=float(data.get("updated_at", 0.0)),
                    step=None if data.get("step") is None else int(data["step"]))

@@ -1,0 +1,295 @@
+"""One supervised job on this node: its torchrun, rendezvous rounds, restarts, hangs, progress.
+
+The agent keeps one ``RunMonitor`` per job it runs and calls
+``supervise(now)`` every tick while torchrun lives. The monitor
+
+* tells rendezvous rounds apart (a new set of worker launchers is a new
+  round; after the first it is a restart) and moves the job's state
+  (``WORKERS_STARTED``, ``RESTART``) through the outbox;
+* reads the current round's progress records: the node's step, checkpoint
+  commits (an event) and durations (a metric);
+* detects hangs without blocking the tick: a hung round's workers get
+  SIGUSR1 (faulthandler dumps their stacks into the log), and
+  ``HANG_DUMP_WAIT_S`` later, on a later tick, SIGKILL; then the
+  ``hang_detected`` event is written (``settle_hang`` does it at once when
+  torchrun exits or the run is stopped meanwhile);
+* builds this node's record of the job (``node_record``) and, where global
+  rank 0 ran, the job's final progress (``final_progress``).
+
+Decisions come from ``marind.agent.decisions``; writes go through the
+``Outbox``. Exits, slots and etcd reads are the agent's (``daemon``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from marind.agent import progress as prog
+from marind.agent.config import AgentConfig
+from marind.agent.decisions import (
+    HANG_DUMP_WAIT_S,
+    Generation,
+    HangAction,
+    classify_workers,
+    on_hang,
+    workers_running,
+)
+from marind.agent.ft_coordinator import FTCoordinator
+from marind.agent.hang import HangDetector
+from marind.agent.lifecycle import JobEvent
+from marind.agent.membership import Membership
+from marind.agent.outbox import Outbox
+from marind.agent.registry import NodeRegistry
+from marind.agent.supervisor import TorchrunSupervisor, WorkerProc
+from marind.agent.torchrun_args import default_python, prepare_run_dir, torchrun_command, worker_env
+from marind.core.errors import ControlPlaneUnavailable
+from marind.core.etcd_client import EtcdClient
+from marind.core.log import get_logger
+from marind.core.spec import RunSpec
+from marind.metrics import Metrics
+
+
+@dataclass(frozen=True)
+class PendingKill:
+    """Hung workers whose stacks are being dumped; they are killed at ``kill_at``."""
+
+    kill_at: float
+    pids: tuple[int, ...]        # the workers signalled with SIGUSR1 (the ones to kill)
+    dumped: list[int]            # those the signal reached
+    why: str
+    ranks: list[int]             # ranks of the progress records at detection
+
+
+class RunMonitor:
+    """This node's part of one job while its torchrun runs.
+
+    Args:
+        job: the job's id.
+        spec: the job's spec.
+        sup: the job's torchrun on this node (started).
+        node: this node's name.
+        outbox: where state changes and events go.
+        metrics: the agent's metrics.
+        members: the job's membership watch (``node_lost`` events).
+        ft: torchft jobs: the node's replica-group slot and lighthouse.
+    """
+
+    def __init__(self, job: str, spec: RunSpec, sup: TorchrunSupervisor, *, node: str, outbox: Outbox,
+                 metrics: Metrics, members: Membership | None = None, ft: FTCoordinator | None = None):
+        self.job, self.spec, self.sup, self.node = job, spec, sup, node
+        self.outbox, self.metrics, self.members, self.ft = outbox, metrics, members, ft
+        self.hang = HangDetector(spec.job.hang_timeout)
+        self.gen_pids: frozenset[int] = frozenset()
+        self.worker_pids: frozenset[int] = frozenset()   # the latest round's workers (their records count)
+        self.generations = 0
+        self.restarts = 0
+        self.awaiting_running_since: float | None = None
+        self.last_report = 0.0
+        self.ckpt_since: float | None = None
+        self.last_ckpt_step: int | None = None
+        self.terminal_since: float | None = None
+        self.step = 0
+        self.pending_kill: PendingKill | None = None
+        self.log = get_logger(__name__, node=node, job=job)
+
+    @property
+    def nproc(self) -> int:
+        """Slots the job holds on this node."""
+        return self.spec.job.nproc_per_node
+
+    # -- one tick -------------------------------------------------------------------------
+    def supervise(self, now: float) -> list[prog.ProgressRecord]:
+        """Rounds, progress, checkpoints and hangs of one tick (torchrun is running).
+
+        Args:
+            now: the current time.
+
+        Returns:
+            The current round's progress records (for the report).
+        """
+        workers = self.sup.workers()
+        launched = frozenset(w.launched_by for w in workers)   # stable while a round lives
+        verdict, self.gen_pids, _ = classify_workers(launched, self.gen_pids)
+        if verdict == Generation.NEW:
+            self._new_generation(now)
+        if workers:
+            self.worker_pids = frozenset(w.pid for w in workers)
+        records = prog.current(prog.read_records(self.sup.run_dir), {w.pid for w in workers})
+        if self.awaiting_running_since is not None:
+            running, _ = workers_running((r.phase for r in records), awaiting_since=self.awaiting_running_since,
+                                         now=now)
+            if running:
+                self.awaiting_running_since = None
+                self.outbox.state(self.job, JobEvent.WORKERS_STARTED,
+                                  reason=f"workers running (round {self.generations})")
+        self._watch_checkpoints(records, now)
+        self.step = prog.node_step(records) or self.step
+        self._hang_tick(now, workers, records)
+        return records
+
+    def _new_generation(self, now: float) -> None:
+        self.generations += 1
+        self.hang.reset()
+        self.metrics.inc("marind_rendezvous_rounds_total")
+        if self.generations == 1:
+            self.outbox.state(self.job, JobEvent.WORKERS_STARTED, reason=f"workers started on {self.node}")
+            return
+        self.restarts += 1
+        self.metrics.inc("marind_restarts_total")
+        self.log.info("workers_restarted", round=self.generations, restarts=self.restarts)
+        self.outbox.state(self.job, JobEvent.RESTART, reason=f"torchrun restarted workers on {self.node}",
+                          restarts=self.restarts)
+        self.outbox.event(self.job, "restart", {"round": self.generations, "restarts": self.restarts})
+        self.awaiting_running_since = now
+
+    def _watch_checkpoints(self, records: list[prog.ProgressRecord], now: float) -> None:
+        if not records:
+            return
+        first = min(records, key=lambda r: r.local_rank)
+        if first.phase == "checkpointing":
+            self.ckpt_since = self.ckpt_since or now
+        elif self.ckpt_since is not None:
+            self.metrics.observe("marind_checkpoint_duration_seconds", now - self.ckpt_since)
+            self.ckpt_since = None
+        rank0 = next((r for r in records if r.rank == 0), None)
+        if rank0 is not None and rank0.last_checkpoint_step is not None:
+            if self.last_ckpt_step is not None and rank0.last_checkpoint_step > self.last_ckpt_step:
+                self.outbox.event(self.job, "checkpoint_committed", {"step": rank0.last_checkpoint_step})
+            self.last_ckpt_step = rank0.last_checkpoint_step
+
+    # -- hangs ----------------------------------------------------------------------------
+    def _hang_tick(self, now: float, workers: list[WorkerProc], records: list[prog.ProgressRecord]) -> None:
+        hung, why = False, ""
+        if self.pending_kill is None:
+            if not workers or prog.all_done(records):
+                return
+            self.hang.observe(now, prog.stall_marker(records))
+            hung, why = self.hang.check(now)
+        self._hang_act(now, hung, why, records, torchrun_exited=False)
+
+    def settle_hang(self, now: float) -> None:
+        """torchrun exited or the run is being stopped: a pending kill happens now."""
+        if self.pending_kill is not None:
+            self._hang_act(now, False, "", [], torchrun_exited=True)
+
+    def _hang_act(self, now: float, hung: bool, why: str, records: list[prog.ProgressRecord], *,
+                  torchrun_exited: bool) -> None:
+        pending = self.pending_kill
+        action, _ = on_hang(now=now, hung=hung, why=why, kill_at=pending.kill_at if pending else None,
+                            torchrun_exited=torchrun_exited)
+        if action == HangAction.DUMP:
+            self.log.warning("hang_detected", reason=why)
+            self.metrics.inc("marind_hangs_total")
+            pids = tuple(self.sup.worker_pids())
+            dumped = self.sup.signal_workers(signal.SIGUSR1, pids)    # faulthandler: stacks into the log
+            self.pending_kill = PendingKill(now + HANG_DUMP_WAIT_S, pids, dumped, why, [r.rank for r in records])
+        elif action == HangAction.KILL and pending is not None:
+            killed = self.sup.signal_workers(signal.SIGKILL, pending.pids)
+            self.outbox.event(self.job, "hang_detected", {"reason": pending.why, "ranks": pending.ranks,
+                                                          "stack_dumped": pending.dumped, "killed": killed})
+            self.pending_kill = None
+            self.hang.reset()
+
+    # -- records --------------------------------------------------------------------------
+    def node_record(self, now: float, host: str) -> dict:
+        """This node's record of the job (``{p}/jobs/{job}/nodes/{node}``).
+
+        Args:
+            now: the current time.
+            host: this node's address.
+
+        Returns:
+            The record as written to etcd.
+        """
+        workers = [{"rank": w.rank, "local_rank": w.local_rank, "pid": w.pid} for w in self.sup.workers()]
+        state = "running" if workers else ("starting" if self.generations == 0 else "restarting")
+        record: dict[str, Any] = {"state": state, "torchrun_pid": self.sup.pid, "workers": workers, "restarts": self.restarts,
+                  "step": self.step, "updated_at": now, "host": host,
+                  "agent_pid": os.getpid(), "node": self.node, "round": self.generations}
+        if self.ft is not None:
+            record["ft"] = self.ft.report()
+        return record
+
+    def report(self, client: EtcdClient, registry: NodeRegistry, now: float,
+               records: list[prog.ProgressRecord] | None = None) -> bool:
+        """Write this node's record (under the node's lease), the job's progress where global
+        rank 0 runs here, and a ``node_lost`` event for each node this agent is first to miss.
+
+        Args:
+            client: the etcd client.
+            registry: this node's registration (its lease and host).
+            now: the current time.
+            records: the current round's progress records.
+
+        Returns:
+            False when etcd was unreachable.
+        """
+        self.last_report = now
+        record = self.node_record(now, str(registry.record["host"]))
+        try:
+            client.put_json(client.key("jobs", self.job, "nodes", self.node), record, lease=registry.lease)
+            summary = prog.job_summary(records or [])
+            if summary is not None:
+                client.put_json(client.key("jobs", self.job, "progress"), summary)
+            for gone in self.members.poll() if self.members is not None else ():
+                self.log.warning("node_lost", lost=gone)
+                self.outbox.event(self.job, "node_lost", {"node": gone})
+        except ControlPlaneUnavailable:
+            return False
+        return True
+
+    def final_progress(self) -> None:
+        """Where global rank 0 ran: queue the job's progress with the last steps since the previous report.
+
+        Everywhere: ``step`` becomes the last step this node's workers reached.
+        """
+        # only the last round's records: a rank file left by an earlier round (when this node
+        # held global rank 0) would set the job's progress back
+        records = prog.read_records(self.sup.run_dir)
+        final = prog.current(records, set(self.worker_pids))
+        self.step = max(self.step, prog.node_step(final))
+        summary = prog.job_summary(final)
+        self.log.info("final_progress", step=summary and summary["step"],
+                      workers=sorted(self.worker_pids), records={r.rank: r.pid for r in records})
+        if summary is not None:
+            self.step = max(self.step, summary["step"])
+            self.outbox.progress(self.job, summary)
+
+
+def launch(job: str, spec: RunSpec, *, run_dir: Path, config: AgentConfig, endpoint: str, node: str,
+           ft: FTCoordinator | None, client: EtcdClient, outbox: Outbox, metrics: Metrics) -> RunMonitor:
+    """Start this node's torchrun of a job and the monitor that watches it.
+
+    Args:
+        job: the job's id.
+        spec: its spec.
+        run_dir: its run dir on this node (prepared afresh: progress, logs, run.toml).
+        config: the agent's settings (python, prefix, rendezvous options, etcd credentials).
+        endpoint: etcd's endpoints.
+        node: this node's name.
+        ft: torchft jobs: the node's coordinator, holding a slot and a lighthouse.
+        client: the etcd client (the job's membership watch).
+        outbox: where state changes and events go.
+        metrics: the agent's metrics.
+
+    Returns:
+        The monitor of the started torchrun.
+    """
+    run_toml = prepare_run_dir(run_dir, spec)
+    c = config
+    cmd = torchrun_command(python=c.python or default_python(), job=job, spec=spec, endpoint=endpoint,
+                           prefix=c.prefix, run_toml=run_toml, rdzv_conf=c.rdzv_conf,
+                           replica_group=ft.slot if ft else None)
+    env = worker_env(os.environ, job=job, node=node, run_dir=run_dir, spec=spec,
+                     etcd_user=c.etcd_user, etcd_password=c.etcd_password)
+    if ft is not None:
+        env.update(ft.worker_env())
+        ft.launched_slot = ft.slot
+    sup = TorchrunSupervisor(job, run_dir, cmd, env)
+    sup.start()
+    members = Membership(client, job, node, incarnation=str(os.getpid()))
+    return RunMonitor(job, spec, sup, node=node, outbox=outbox, metrics=metrics, members=members, ft=ft)

@@ -1,0 +1,170 @@
+"""What a job's torchrun runs with on this node: run dir, run.toml, command line, environment.
+
+All of it from the job's typed spec (``marind.core.spec.RunSpec``); every ``MARIND_*``
+variable by its name in ``marind.core.workerenv``. ``marind.agent.supervisor`` runs the
+command; ``marind.agent.run_monitor.launch`` puts the two together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from marind.core import workerenv as WE
+from marind.core.spec import RunSpec
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def spec_to_toml(spec: dict) -> str:
+    """The spec dict (``RunSpec.to_dict()``) as run.toml; None values are left out."""
+    lines: list[str] = []
+
+    def table(name: str, data: dict) -> None:
+        lines.append(f"[{name}]")
+        subtables = []
+        for key, value in data.items():
+            if value is None:
+                continue
+            if isinstance(value, dict):
+                subtables.append((f"{name}.{key}", value))
+            else:
+                lines.append(f"{json.dumps(key) if not key.replace('_', '').isalnum() else key} = "
+                             f"{_toml_value(value)}")
+        lines.append("")
+        for sub_name, sub in subtables:
+            table(sub_name, sub)
+
+    for section, data in spec.items():
+        table(section, data)
+    return "\n".join(lines)
+
+
+def torchrun_command(*, python: str, job: str, spec: RunSpec, endpoint: str, prefix: str,
+                     run_toml: Path, rdzv_conf: str = "", backend: str = "etcd3",
+                     replica_group: int | None = None) -> list[str]:
+    """torchrun's command line for this node's part of ``job``.
+
+    Args:
+        python: the interpreter that runs torchrun.
+        job: the job's id (the rendezvous id of an elastic job).
+        spec: the job's spec.
+        endpoint: etcd's endpoints, comma-separated (schemes are dropped).
+        prefix: the marind key prefix in etcd.
+        run_toml: the stored run.toml the entrypoint reads.
+        rdzv_conf: extra ``--rdzv-conf`` entries, comma-separated.
+        backend: the rendezvous backend.
+        replica_group: torchft jobs: the node's replica-group slot.
+
+    Returns:
+        The argv.
+
+    Raises:
+        ValueError: a torchft job without ``replica_group``.
+    """
+    j = spec.job
+    nodes, run_id = f"{j.nodes[0]}:{j.nodes[1]}", job
+    if spec.fault.mode == "torchft":
+        if replica_group is None:
+            raise ValueError("a torchft job's torchrun needs the node's replica_group")
+        # the group's nodes_per_group nodes (marind/agent/ft_coordinator.py) meet in a rendezvous of
+        # their own, under the job's keys. Not --standalone: its c10d handler reuses the workers'
+        # store across restarts, and restarted workers then dial the dead ones' addresses.
+        nodes, run_id = str(spec.fault.nodes_per_group), f"rg-{replica_group}"
+        prefix = f"{prefix.rstrip('/')}/jobs/{job}/ft"
+    conf = [f"prefix={prefix}"] + [c for c in rdzv_conf.split(",") if c.strip()]
+    endpoint = ",".join(e.split("://", 1)[-1] for e in endpoint.split(","))
+    rdzv = [f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+            f"--rdzv-conf={','.join(conf)}", f"--nnodes={nodes}"]
+    return [python, "-m", "torch.distributed.run", *rdzv,
+            f"--nproc-per-node={j.nproc_per_node}",
+            f"--max-restarts={j.max_restarts}", "--monitor-interval=0.5",
+            *(["-m", "marind.zygote_stub"] if j.warm_start else ["-m"]),
+            j.entrypoint, str(run_toml)]
+
+
+def worker_env(base: Mapping[str, str], *, job: str, node: str, run_dir: Path, spec: RunSpec,
+               etcd_user: str | None = None, etcd_password: str | None = None) -> dict[str, str]:
+    """The environment of a job's torchrun and workers (names in ``marind.core.workerenv``).
+
+    Args:
+        base: the agent's environment (systemd's notify variables are dropped).
+        job: the job's id.
+        node: this node's name.
+        run_dir: the job's run dir on this node.
+        spec: the job's spec (``job.env`` is added last, ``job.warm_start`` adds the zygote's).
+        etcd_user: etcd credentials handed down to the workers.
+        etcd_password: etcd credentials handed down to the workers.
+
+    Returns:
+        The environment.
+    """
+    env = dict(base)
+    env.pop("NOTIFY_SOCKET", None)          # the workers are not the service
+    env.pop("WATCHDOG_USEC", None)
+    env.pop("WATCHDOG_PID", None)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update({WE.RUN_DIR: str(run_dir), WE.JOB_ID: job, WE.NODE: node,
+                "PYTHONUNBUFFERED": "1", "TORCHELASTIC_ERROR_FILE": str(run_dir / "logs" / "error.json")})
+    if etcd_user:
+        env[WE.ETCD_USER] = etcd_user
+    if etcd_password:
+        env[WE.ETCD_PASSWORD] = etcd_password
+    if spec.job.warm_start:
+        env.update(zygote_env(job, run_dir, spec.job.entrypoint))
+    for key, value in spec.job.env:
+        env[key] = value
+    return env
+
+
+def zygote_env(job: str, run_dir: Path, entrypoint: str) -> dict[str, str]:
+    """Where torchrun's zygote listens (an abstract socket of this agent and job) and what it loads.
+
+    Args:
+        job: the job's id.
+        run_dir: the job's run dir (the zygote's pid map goes there).
+        entrypoint: the module the zygote preloads.
+
+    Returns:
+        The ``MARIND_ZYGOTE_*`` variables.
+    """
+    return {WE.ZYGOTE_SOCKET: f"@marind-zygote-{os.getpid()}-{job}",
+            WE.ZYGOTE_PIDS: str(run_dir / "zygote.pids.json"),
+            WE.ZYGOTE_ENTRYPOINT: entrypoint}
+
+
+def prepare_run_dir(run_dir: Path, spec: RunSpec) -> Path:
+    """Fresh progress dir, logs dir, run.toml.
+
+    Args:
+        run_dir: the job's run dir on this node.
+        spec: the job's spec, written as run.toml.
+
+    Returns:
+        The run.toml path.
+    """
+    shutil.rmtree(run_dir / "progress", ignore_errors=True)
+    (run_dir / "progress").mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    path = run_dir / "run.toml"
+    path.write_text(spec_to_toml(spec.to_dict()))
+    return path
+
+
+def default_python() -> str:
+    """The interpreter that runs torchrun when the config names none: the agent's own."""
+    return sys.executable
