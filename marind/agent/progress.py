@@ -8,6 +8,8 @@ summarises them for etcd. Everything defined below is pure.
 
 from __future__ import annotations
 
+from typing import Any
+
 from marind.core.progress import PHASES, ProgressRecord, progress_dir, read_records
 
 __all__ = ["PHASES", "ProgressRecord", "all_done", "current", "job_summary", "node_step", "progress_dir",
@@ -36,7 +38,7 @@ def all_done(records: list[ProgressRecord]) -> bool:
     return bool(records) and all(r.phase == "done" for r in records)
 
 
-def job_summary(records: list[ProgressRecord]) -> dict[str, object] | None:
+def job_summary(records: list[ProgressRecord]) -> dict[str, Any] | None:
     """``{p}/jobs/{job}/progress`` from the record of global rank 0, if this node has it."""
     for r in records:
         if r.rank == 0:

@@ -3,7 +3,7 @@
 ``{run_dir}/ft/lighthouse.json`` (:func:`lighthouse_path`) holds ``{"address", "epoch",
 "node"}``: the lighthouse's ``http://host:port``, its epoch (the ``mod_revision`` of the
 elected ``{p}/jobs/{job}/ft/lighthouse`` key, which grows with every election) and the node
-that runs it. The agent (``marind.agent.lighthouse``) rewrites it atomically whenever the
+that runs it. The agent (``marind.agent.ft_coordinator``) rewrites it atomically whenever the
 lighthouse changes; the trainer (``marind.trainer.ft``) reads it at start and whenever a
 quorum fails, so that workers follow a moved lighthouse without a restart. A reader
 treats a missing or malformed file as absent.
