@@ -11,7 +11,12 @@ the store lives there too: no node is special and any node can be lost.
 
 Keys are the c10d keys verbatim under ``{prefix}/jobs/{run_id}/rdzv/store/``;
 values are raw bytes. ``get``/``wait`` block by watch, up to the store's
-timeout, and then raise ``DistStoreError`` as a TCPStore does. Every etcd
+timeout, and then raise ``DistStoreError`` whose message says "timeout", as
+c10d's own stores do. The store passes torch's own store tests
+(``StoreTestBase`` of ``test/distributed/test_store.py``) alone and wrapped
+in a ``PrefixStore``: c10d calls a Python store's ``num_keys``/``delete_key``
+by their C++ names ``getNumKeys``/``deleteKey``, so those are aliases, and
+``clone()`` gives a store on the same client for another thread. Every etcd
 call is retried through an outage for ``grace`` seconds
 (``--rdzv-conf etcd_grace_timeout``) before ``ControlPlaneUnavailable``.
 """
@@ -79,6 +84,8 @@ class Etcd3Store(dist.Store):
     def __init__(self, client: EtcdClient, run_id: str, timeout: timedelta | None = None,
                  grace: float = DEFAULT_GRACE) -> None:
         super().__init__()  # required by the pybind trampoline
+        self._etcd, self._grace = client, grace
+        self._clones: list[Etcd3Store] = []
         self._client = _GraceClient(client, grace)
         self._run_id = run_id
         self._base = store_base(client, run_id)
@@ -101,7 +108,7 @@ class Etcd3Store(dist.Store):
         value = self._client.wait_for_key(self._key(key), self.timeout.total_seconds())
         if value is None:
             raise dist.DistStoreError(
-                f"key {key!r} not set in etcd ({self._base}) within {self.timeout}")
+                f"timeout after {self.timeout.total_seconds():g}s: key {key!r} not set in etcd ({self._base})")
         return value
 
     def add(self, key, amount: int) -> int:
@@ -140,7 +147,7 @@ class Etcd3Store(dist.Store):
             remaining = max(0.0, deadline - time.monotonic())
             if self._client.wait_for_key(self._key(key), remaining) is None:
                 raise dist.DistStoreError(
-                    f"wait for key {key!r} in etcd ({self._base}) timed out after {budget:.0f}s")
+                    f"timeout after {budget:g}s waiting for key {key!r} in etcd ({self._base})")
 
     def check(self, keys) -> bool:
         """Whether every key is set (no waiting)."""
@@ -153,6 +160,28 @@ class Etcd3Store(dist.Store):
     def delete_key(self, key) -> bool:
         """Delete ``key``; whether it existed."""
         return bool(self._client.delete(self._key(key)))
+
+    # c10d's trampoline for Python stores looks these up by their C++ names when the store is
+    # reached through another store (PrefixStore, as torch elastic wraps it every round).
+    def getNumKeys(self) -> int:
+        """``num_keys`` under the name c10d calls."""
+        return self.num_keys()
+
+    def deleteKey(self, key) -> bool:
+        """``delete_key`` under the name c10d calls."""
+        return self.delete_key(key)
+
+    def clone(self) -> Etcd3Store:
+        """Another store on the same keys, for use from another thread.
+
+        It shares this store's etcd client (its gRPC channel is thread-safe), timeout and
+        outage grace. This store keeps a reference to the clone: when c10d clones through
+        a ``PrefixStore`` it holds only the C++ half, and a Python store whose Python object
+        is gone can no longer be called.
+        """
+        clone = Etcd3Store(self._etcd, self._run_id, timeout=self.timeout, grace=self._grace)
+        self._clones.append(clone)
+        return clone
 
     def delete_rounds_before(self, round_: int) -> int:
         """Drop the keys of rendezvous rounds older than ``round_``; returns how many rounds."""

@@ -42,9 +42,10 @@ def test_get_waits_for_a_later_set(store):
 
 def test_get_and_wait_time_out_with_dist_store_error(store):
     store.set_timeout(timedelta(seconds=1))
-    with pytest.raises(dist.DistStoreError, match="never"):
+    # c10d's stores say "timeout" (torch's StoreTestBase matches "[t -i]imeout")
+    with pytest.raises(dist.DistStoreError, match=r"timeout after 1s: key 'never'"):
         store.get("never")
-    with pytest.raises(dist.DistStoreError, match="timed out"):
+    with pytest.raises(dist.DistStoreError, match=r"timeout after 0.3s waiting for key 'never'"):
         store.wait(["never"], timedelta(milliseconds=300))
 
 
@@ -98,6 +99,43 @@ def test_through_prefix_store_as_torch_uses_it(store):
     assert prefixed.multi_get(["role/0", "role/1"]) == [b"r0", b"r1"]
     assert store.get("torch.rendezvous.job-s.3/role/1") == b"r1"
     assert prefixed.add("n", 2) == 2
+
+
+def test_num_keys_delete_and_wait_through_prefix_store(store):
+    # c10d reaches a Python store inside a PrefixStore by its C++ method names
+    # (getNumKeys, deleteKey): torch elastic wraps the store so every round
+    prefixed = dist.PrefixStore("torch.rendezvous.job-s.4", store)
+    prefixed.set("a", "1")
+    prefixed.add("b", 3)
+    assert prefixed.num_keys() == 2
+    prefixed.delete_key("a")
+    assert prefixed.num_keys() == 1
+    assert not prefixed.check(["a"]) and prefixed.check(["b"])
+    with pytest.raises(dist.DistStoreError, match="timeout"):
+        prefixed.wait(["a"], timedelta(milliseconds=200))
+
+
+def test_clone_shares_the_keys_and_works_from_another_thread(store):
+    twin = store.clone()
+    assert isinstance(twin, dist.Store) and twin is not store
+    store.set("from-a", "x")
+    assert twin.get("from-a") == b"x"
+    results = {}
+    worker = threading.Thread(target=lambda: results.update(v=store.clone().get("late")))
+    worker.start()
+    twin.set("late", "y")
+    worker.join(timeout=10)
+    assert results == {"v": b"y"}
+
+
+def test_clone_through_prefix_store(store):
+    # PrefixStore.clone() clones the inner store through c10d, which then holds only its
+    # C++ half: the clone's Python object must stay alive to be callable
+    prefixed = dist.PrefixStore("p", store)
+    twin = prefixed.clone()
+    prefixed.set("k", "v")
+    assert twin.get("k") == b"v"
+    assert store.get("p/k") == b"v"
 
 
 def test_delete_rounds_before(store):
