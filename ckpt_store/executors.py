@@ -26,12 +26,12 @@ from pathlib import Path
 
 from ckpt_store.errors import CheckpointSaveFailed
 from ckpt_store.handoff import SnapshotHandoff
+from ckpt_store.log import get_logger
 from ckpt_store.steps import MANIFEST
 from ckpt_store.writer import fail_part, run_save
-from marind.core.log import get_logger
 
 log = get_logger(__name__)
-_ROOT = str(Path(__file__).resolve().parents[1])   # holds the ckpt_store and marind packages
+_ROOT = str(Path(__file__).resolve().parents[1])   # holds the ckpt_store package
 CLOSE_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 60.0
 

@@ -25,6 +25,7 @@ from ckpt_store.errors import (
     CheckpointNotFound,
 )
 from ckpt_store.layout import Box
+from ckpt_store.log import get_logger
 from ckpt_store.plan import flatten, local_pieces
 from ckpt_store.zarr_format import (
     EMPTY,
@@ -38,7 +39,6 @@ from ckpt_store.zarr_format import (
     index_nbytes,
     tensor_bytes,
 )
-from marind.core.log import get_logger
 
 log = get_logger(__name__)
 MANIFEST = "manifest.json"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import uuid
 
 from ckpt_store import retention
-from marind.core.log import get_logger
+from ckpt_store.log import get_logger
 
 log = get_logger(__name__)
 MANIFEST = "manifest.json"

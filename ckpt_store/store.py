@@ -44,11 +44,11 @@ from ckpt_store.errors import (
 from ckpt_store.executors import ProcessWriter, ThreadWriter
 from ckpt_store.gather import SMALL_ARRAY_BYTES, gather_small
 from ckpt_store.loader import FORMAT, load_step, read_manifest
+from ckpt_store.log import get_logger
 from ckpt_store.plan import flatten, mesh_ranks, plan_array
 from ckpt_store.steps import MAX_STEP, all_step_dirs, apply_retention, committed_steps, parse_step_dir, step_dir
 from ckpt_store.storage import Storage
 from ckpt_store.writer import fail_part
-from marind.core.log import get_logger
 
 log = get_logger(__name__)
 #: niceness of an async save's encode/write threads (measured in bench/ckpt_bench.py)

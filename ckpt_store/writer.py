@@ -19,9 +19,9 @@ import crc32c
 
 from ckpt_store.errors import CheckpointSaveFailed
 from ckpt_store.handoff import SnapshotHandoff
+from ckpt_store.log import get_logger
 from ckpt_store.steps import apply_retention
 from ckpt_store.zarr_format import ArraySpec, array_metadata, chunk_key, encode_chunk, group_metadata
-from marind.core.log import get_logger
 
 log = get_logger(__name__)
 MARKERS = ".marind"
