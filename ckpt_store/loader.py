@@ -206,7 +206,7 @@ def load_step(st, d: str, state: dict, rank: int, values: bool = True) -> dict:
             raise CheckpointCorrupt(key, f"object truncated ({n} of {want} bytes read)")
         stats["bytes_read"] += n
         stats["objects"] += 1
-    checked = list(st._pool.map(_Block.check, blocks))
+    checked = list(st.pool().map(_Block.check, blocks))
     _check_whole_objects(manifest, d, checked, indexes)
     for blk in checked:
         blk.place()
@@ -259,7 +259,7 @@ def _find_bad_object(st, manifest: dict, d: str, keys: list[str], exc: OSError) 
     for found in map(probe, named):
         if found is not None:
             return found
-    return next((f for f in st._pool.map(probe, [k for k in keys if k not in named]) if f), None)
+    return next((f for f in st.pool().map(probe, [k for k in keys if k not in named]) if f), None)
 
 
 def _check_whole_objects(manifest: dict, d: str, blocks: list, indexes: dict) -> None:
@@ -407,7 +407,7 @@ def verify_step(st, d: str) -> tuple[list[str], int, int]:
         return None, len(raw)
 
     total = 0
-    for problem, n in st._pool.map(one, keys):
+    for problem, n in st.pool().map(one, keys):
         total += n
         if problem:
             problems.append(problem)

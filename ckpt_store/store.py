@@ -47,7 +47,7 @@ from ckpt_store.loader import FORMAT, load_step, read_manifest
 from ckpt_store.log import get_logger
 from ckpt_store.plan import flatten, mesh_ranks, plan_array
 from ckpt_store.steps import MAX_STEP, all_step_dirs, apply_retention, committed_steps, parse_step_dir, step_dir
-from ckpt_store.storage import Storage
+from ckpt_store.storage import Storage, open_storage
 from ckpt_store.writer import fail_part
 
 log = get_logger(__name__)
@@ -122,8 +122,8 @@ class CheckpointStore:
         keep_every = _count("keep_every", keep_every, minimum=1)
         if not commit_timeout_s or commit_timeout_s <= 0:
             raise ValueError(f"commit_timeout_s={commit_timeout_s!r}: use a number of seconds > 0")
-        self.storage = Storage(url, storage_options, io_threads=io_threads, rate_limit=io_rate_limit,
-                               direct_io=direct_io)
+        self.storage = open_storage(url, storage_options, io_threads=io_threads, rate_limit=io_rate_limit,
+                                    direct_io=direct_io)
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.commit_timeout_s = commit_timeout_s
@@ -439,8 +439,7 @@ def _close_writer(writer, arena) -> None:
 def _writer_kind(writer: str, storage: Storage, storage_options) -> str:
     if writer not in ("auto", "process", "thread"):
         raise ValueError(f"writer={writer!r}: use 'auto', 'process' or 'thread'")
-    protocols = storage.fs.protocol if isinstance(storage.fs.protocol, tuple) else (storage.fs.protocol,)
-    if "memory" in protocols:
+    if storage.in_process:
         if writer == "process":
             raise ValueError("writer='process' cannot write a memory:// store (it lives in this process)")
         return "thread"

@@ -28,7 +28,7 @@ import sys
 import threading
 
 from ckpt_store.handoff import SnapshotHandoff
-from ckpt_store.storage import Storage
+from ckpt_store.storage import Storage, open_storage
 from ckpt_store.writer import fail_part, run_save
 
 PR_SET_PDEATHSIG = 1
@@ -76,8 +76,8 @@ def main() -> int:
     _die_with_parent(cfg["parent"])
     if cfg.get("nice"):
         os.nice(cfg["nice"])
-    st = Storage(cfg["url"], cfg.get("storage_options"), io_threads=cfg["io_threads"],
-                 rate_limit=cfg.get("rate_limit"), direct_io=cfg.get("direct_io", True))
+    st = open_storage(cfg["url"], cfg.get("storage_options"), io_threads=cfg["io_threads"],
+                      rate_limit=cfg.get("rate_limit"), direct_io=cfg.get("direct_io", True))
     reply = os.fdopen(cfg["reply_fd"], "w", buffering=1)
     jobs: queue.Queue = queue.Queue()
     worker = threading.Thread(target=_work, args=(st, cfg["arena_fd"], jobs, reply), daemon=True)

@@ -207,8 +207,8 @@ def test_deleted_steps_leave_no_trash(tmp_path):
 def test_background_io_threads_run_nicer_and_foreground_ones_do_not(tmp_path):
     import threading
 
-    from ckpt_store.storage import Storage
-    st = Storage(f"file://{tmp_path}")
+    from ckpt_store.storage import open_storage
+    st = open_storage(f"file://{tmp_path}")
 
     def my_nice():
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
