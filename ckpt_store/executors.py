@@ -64,11 +64,11 @@ class ThreadWriter:
                 return
             job, pending, handoff = item
             try:
-                run_save(self._st, job, self._arena.view(), lambda t, pending=pending: pending._finish(None, t), handoff)
+                run_save(self._st, job, self._arena.view(), lambda t, pending=pending: pending.finish(None, t), handoff)
             except BaseException as exc:  # noqa: BLE001 - surfaced at wait()/next save()
                 log.warning("ckpt_save_failed", step=job["step"], rank=job["rank"], error=str(exc))
                 if not pending.done():
-                    pending._finish(exc)
+                    pending.finish(exc)
 
     def close(self) -> None:
         if self._thread is not None:
@@ -127,10 +127,10 @@ class _Child:
                     with self._lock:
                         job, pending = self._inflight.pop(0)
                     if msg.get("ok"):
-                        pending._finish(None, msg.get("timings"))
+                        pending.finish(None, msg.get("timings"))
                     else:
                         log.warning("ckpt_save_failed", step=job["step"], rank=job["rank"], error=msg.get("error"))
-                        pending._finish(CheckpointSaveFailed(msg.get("error", "writer failed")))
+                        pending.finish(CheckpointSaveFailed(msg.get("error", "writer failed")))
         except Exception as exc:  # noqa: BLE001 - a reply cut short: replies no longer match saves
             log.warning("ckpt_writer_reply_unreadable", error=f"{type(exc).__name__}: {exc}")
             self.proc.kill()      # its saves in flight fail below, as for a writer that died
@@ -146,14 +146,14 @@ class _Child:
         d = job["dir"]
         try:
             if self._st.exists(f"{d}/{MANIFEST}"):
-                pending._finish(None, {})
+                pending.finish(None, {})
                 return
         except Exception:  # noqa: BLE001 - storage down: the save failed anyway
             pass
         error = f"checkpoint writer process {self.proc.pid} died (exit code {code}) before step {job['step']} committed"
         fail_part(self._st, job, error)
         log.warning("ckpt_writer_died", step=job["step"], rank=job["rank"], code=code)
-        pending._finish(CheckpointSaveFailed(error))
+        pending.finish(CheckpointSaveFailed(error))
 
     def submit(self, job: dict, pending) -> bool:
         """Queue ``job``; False if this child is dead (the caller starts a new one).
@@ -213,13 +213,13 @@ class ProcessWriter:
                     self._child = _Child(self._st, self._arena, self._config)
                 except CheckpointSaveFailed as exc:
                     fail_part(self._st, job, str(exc))
-                    pending._finish(exc)
+                    pending.finish(exc)
                     return
             if self._child.submit(job, pending):
                 return
         error = "the checkpoint writer process keeps dying at start"
         fail_part(self._st, job, error)
-        pending._finish(CheckpointSaveFailed(error))
+        pending.finish(CheckpointSaveFailed(error))
 
     def copied(self, slots: int, complete: bool = False) -> None:
         if self._child is not None:

@@ -5,7 +5,9 @@ Torch-free (the writer process applies retention after it commits).
 
 from __future__ import annotations
 
+import operator
 import uuid
+from typing import Any
 
 from ckpt_store import retention
 from ckpt_store.log import get_logger
@@ -17,20 +19,24 @@ MAX_STEP = 10**10 - 1   # step directories name the step in 10 digits
 
 
 def step_dir(step: int) -> str:
+    """The directory name of ``step`` (``step-`` and ten digits)."""
     return f"step-{step:010d}"
 
 
 def parse_step_dir(name: str) -> int | None:
+    """The step a directory name names; None for any other name."""
     if name.startswith("step-") and name[5:].isdigit() and len(name) == 15:
         return int(name[5:])
     return None
 
 
 def all_step_dirs(st) -> list[int]:
+    """Every step directory under the root (committed or not), oldest first."""
     return sorted(s for s in map(parse_step_dir, st.list_dir("")) if s is not None)
 
 
 def committed_steps(st) -> list[int]:
+    """The steps with a manifest, oldest first."""
     return [s for s in all_step_dirs(st) if st.exists(f"{step_dir(s)}/{MANIFEST}")]
 
 
@@ -67,3 +73,32 @@ def apply_retention(st, keep_last: int | None, keep_every: int | None,
     if trash is not None and st.local:
         trash.extend(n for n in st.list_dir("") if n.startswith(TRASH) and n not in trash)
     return sorted(doomed)
+
+
+def _integer(value: Any, error: str) -> int:
+    """``value`` as a plain int (any integer type, not a bool), or TypeError(``error``)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(error)
+
+
+def step_number(step: Any) -> int:
+    """``step`` as a plain int in the range a step directory can name, or a one-line error."""
+    n = _integer(step, f"checkpoint step must be an integer, not {type(step).__name__} {step!r}")
+    if not 0 <= n <= MAX_STEP:
+        raise ValueError(f"checkpoint step {n} is out of range: use 0 to {MAX_STEP}")
+    return n
+
+
+def retention_count(name: str, value: Any, minimum: int) -> int | None:
+    """``value`` (a retention count, or None) as a plain int of at least ``minimum``, or a
+    one-line TypeError / ValueError naming ``name``."""
+    if value is None:
+        return None
+    n = _integer(value, f"{name}={value!r}: use an integer >= {minimum} or None")
+    if n < minimum:
+        raise ValueError(f"{name}={n}: use an integer >= {minimum} or None")
+    return n
