@@ -27,6 +27,8 @@ from pathlib import Path
 from ckpt_store.errors import CheckpointSaveFailed
 from ckpt_store.handoff import SnapshotHandoff
 from ckpt_store.log import get_logger
+from ckpt_store.pending import PendingSave
+from ckpt_store.save_job import SaveJob
 from ckpt_store.steps import MANIFEST
 from ckpt_store.writer import fail_part, run_save
 
@@ -44,7 +46,7 @@ class ThreadWriter:
         self._handoff: SnapshotHandoff | None = None    # the latest job's
         self.pid = None
 
-    def submit(self, job: dict, pending) -> None:
+    def submit(self, job: SaveJob, pending: PendingSave) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="ckpt-writer", daemon=True)
             self._thread.start()
@@ -66,7 +68,7 @@ class ThreadWriter:
             try:
                 run_save(self._st, job, self._arena.view(), lambda t, pending=pending: pending.finish(None, t), handoff)
             except BaseException as exc:  # noqa: BLE001 - surfaced at wait()/next save()
-                log.warning("ckpt_save_failed", step=job["step"], rank=job["rank"], error=str(exc))
+                log.warning("ckpt_save_failed", step=job.step, rank=job.rank, error=str(exc))
                 if not pending.done():
                     pending.finish(exc)
 
@@ -129,7 +131,7 @@ class _Child:
                     if msg.get("ok"):
                         pending.finish(None, msg.get("timings"))
                     else:
-                        log.warning("ckpt_save_failed", step=job["step"], rank=job["rank"], error=msg.get("error"))
+                        log.warning("ckpt_save_failed", step=job.step, rank=job.rank, error=msg.get("error"))
                         pending.finish(CheckpointSaveFailed(msg.get("error", "writer failed")))
         except Exception as exc:  # noqa: BLE001 - a reply cut short: replies no longer match saves
             log.warning("ckpt_writer_reply_unreadable", error=f"{type(exc).__name__}: {exc}")
@@ -141,24 +143,24 @@ class _Child:
         for job, pending in lost:
             self._fail(job, pending, code)
 
-    def _fail(self, job: dict, pending, code: int) -> None:
+    def _fail(self, job: SaveJob, pending: PendingSave, code: int) -> None:
         """The writer died with ``job`` in flight: committed already, or fail it and tell the others."""
-        d = job["dir"]
+        d = job.dir
         try:
             if self._st.exists(f"{d}/{MANIFEST}"):
                 pending.finish(None, {})
                 return
         except Exception:  # noqa: BLE001 - storage down: the save failed anyway
             pass
-        error = f"checkpoint writer process {self.proc.pid} died (exit code {code}) before step {job['step']} committed"
+        error = f"checkpoint writer process {self.proc.pid} died (exit code {code}) before step {job.step} committed"
         fail_part(self._st, job, error)
-        log.warning("ckpt_writer_died", step=job["step"], rank=job["rank"], code=code)
+        log.warning("ckpt_writer_died", step=job.step, rank=job.rank, code=code)
         pending.finish(CheckpointSaveFailed(error))
 
-    def submit(self, job: dict, pending) -> bool:
+    def submit(self, job: SaveJob, pending: PendingSave) -> bool:
         """Queue ``job``; False if this child is dead (the caller starts a new one).
         A job that is not JSON raises here, before anything is queued."""
-        line = _line({"op": "save", "job": job})
+        line = _line({"op": "save", "job": job.to_json()})
         with self._lock:
             if self.dead:
                 return False
@@ -205,7 +207,7 @@ class ProcessWriter:
     def pid(self) -> int | None:
         return self._child.proc.pid if self._child and self._child.proc else None
 
-    def submit(self, job: dict, pending) -> None:
+    def submit(self, job: SaveJob, pending: PendingSave) -> None:
         """Queue ``job``; a writer that cannot start fails ``pending`` (raised at wait())."""
         for _ in range(2):
             if self._child is None or self._child.dead:

@@ -19,6 +19,7 @@ import os
 import torch
 
 from ckpt_store import layout
+from ckpt_store.save_job import Slot
 from ckpt_store.zarr_format import chunk_key, slot_nbytes
 
 ALIGN = 64
@@ -76,21 +77,22 @@ class HostArena:
             self.fd = None
 
 
-def reserve(plans: list, arena: HostArena) -> tuple[list[dict], list[tuple]]:
+def reserve(plans: list, arena: HostArena) -> tuple[list[Slot], list[tuple]]:
     """Give every owned chunk of ``plans`` a slot in ``arena`` (grown to hold them all).
 
-    Returns the slots for the writer (``{"key", "array", "offset", "nbytes",
-    "valid_rows"}``, in copy order) and the copies for ``fill``.
+    Returns the slots for the writer's job (in copy order) and the copies for ``fill``.
     """
-    copies, slots, total = [], [], 0
+    copies: list[tuple] = []
+    slots: list[Slot] = []
+    total = 0
     for plan in plans:
         spec = plan.spec
         for cell, piece in plan.owned:
             nbytes = slot_nbytes(spec)
             cbox = layout.cell_box(cell, spec.chunks, spec.shape)
             copies.append((plan, cbox, piece, total, nbytes))
-            slots.append({"key": chunk_key(spec.name, cell), "array": spec.name, "offset": total,
-                          "nbytes": nbytes, "valid_rows": cbox.shape[0] if cbox.shape else 1})
+            slots.append(Slot(key=chunk_key(spec.name, cell), array=spec.name, offset=total,
+                              nbytes=nbytes, valid_rows=cbox.shape[0] if cbox.shape else 1))
             total += -(-nbytes // ALIGN) * ALIGN
     arena.ensure(total)
     return slots, copies

@@ -19,11 +19,12 @@ import torch
 from ckpt_store import snapshot
 from ckpt_store.errors import CheckpointSaveFailed
 from ckpt_store.pending import PendingSave
+from ckpt_store.save_job import SaveJob, SaveWriter
 from ckpt_store.writer import fail_part
 
 
-def copy_snapshot(storage: Any, arena: snapshot.HostArena, plans: list, job: dict, pending: PendingSave,
-                  writer: Any, ready: Any = None, versions: list | None = None) -> None:
+def copy_snapshot(storage: Any, arena: snapshot.HostArena, plans: list, job: SaveJob, pending: PendingSave,
+                  writer: SaveWriter, ready: Any = None, versions: list | None = None) -> None:
     """Hand ``job`` to ``writer``, then snapshot the chunks this rank writes into ``arena``,
     telling the writer as the copy goes (it writes what is copied meanwhile).
 
@@ -31,7 +32,7 @@ def copy_snapshot(storage: Any, arena: snapshot.HostArena, plans: list, job: dic
         storage: the store's storage (for the error marker when the writer cannot take the job).
         arena: the snapshot memory shared with the writer.
         plans: this rank's ``plan.ArrayPlan`` of every array.
-        job: the save job; its slots and arena size are filled in here.
+        job: the save job, without its slots (laid out here).
         pending: the save's handle (finished here if the job never reached the writer).
         writer: the store's writer (process or thread).
         ready: on the snapshot thread, the CUDA event its own stream waits for.
@@ -45,11 +46,11 @@ def copy_snapshot(storage: Any, arena: snapshot.HostArena, plans: list, job: dic
         versions = tensor_versions(plans)
     owned = [(p, v) for p, v in zip(plans, versions) if p.owned]
     try:
-        job["slots"], copies = snapshot.reserve(plans, arena)
-        job["arena_size"] = arena.size
+        slots, copies = snapshot.reserve(plans, arena)
+        job = job.with_slots(slots, arena.size)
         writer.submit(job, pending)
     except BaseException as exc:
-        fail_part(storage, job, f"rank {job['rank']} could not hand its part to its writer: "
+        fail_part(storage, job, f"rank {job.rank} could not hand its part to its writer: "
                                 f"{type(exc).__name__}: {exc}")   # the others stop waiting now
         pending.finish(exc)     # it never reached the writer: nothing else would finish it
         raise
@@ -66,13 +67,13 @@ def copy_snapshot(storage: Any, arena: snapshot.HostArena, plans: list, job: dic
         changed = [p.spec.name for p, v in owned if tensor_version(p.local) != v]
         if changed:
             raise CheckpointSaveFailed(
-                f"step {job['step']}: {len(changed)} tensors (first {changed[0]!r}) changed in place "
+                f"step {job.step}: {len(changed)} tensors (first {changed[0]!r}) changed in place "
                 "while their snapshot was taken; with protect(optimizer), nothing but that "
                 "optimizer's step() may change the state until the save's copy is done")
     except BaseException as exc:
         writer.copy_failed(f"{type(exc).__name__}: {exc}")
         raise
-    writer.copied(len(job["slots"]), complete=True)
+    writer.copied(len(job.slots), complete=True)
 
 
 def tensor_versions(plans: list) -> list:

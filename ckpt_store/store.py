@@ -40,6 +40,7 @@ from ckpt_store.loader import FORMAT, load_step, read_manifest
 from ckpt_store.log import get_logger
 from ckpt_store.pending import PendingSave
 from ckpt_store.plan import flatten, plan_array
+from ckpt_store.save_job import SaveJob
 from ckpt_store.snapshot_copy import copy_snapshot, cuda_event, tensor_versions
 from ckpt_store.steps import (
     all_step_dirs,
@@ -189,12 +190,12 @@ class CheckpointStore:
         plans = gather_small(plans, tensors, rank, world, self.gather_small_bytes, self.inner_chunk_bytes)
         writer, arena = self._ensure_writer()
         prepare_s = time.perf_counter() - t0
-        job = {"step": step, "dir": step_dir(step), "rank": rank, "world": world, "fmt": FORMAT,
-               "commit_timeout_s": self.commit_timeout_s, "keep_last": self.keep_last,
-               "keep_every": self.keep_every, "values": values,
-               "background_nice": self.background_nice if async_ else 0, "background": async_,
-               "saved_layout": {"world_size": world, "saved_at": _now()},
-               "arrays": {p.spec.name: {**p.spec.to_json(), "layout": p.layout} for p in plans}}
+        job = SaveJob(step=step, dir=step_dir(step), rank=rank, world=world, fmt=FORMAT,
+                      commit_timeout_s=self.commit_timeout_s, keep_last=self.keep_last,
+                      keep_every=self.keep_every, values=values,
+                      background_nice=self.background_nice if async_ else 0, background=async_,
+                      saved_layout={"world_size": world, "saved_at": _now()},
+                      arrays={p.spec.name: {**p.spec.to_json(), "layout": p.layout} for p in plans})
         pending = PendingSave(step)
         pending.timings["prepare_s"] = prepare_s     # step dir checked, chunks planned
         if async_ and self._protected:
@@ -226,12 +227,12 @@ class CheckpointStore:
             pending.wait()
         return pending
 
-    def _copy_in_background(self, plans: list, job: dict, pending: PendingSave, writer, arena,
+    def _copy_in_background(self, plans: list, job: SaveJob, pending: PendingSave, writer, arena,
                             versions: list) -> None:
         try:
             copy_snapshot(self.storage, arena, plans, job, pending, writer, pending.cuda_ready, versions)
         except BaseException as exc:  # noqa: BLE001 - the writer fails the save: raised at wait() / next save()
-            log.warning("ckpt_snapshot_failed", step=job["step"], error=str(exc))
+            log.warning("ckpt_snapshot_failed", step=job.step, error=str(exc))
         finally:
             pending.copy_finished()
 

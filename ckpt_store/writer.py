@@ -20,6 +20,7 @@ import crc32c
 from ckpt_store.errors import CheckpointSaveFailed
 from ckpt_store.handoff import SnapshotHandoff
 from ckpt_store.log import get_logger
+from ckpt_store.save_job import SaveJob
 from ckpt_store.steps import apply_retention
 from ckpt_store.zarr_format import ArraySpec, array_metadata, chunk_key, encode_chunk, group_metadata
 
@@ -39,23 +40,23 @@ def values_key(d: str, rank: int) -> str:
     return f"{d}/values/rank-{rank:05d}.json"
 
 
-def run_save(st, job: dict, arena: memoryview, on_commit, handoff: SnapshotHandoff) -> None:
+def run_save(st, job: SaveJob, arena: memoryview, on_commit, handoff: SnapshotHandoff) -> None:
     """Write this rank's part of ``job``; rank 0 commits, then applies retention.
     ``on_commit(timings)`` is called at the end; failures raise. ``handoff``: how far the
     caller's copy into ``arena`` got."""
     t0 = time.perf_counter()
-    d, rank = job["dir"], job["rank"]
+    d, rank = job.dir, job.rank
     try:
-        specs = {name: ArraySpec.from_json(name, meta) for name, meta in job["arrays"].items()}
-        chunks = [(s["key"], specs[s["array"]], arena[s["offset"]:s["offset"] + s["nbytes"]], s["valid_rows"])
-                  for s in job["slots"]]
+        specs = {name: ArraySpec.from_json(name, meta) for name, meta in job.arrays.items()}
+        chunks = [(s.key, specs[s.array], arena[s.offset:s.offset + s.nbytes], s.valid_rows)
+                  for s in job.slots]
         # the writer of an array's first chunk writes its zarr.json too (rank 0 fills any gap)
         firsts = {chunk_key(n, (0,) * len(spec.shape)): spec for n, spec in specs.items()}
         meta = [(f"{spec.name}/zarr.json",
-                 _json_bytes(array_metadata(spec, {"marind": job["arrays"][spec.name]["layout"]})))
-                for spec in (firsts.get(s["key"]) for s in job["slots"]) if spec is not None]
-        write_rank_part(st, d, rank, chunks, job["values"], meta, nice=job.get("background_nice", 0),
-                        handoff=handoff, timeout_s=job["commit_timeout_s"])
+                 _json_bytes(array_metadata(spec, {"marind": job.arrays[spec.name]["layout"]})))
+                for spec in (firsts.get(s.key) for s in job.slots) if spec is not None]
+        write_rank_part(st, d, rank, chunks, job.values, meta, nice=job.background_nice,
+                        handoff=handoff, timeout_s=job.commit_timeout_s)
     except BaseException as exc:
         # the others stop waiting for a part (rank 0: a commit) that will not come; rank 0
         # names the failing rank in its error (``_collect``), the others in theirs
@@ -64,18 +65,17 @@ def run_save(st, job: dict, arena: memoryview, on_commit, handoff: SnapshotHando
     del chunks
     timings = {"write_s": time.perf_counter() - t0}
     if rank == 0:
-        commit(st, d, job["step"], job["world"], list(specs.values()),
-               {n: m["layout"] for n, m in job["arrays"].items()}, job["saved_layout"],
-               timeout_s=job["commit_timeout_s"], fmt=job["fmt"])
+        commit(st, d, job.step, job.world, list(specs.values()), job.layouts(), job.saved_layout,
+               timeout_s=job.commit_timeout_s, fmt=job.fmt)
     else:
-        wait_for_commit(st, d, timeout_s=job["commit_timeout_s"], background=job.get("background", False))
+        wait_for_commit(st, d, timeout_s=job.commit_timeout_s, background=job.background)
     timings["commit_s"] = time.perf_counter() - t0
-    log.info("ckpt_committed", step=job["step"], rank=rank, seconds=round(timings["commit_s"], 3))
+    log.info("ckpt_committed", step=job.step, rank=rank, seconds=round(timings["commit_s"], 3))
     trash: list[str] = []
     if rank == 0:
         try:   # the step just committed stays, even below the newest (a run resumed from an older step)
-            apply_retention(st, job.get("keep_last"), job.get("keep_every"), in_flight=set(), trash=trash,
-                            keep={job["step"]})
+            apply_retention(st, job.keep_last, job.keep_every, in_flight=set(), trash=trash,
+                            keep={job.step})
         except Exception as exc:  # noqa: BLE001 - retention never fails a committed save
             log.warning("ckpt_retention_failed", error=str(exc))
     on_commit(timings)
@@ -86,13 +86,13 @@ def run_save(st, job: dict, arena: memoryview, on_commit, handoff: SnapshotHando
             log.warning("ckpt_trash_delete_failed", key=key, error=str(exc))
 
 
-def fail_part(st, job: dict, error: str) -> None:
+def fail_part(st, job: SaveJob, error: str) -> None:
     """This rank's part of ``job`` failed before ``run_save`` could say so: tell the others
     now (rank 0: the abort marker; any other rank: its error marker), not at their timeout."""
-    if job["rank"] == 0:
-        write_abort_marker(st, job["dir"], error)
+    if job.rank == 0:
+        write_abort_marker(st, job.dir, error)
     else:
-        write_error_marker(st, job["dir"], job["rank"], error)
+        write_error_marker(st, job.dir, job.rank, error)
 
 
 def _json_bytes(obj) -> bytes:

@@ -28,6 +28,7 @@ import sys
 import threading
 
 from ckpt_store.handoff import SnapshotHandoff
+from ckpt_store.save_job import SaveJob
 from ckpt_store.storage import Storage, open_storage
 from ckpt_store.writer import fail_part, run_save
 
@@ -52,23 +53,23 @@ def _work(st: Storage, arena_fd: int, jobs: queue.Queue, reply) -> None:
         job, handoff = item
         sent = []
 
-        def on_commit(timings, step=job["step"], sent=sent):
+        def on_commit(timings, step=job.step, sent=sent):
             reply.write(json.dumps({"step": step, "ok": True, "timings": timings}) + "\n")
             sent.append(True)
 
         started = False
         try:
-            if job["arena_size"] != size:   # the arena grew (0: this rank owns no chunk yet)
-                mm = mmap.mmap(arena_fd, job["arena_size"], prot=mmap.PROT_READ) if job["arena_size"] else None
-                size = job["arena_size"]
+            if job.arena_size != size:   # the arena grew (0: this rank owns no chunk yet)
+                mm = mmap.mmap(arena_fd, job.arena_size, prot=mmap.PROT_READ) if job.arena_size else None
+                size = job.arena_size
             started = True
             run_save(st, job, memoryview(mm) if mm is not None else memoryview(b""), on_commit, handoff)
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
             error = f"{type(exc).__name__}: {exc}"
             if not started:
-                fail_part(st, job, f"rank {job['rank']}'s writer could not start its part: {error}")
+                fail_part(st, job, f"rank {job.rank}'s writer could not start its part: {error}")
             if not sent:
-                reply.write(json.dumps({"step": job["step"], "ok": False, "error": error}) + "\n")
+                reply.write(json.dumps({"step": job.step, "ok": False, "error": error}) + "\n")
 
 
 def main() -> int:
@@ -96,7 +97,7 @@ def main() -> int:
             handoff.fail(msg["error"])
         else:
             handoff = SnapshotHandoff()
-            jobs.put((msg["job"], handoff))
+            jobs.put((SaveJob.from_json(msg["job"]), handoff))
     os._exit(1)  # stdin closed: the trainer is gone; never finish (never commit) its save
 
 
