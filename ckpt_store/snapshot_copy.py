@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from ckpt_store import snapshot
+from ckpt_store.commit import fail_part
 from ckpt_store.errors import CheckpointSaveFailed
 from ckpt_store.pending import PendingSave
 from ckpt_store.save_job import SaveJob, SaveWriter
-from ckpt_store.writer import fail_part
 
 
 def copy_snapshot(storage: Any, arena: snapshot.HostArena, plans: list, job: SaveJob, pending: PendingSave,

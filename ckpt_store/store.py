@@ -6,8 +6,8 @@ Save protocol, per step (the background part uses no torch collectives):
    an earlier failed attempt at this step, then one barrier on the default group;
 1. every rank snapshots the chunks it owns into reused host memory shared with its
    writer process (the caller waits only for this; ``snapshot.py``);
-2. in the background (the writer process, ``executors.py``) each rank encodes and
-   writes its chunk objects and its JSON values, then a done marker
+2. in the background (the writer process: ``writer_client.py``, ``rank_part.py``) each
+   rank encodes and writes its chunk objects and its JSON values, then a done marker
    ``.marind/rank-R.json`` listing its objects (size, crc32c) — or
    ``.marind/error-R.json`` if it failed;
 3. rank 0 polls for every rank's marker, writes the Zarr metadata and finally
@@ -33,7 +33,6 @@ from ckpt_store.errors import (
     CheckpointFormatUnsupported,
     CheckpointSaveFailed,
 )
-from ckpt_store.executors import ProcessWriter, ThreadWriter
 from ckpt_store.gather import SMALL_ARRAY_BYTES, gather_small
 from ckpt_store.load_newest import load_newest
 from ckpt_store.loader import FORMAT, load_step, read_manifest
@@ -52,6 +51,8 @@ from ckpt_store.steps import (
     step_number,
 )
 from ckpt_store.storage import Storage, open_storage
+from ckpt_store.thread_writer import ThreadWriter
+from ckpt_store.writer_client import ProcessWriter
 
 log = get_logger(__name__)
 #: niceness of an async save's encode/write threads (measured in bench/ckpt_bench.py)

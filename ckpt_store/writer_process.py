@@ -1,10 +1,10 @@
 """The writer process: runs each rank's background save part outside the training process.
 
-Started by ``ckpt_store.executors.ProcessWriter`` as ``python -m
-ckpt_store.writer_proc``. It imports no torch. Protocol (JSON lines):
+Started by ``writer_client.ProcessWriter`` as ``python -m
+ckpt_store.writer_process``. It imports no torch. Protocol (JSON lines):
 
 * stdin, first line: config ``{parent, arena_fd, reply_fd, url, storage_options,
-  io_threads, rate_limit, nice, direct_io}``; then ``{"op": "save", "job": {...}}`` per save,
+  io_threads, rate_limit, nice, direct_io}``; then ``{"op": "save", "job": {...}}`` per save (``SaveJob.to_json``),
   then ``{"op": "copied", "slots": n, "complete": bool}`` as the
   caller's snapshot copy goes on (or ``{"op": "copy_failed", "error"}``), and
   ``{"op": "exit"}`` to finish the queued saves and exit;
@@ -27,10 +27,11 @@ import signal
 import sys
 import threading
 
+from ckpt_store.commit import fail_part
 from ckpt_store.handoff import SnapshotHandoff
+from ckpt_store.rank_part import run_save
 from ckpt_store.save_job import SaveJob
 from ckpt_store.storage import Storage, open_storage
-from ckpt_store.writer import fail_part, run_save
 
 PR_SET_PDEATHSIG = 1
 

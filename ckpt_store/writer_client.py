@@ -1,13 +1,14 @@
-"""Where the background part of a save runs: a writer process (default) or a thread.
+"""The training process's side of the writer process: start it, send it jobs, read its replies.
 
-Both run ``writer.run_save`` on the same JSON job over the snapshot arena,
-one job at a time, in order, and finish the job's ``PendingSave`` once it
-committed (and, on rank 0, retention ran). A job is submitted before its
-snapshot is copied; ``copied()`` and ``copy_failed()`` then tell the writer
-how the copy goes (``handoff.py``). ``ProcessWriter`` keeps the encoding, checksums
-and uploads out of the training process, so they never hold its GIL;
-``ThreadWriter`` serves ``memory://`` stores (process-local) and storage
-options that are not JSON.
+``ProcessWriter`` (``writer="process"``, the default for file:// and s3://)
+runs each ``SaveJob`` in a writer process (``writer_process.py``, started as
+``python -m ckpt_store.writer_process``), so the encoding, checksums and
+uploads never hold the training process's GIL. Jobs go to it as JSON lines,
+one at a time, in order; each job's ``PendingSave`` is finished once the
+reply says it committed (and, on rank 0, retention ran) or failed. A job is
+submitted before its snapshot is copied; ``copied()`` and ``copy_failed()``
+then tell the writer how the copy goes (``handoff.py``). The in-process
+alternative is ``thread_writer.ThreadWriter``.
 
 A writer process that dies fails its in-flight save (the rank's error
 marker, or on rank 0 the abort marker, tells the other ranks at once) and
@@ -18,65 +19,22 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
+from ckpt_store.commit import fail_part
 from ckpt_store.errors import CheckpointSaveFailed
-from ckpt_store.handoff import SnapshotHandoff
 from ckpt_store.log import get_logger
 from ckpt_store.pending import PendingSave
 from ckpt_store.save_job import SaveJob
 from ckpt_store.steps import MANIFEST
-from ckpt_store.writer import fail_part, run_save
 
 log = get_logger(__name__)
 _ROOT = str(Path(__file__).resolve().parents[1])   # holds the ckpt_store package
 CLOSE_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 60.0
-
-
-class ThreadWriter:
-    def __init__(self, storage, arena):
-        self._st, self._arena = storage, arena
-        self._jobs: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._handoff: SnapshotHandoff | None = None    # the latest job's
-        self.pid = None
-
-    def submit(self, job: SaveJob, pending: PendingSave) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="ckpt-writer", daemon=True)
-            self._thread.start()
-        self._handoff = SnapshotHandoff()
-        self._jobs.put((job, pending, self._handoff))
-
-    def copied(self, slots: int, complete: bool = False) -> None:
-        self._handoff.advance(slots, complete)
-
-    def copy_failed(self, error: str) -> None:
-        self._handoff.fail(error)
-
-    def _loop(self) -> None:
-        while True:
-            item = self._jobs.get()
-            if item is None:
-                return
-            job, pending, handoff = item
-            try:
-                run_save(self._st, job, self._arena.view(), lambda t, pending=pending: pending.finish(None, t), handoff)
-            except BaseException as exc:  # noqa: BLE001 - surfaced at wait()/next save()
-                log.warning("ckpt_save_failed", step=job.step, rank=job.rank, error=str(exc))
-                if not pending.done():
-                    pending.finish(exc)
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join(CLOSE_TIMEOUT_S)
-            self._thread = None
 
 
 class _Child:
@@ -109,7 +67,7 @@ class _Child:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, env.get("PYTHONPATH")]))
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "ckpt_store.writer_proc"],
+            self.proc = subprocess.Popen([sys.executable, "-m", "ckpt_store.writer_process"],
                                          stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                          pass_fds=(self._arena_fd, w), env=env, close_fds=True)
             cfg = {**self._config, "parent": os.getpid(), "arena_fd": self._arena_fd, "reply_fd": w}
