@@ -41,6 +41,7 @@ SIZES = [DIRECT_MIN_BYTES, DIRECT_MIN_BYTES + 1, DIRECT_BOUNCE, DIRECT_BOUNCE + 
          2 * DIRECT_BOUNCE + 3]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("nbytes", SIZES)
 def test_large_objects_round_trip_exactly_past_the_page_cache(tmp_path, nbytes):
     st = open_storage(str(tmp_path))
@@ -55,6 +56,7 @@ def test_large_objects_round_trip_exactly_past_the_page_cache(tmp_path, nbytes):
     assert st.read("a/obj") == data
 
 
+@pytest.mark.unit
 def test_small_objects_and_direct_io_off_use_the_page_cache(tmp_path):
     st = open_storage(str(tmp_path), direct_io=False)
     data = os.urandom(DIRECT_BOUNCE + 5)
@@ -65,6 +67,7 @@ def test_small_objects_and_direct_io_off_use_the_page_cache(tmp_path):
     assert resident_pages(tmp_path / "small") > 0 and (tmp_path / "small").read_bytes() == small
 
 
+@pytest.mark.unit
 def test_a_failed_direct_write_leaves_no_object(tmp_path):
     st = open_storage(str(tmp_path))
     strided = memoryview(os.urandom(64))[::2]          # has a size, but cannot be copied as bytes
@@ -95,6 +98,7 @@ def test_s3_checks_each_upload_against_the_writers_crc32c(s3, s3_url):
     assert all("x-amz-checksum-crc32c" in {k.lower() for k in h} for h in sent)
 
 
+@pytest.mark.unit
 def test_s3_defaults_leave_other_options_and_an_explicit_choice_alone():
     user = {"key": "k", "config_kwargs": {"retries": {"max_attempts": 1}, "s3": {"addressing_style": "path"}}}
     got = s3_defaults("s3://b/p", user)
