@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+from typing import TypeGuard
 
 import crc32c
 import torch
@@ -71,7 +72,7 @@ def read_manifest(st, d: str) -> dict:
     return manifest
 
 
-def _is_int(v) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -182,7 +183,7 @@ def load_step(st, d: str, state: dict, rank: int, values: bool = True) -> dict:
             want = math.prod(spec.chunks) * spec.itemsize + 4
             if size != want:
                 raise CheckpointCorrupt(key, f"object has {size} bytes in the manifest, expected {want}")
-            spans = [(None, 0, want, Box(full_off, spec.chunks))]
+            spans: list[tuple[int | None, int, int, Box]] = [(None, 0, want, Box(full_off, spec.chunks))]
         else:
             (index, _), rows = indexes[key], spec.inner_rows
             lo = inter.offset[0] - cbox.offset[0]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from concurrent.futures import wait
 
 import crc32c
@@ -77,7 +78,7 @@ def run_save(st, job: SaveJob, arena: memoryview, on_commit, handoff: SnapshotHa
             log.warning("ckpt_trash_delete_failed", key=key, error=str(exc))
 
 
-def write_rank_part(st, d: str, rank: int, chunks: list, values: dict, meta: list = (),
+def write_rank_part(st, d: str, rank: int, chunks: list, values: dict, meta: Sequence[tuple[str, bytes]] = (),
                     nice: int = 0, *, handoff: SnapshotHandoff, timeout_s: float = 600.0) -> dict:
     """Encode + write this rank's chunks ``(key, spec, buffer, valid_rows)``, metadata objects
     ``(key, bytes)`` and JSON values, then its done marker (on failure the caller, ``run_save``,

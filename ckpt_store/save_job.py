@@ -11,8 +11,9 @@ imports it.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from ckpt_store.pending import PendingSave
 
@@ -127,3 +128,32 @@ class SaveWriter(Protocol):
         """Finish the queued jobs and stop."""
         ...
 
+
+def writer_kind(writer: str, in_process: bool, storage_options: Any) -> str:
+    """Which writer a store uses: "process" or "thread".
+
+    Args:
+        writer: the store's ``writer`` argument: "auto", "process" or "thread".
+        in_process: the store's objects live in this process (memory://).
+        storage_options: the store's fsspec options (the process gets them as JSON).
+
+    Returns:
+        ``writer``, or for "auto": "thread" for memory:// and options that are not JSON,
+        else "process".
+
+    Raises:
+        ValueError: an unknown ``writer``, or "process" for memory://.
+    """
+    if writer not in ("auto", "process", "thread"):
+        raise ValueError(f"writer={writer!r}: use 'auto', 'process' or 'thread'")
+    if in_process:
+        if writer == "process":
+            raise ValueError("writer='process' cannot write a memory:// store (it lives in this process)")
+        return "thread"
+    if writer == "auto":
+        try:
+            json.dumps(storage_options)
+        except (TypeError, ValueError):
+            return "thread"
+        return "process"
+    return writer

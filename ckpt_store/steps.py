@@ -10,6 +10,7 @@ import uuid
 from typing import Any
 
 from ckpt_store import retention
+from ckpt_store.errors import CheckpointError
 from ckpt_store.log import get_logger
 
 log = get_logger(__name__)
@@ -73,6 +74,40 @@ def apply_retention(st, keep_last: int | None, keep_every: int | None,
     if trash is not None and st.local:
         trash.extend(n for n in st.list_dir("") if n.startswith(TRASH) and n not in trash)
     return sorted(doomed)
+
+
+def prepare_step_dir(st, url: str, step: int, rank: int) -> None:
+    """Refuse a committed step; rank 0 clears leftovers of an earlier failed attempt.
+
+    Runs in the caller's thread of ``save()``, before the ranks' layout
+    agreement (``agreement.agree_layout``, one all-reduce), which keeps the
+    other ranks from writing before the leftovers are gone. Rank 0 also warns
+    when the step is below the newest committed one (a run resumed from an
+    older step: retention keeps both).
+
+    Args:
+        st: the store's storage; ``url``: the store's URL, as its user gave it.
+        step: the step about to be saved.
+        rank: this rank.
+
+    Raises:
+        CheckpointError: ``step`` is already committed.
+    """
+    d = step_dir(step)
+    if st.exists(f"{d}/manifest.json"):
+        raise CheckpointError(f"checkpoint step {step} is already committed under {url}; "
+                              "save under a new step number")
+    if rank == 0:
+        if st.list_dir(d):
+            log.info("ckpt_clear_leftover", step=step)
+            st.delete_prefix(d)
+        newer = next((s for s in reversed(all_step_dirs(st)) if s > step
+                      and st.exists(f"{step_dir(s)}/manifest.json")), None)
+        if newer is not None:
+            log.warning("ckpt_save_below_newest", step=step, newest=newer,
+                        hint="load() with no step picks the newest committed step while it exists; "
+                             "retention keeps it and this run's latest; delete the newer steps "
+                             "if this run replaces them")
 
 
 def _integer(value: Any, error: str) -> int:

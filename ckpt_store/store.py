@@ -20,7 +20,6 @@ A step without ``manifest.json`` does not exist for readers.
 from __future__ import annotations
 
 import datetime
-import json
 import threading
 import time
 import weakref
@@ -39,13 +38,13 @@ from ckpt_store.loader import FORMAT, load_step, read_manifest
 from ckpt_store.log import get_logger
 from ckpt_store.pending import PendingSave
 from ckpt_store.plan import flatten, plan_array
-from ckpt_store.save_job import SaveJob
+from ckpt_store.save_job import SaveJob, writer_kind
 from ckpt_store.snapshot_copy import copy_snapshot, cuda_event, tensor_versions
 from ckpt_store.steps import (
-    all_step_dirs,
     apply_retention,
     committed_steps,
     parse_step_dir,
+    prepare_step_dir,
     retention_count,
     step_dir,
     step_number,
@@ -117,7 +116,7 @@ class CheckpointStore:
         self.background_nice = background_nice
         self.inner_chunk_bytes = inner_chunk_bytes
         self.gather_small_bytes = gather_small_bytes
-        self._writer_kind = _writer_kind(writer, self.storage, storage_options)
+        self._writer_kind = writer_kind(writer, self.storage.in_process, storage_options)
         self._writer_config = {"url": self.storage.url, "storage_options": storage_options,
                                "io_threads": io_threads, "rate_limit": io_rate_limit, "nice": writer_nice,
                                "direct_io": direct_io}
@@ -185,7 +184,9 @@ class CheckpointStore:
         rank, world = agreement.rank_world()
         t0 = time.perf_counter()
         tensors, values = flatten(state)
-        self._prepare_step_dir(step, rank, world, tensors)
+        prepare_step_dir(self.storage, self.url, step, rank)   # then the agreement: the barrier after it
+        if world > 1:
+            agreement.agree_layout(step, tensors)
         plans = [plan_array(name, tensors[name], rank, world, salt=i, inner_bytes=self.inner_chunk_bytes)
                  for i, name in enumerate(sorted(tensors))]
         plans = gather_small(plans, tensors, rank, world, self.gather_small_bytes, self.inner_chunk_bytes)
@@ -251,32 +252,6 @@ class CheckpointStore:
     def writer_pid(self) -> int | None:
         """The writer process's pid (None before the first save, or with a thread writer)."""
         return getattr(self._writer, "pid", None)
-
-    def _prepare_step_dir(self, step: int, rank: int, world: int, tensors: dict) -> None:
-        """Refuse a committed step; rank 0 clears leftovers of an earlier failed attempt.
-
-        Runs in the caller's thread; the layout agreement (one all-reduce on the
-        default group, foreground) keeps the other ranks from writing before the
-        leftovers are gone, and refuses, on every rank, a save whose ranks differ
-        in step or arrays (``agreement.agree_layout``).
-        """
-        d = step_dir(step)
-        if self.storage.exists(f"{d}/manifest.json"):
-            raise CheckpointError(f"checkpoint step {step} is already committed under {self.url}; "
-                                  "save under a new step number")
-        if rank == 0:
-            if self.storage.list_dir(d):
-                log.info("ckpt_clear_leftover", step=step)
-                self.storage.delete_prefix(d)
-            newer = next((s for s in reversed(all_step_dirs(self.storage)) if s > step
-                          and self.storage.exists(f"{step_dir(s)}/manifest.json")), None)
-            if newer is not None:
-                log.warning("ckpt_save_below_newest", step=step, newest=newer,
-                            hint="load() with no step picks the newest committed step while it exists; "
-                                 "retention keeps it and this run's latest; delete the newer steps "
-                                 "if this run replaces them")
-        if world > 1:
-            agreement.agree_layout(step, tensors)
 
     def wait(self) -> None:
         """Wait for the save in flight, if any.
@@ -407,22 +382,6 @@ class CheckpointStore:
 def _close_writer(writer, arena) -> None:
     writer.close()
     arena.close()
-
-
-def _writer_kind(writer: str, storage: Storage, storage_options) -> str:
-    if writer not in ("auto", "process", "thread"):
-        raise ValueError(f"writer={writer!r}: use 'auto', 'process' or 'thread'")
-    if storage.in_process:
-        if writer == "process":
-            raise ValueError("writer='process' cannot write a memory:// store (it lives in this process)")
-        return "thread"
-    if writer == "auto":
-        try:
-            json.dumps(storage_options)
-        except (TypeError, ValueError):
-            return "thread"
-        return "process"
-    return writer
 
 
 def _now() -> str:

@@ -23,13 +23,16 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import IO, cast
 
 from ckpt_store.commit import fail_part
 from ckpt_store.errors import CheckpointSaveFailed
 from ckpt_store.log import get_logger
 from ckpt_store.pending import PendingSave
 from ckpt_store.save_job import SaveJob
+from ckpt_store.snapshot import HostArena
 from ckpt_store.steps import MANIFEST
+from ckpt_store.storage import Storage
 
 log = get_logger(__name__)
 _ROOT = str(Path(__file__).resolve().parents[1])   # holds the ckpt_store package
@@ -44,9 +47,9 @@ class _Child:
     the forking *thread* exits), so this reader thread is the one that starts it.
     """
 
-    def __init__(self, storage, arena, config: dict):
+    def __init__(self, storage: Storage, arena: HostArena, config: dict):
         self._st, self._config = storage, config
-        self._arena_fd = arena.fd
+        self._arena = arena
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._inflight: list = []          # (job, pending), in submission order
@@ -67,12 +70,14 @@ class _Child:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, env.get("PYTHONPATH")]))
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "ckpt_store.writer_process"],
-                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                         pass_fds=(self._arena_fd, w), env=env, close_fds=True)
-            cfg = {**self._config, "parent": os.getpid(), "arena_fd": self._arena_fd, "reply_fd": w}
-            self.proc.stdin.write((json.dumps(cfg) + "\n").encode())
-            self.proc.stdin.flush()
+            arena_fd = self._arena.fileno()
+            proc = self.proc = subprocess.Popen([sys.executable, "-m", "ckpt_store.writer_process"],
+                                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                                pass_fds=(arena_fd, w), env=env, close_fds=True)
+            cfg = {**self._config, "parent": os.getpid(), "arena_fd": arena_fd, "reply_fd": w}
+            stdin = cast(IO[bytes], proc.stdin)    # stdin=PIPE: never None
+            stdin.write((json.dumps(cfg) + "\n").encode())
+            stdin.flush()
         except BaseException as exc:  # noqa: BLE001 - raised by the constructor
             self.start_error, self.dead = exc, True
             os.close(r)
@@ -93,15 +98,15 @@ class _Child:
                         pending.finish(CheckpointSaveFailed(msg.get("error", "writer failed")))
         except Exception as exc:  # noqa: BLE001 - a reply cut short: replies no longer match saves
             log.warning("ckpt_writer_reply_unreadable", error=f"{type(exc).__name__}: {exc}")
-            self.proc.kill()      # its saves in flight fail below, as for a writer that died
-        code = self.proc.wait()
+            proc.kill()      # its saves in flight fail below, as for a writer that died
+        code = proc.wait()
         with self._lock:
             self.dead = True
             lost, self._inflight = self._inflight, []
         for job, pending in lost:
-            self._fail(job, pending, code)
+            self._fail(job, pending, proc.pid, code)
 
-    def _fail(self, job: SaveJob, pending: PendingSave, code: int) -> None:
+    def _fail(self, job: SaveJob, pending: PendingSave, pid: int, code: int) -> None:
         """The writer died with ``job`` in flight: committed already, or fail it and tell the others."""
         d = job.dir
         try:
@@ -110,7 +115,7 @@ class _Child:
                 return
         except Exception:  # noqa: BLE001 - storage down: the save failed anyway
             pass
-        error = f"checkpoint writer process {self.proc.pid} died (exit code {code}) before step {job.step} committed"
+        error = f"checkpoint writer process {pid} died (exit code {code}) before step {job.step} committed"
         fail_part(self._st, job, error)
         log.warning("ckpt_writer_died", step=job.step, rank=job.rank, code=code)
         pending.finish(CheckpointSaveFailed(error))
@@ -127,28 +132,41 @@ class _Child:
         return True
 
     def send(self, msg: dict) -> None:
+        """Send ``msg`` (a copy's progress); nothing if the process is gone."""
         self._write(_line(msg))
 
     def _write(self, line: bytes) -> None:
+        stdin = self._stdin()
         with self._send_lock:   # one message at a time: the snapshot thread sends beside the caller
             try:
-                self.proc.stdin.write(line)
-                self.proc.stdin.flush()
+                stdin.write(line)
+                stdin.flush()
             except (BrokenPipeError, OSError, ValueError):
                 pass   # it died: the reader thread fails the job when it sees the end of the replies
 
+    def _started_proc(self) -> subprocess.Popen:
+        """The process (only a child that started is ever used: its constructor raises otherwise)."""
+        if self.proc is None:
+            raise CheckpointSaveFailed("the checkpoint writer process was never started")
+        return self.proc
+
+    def _stdin(self) -> IO[bytes]:
+        return cast(IO[bytes], self._started_proc().stdin)    # stdin=PIPE: never None
+
     def close(self) -> None:
+        """Ask the process to finish its queued saves and exit; kill it after ``CLOSE_TIMEOUT_S``."""
         self._write(_line({"op": "exit"}))
+        proc = self._started_proc()
         with self._send_lock:
             try:
-                self.proc.stdin.close()
+                self._stdin().close()
             except (BrokenPipeError, OSError, ValueError):
                 pass
         try:
-            self.proc.wait(CLOSE_TIMEOUT_S)
+            proc.wait(CLOSE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+            proc.kill()
+            proc.wait(5)
 
 
 def _line(msg: dict) -> bytes:
@@ -156,13 +174,23 @@ def _line(msg: dict) -> bytes:
 
 
 class ProcessWriter:
-    def __init__(self, storage, arena, config: dict):
-        """``config``: {url, storage_options, io_threads, rate_limit, nice, direct_io} (JSON)."""
+    """A ``SaveWriter`` that runs the jobs in a writer process, started at the first job and
+    afresh at the next job after it died.
+
+    Args:
+        storage: the store's storage (the error marker of a job the process never got).
+        arena: the snapshot memory, which the process maps.
+        config: {url, storage_options, io_threads, rate_limit, nice, direct_io} (JSON): how
+            the process opens the store.
+    """
+
+    def __init__(self, storage: Storage, arena: HostArena, config: dict):
         self._st, self._arena, self._config = storage, arena, config
         self._child: _Child | None = None
 
     @property
     def pid(self) -> int | None:
+        """The writer process's pid (None before the first job)."""
         return self._child.proc.pid if self._child and self._child.proc else None
 
     def submit(self, job: SaveJob, pending: PendingSave) -> None:
@@ -182,14 +210,17 @@ class ProcessWriter:
         pending.finish(CheckpointSaveFailed(error))
 
     def copied(self, slots: int, complete: bool = False) -> None:
+        """The latest job's first ``slots`` slots are copied; ``complete``: the whole copy is sound."""
         if self._child is not None:
             self._child.send({"op": "copied", "slots": slots, "complete": complete})
 
     def copy_failed(self, error: str) -> None:
+        """The latest job's copy failed: its part fails."""
         if self._child is not None:
             self._child.send({"op": "copy_failed", "error": error})
 
     def close(self) -> None:
+        """Let the process finish its queued jobs and exit."""
         if self._child is not None and not self._child.dead:
             self._child.close()
         self._child = None

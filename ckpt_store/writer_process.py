@@ -52,7 +52,7 @@ def _work(st: Storage, arena_fd: int, jobs: queue.Queue, reply) -> None:
         if item is None:
             return
         job, handoff = item
-        sent = []
+        sent: list[bool] = []
 
         def on_commit(timings, step=job.step, sent=sent):
             reply.write(json.dumps({"step": step, "ok": True, "timings": timings}) + "\n")
@@ -84,7 +84,7 @@ def main() -> int:
     jobs: queue.Queue = queue.Queue()
     worker = threading.Thread(target=_work, args=(st, cfg["arena_fd"], jobs, reply), daemon=True)
     worker.start()
-    handoff = None   # the latest job's
+    handoff: SnapshotHandoff | None = None   # the latest job's
     for line in sys.stdin:
         msg = json.loads(line)
         if msg["op"] == "exit":
@@ -93,9 +93,11 @@ def main() -> int:
             reply.flush()
             os._exit(0)
         if msg["op"] == "copied":
-            handoff.advance(msg["slots"], msg.get("complete", False))
+            if handoff is not None:
+                handoff.advance(msg["slots"], msg.get("complete", False))
         elif msg["op"] == "copy_failed":
-            handoff.fail(msg["error"])
+            if handoff is not None:
+                handoff.fail(msg["error"])
         else:
             handoff = SnapshotHandoff()
             jobs.put((SaveJob.from_json(msg["job"]), handoff))

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ckpt_store.save_job import SaveJob, Slot
+from ckpt_store.save_job import SaveJob, Slot, writer_kind
 
 pytestmark = pytest.mark.unit
 
@@ -43,3 +43,15 @@ def test_a_job_is_frozen_and_with_slots_makes_a_new_one():
 def test_a_job_with_a_value_that_is_not_json_is_refused_by_json_not_pickled():
     with pytest.raises(TypeError):
         json.dumps(_job(values={"bad": object()}).to_json())
+
+
+def test_writer_kind():
+    assert writer_kind("auto", False, {"key": "k"}) == "process"
+    assert writer_kind("auto", False, None) == "process"
+    assert writer_kind("auto", False, {"session": object()}) == "thread"     # not JSON: cannot cross
+    assert writer_kind("auto", True, None) == "thread"                        # memory://
+    assert writer_kind("thread", False, None) == "thread" and writer_kind("process", False, None) == "process"
+    with pytest.raises(ValueError, match="memory://"):
+        writer_kind("process", True, None)
+    with pytest.raises(ValueError, match="writer='fork'"):
+        writer_kind("fork", False, None)
