@@ -15,12 +15,16 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import crc32c
 
 from ckpt_store.errors import CheckpointSaveFailed
 from ckpt_store.save_job import SaveJob
 from ckpt_store.zarr_format import ArraySpec, array_metadata, group_metadata
+
+if TYPE_CHECKING:
+    from ckpt_store.storage import Storage
 
 MARKERS = ".marind"
 POLL_S = 0.05             # polling object stores (each poll is a request)
@@ -34,7 +38,7 @@ def marker_key(d: str, kind: str, rank: int) -> str:
     return f"{d}/{MARKERS}/{kind}-{rank:05d}.json"
 
 
-def fail_part(st, job: SaveJob, error: str) -> None:
+def fail_part(st: Storage, job: SaveJob, error: str) -> None:
     """This rank's part of ``job`` failed before ``run_save`` could say so: tell the others
     now (rank 0: the abort marker; any other rank: its error marker), not at their timeout."""
     if job.rank == 0:
@@ -48,7 +52,7 @@ def metadata_bytes(obj) -> bytes:
     return json.dumps(obj, indent=1).encode()
 
 
-def write_error_marker(st, d: str, rank: int, error: str) -> None:
+def write_error_marker(st: Storage, d: str, rank: int, error: str) -> None:
     """Tell rank 0 this rank's part failed (so the commit aborts now, not at its timeout)."""
     try:
         st.write_json_atomic(marker_key(d, "error", rank), {"rank": rank, "error": error})
@@ -56,7 +60,7 @@ def write_error_marker(st, d: str, rank: int, error: str) -> None:
         pass
 
 
-def write_abort_marker(st, d: str, error: str) -> None:
+def write_abort_marker(st: Storage, d: str, error: str) -> None:
     """Rank 0: tell the other ranks this step will not commit."""
     try:
         st.write_json_atomic(f"{d}/{MARKERS}/abort.json", {"error": error})
@@ -64,7 +68,7 @@ def write_abort_marker(st, d: str, error: str) -> None:
         pass
 
 
-def commit(st, d: str, step: int, world: int, specs: list[ArraySpec], layouts: dict,
+def commit(st: Storage, d: str, step: int, world: int, specs: list[ArraySpec], layouts: dict,
            saved_layout: dict, timeout_s: float, fmt: int) -> dict:
     """Rank 0: wait for every rank's marker, write the group (and any missing array) metadata,
     then manifest.json."""
@@ -99,7 +103,7 @@ def commit(st, d: str, step: int, world: int, specs: list[ArraySpec], layouts: d
         raise
 
 
-def _check_present(st, d: str, objects: dict) -> None:
+def _check_present(st: Storage, d: str, objects: dict) -> None:
     """Rank 0, right before the manifest: every object the ranks listed is there, whole.
 
     One listing of the step (a LIST per 1000 objects on S3). It catches what no
@@ -122,7 +126,7 @@ def _check_present(st, d: str, objects: dict) -> None:
             "was the step deleted under the save, e.g. by another job saving to the same URL?")
 
 
-def _collect(st, d: str, world: int, timeout_s: float) -> dict:
+def _collect(st: Storage, d: str, world: int, timeout_s: float) -> dict:
     """Wait for every rank's done marker; one listing of the marker dir per poll. A storage
     error while polling is retried until the deadline (a blip must not fail the save)."""
     objects: dict = {}
@@ -171,13 +175,13 @@ def _poll_until(done: Callable[[int], bool], timeout_s: float, interval: float,
         time.sleep(interval)
 
 
-def _poll(st, background: bool = False) -> float:
-    if getattr(st, "local", False):
+def _poll(st: Storage, background: bool = False) -> float:
+    if st.local:
         return POLL_LOCAL_S
     return POLL_BACKGROUND_S if background else POLL_S
 
 
-def wait_for_commit(st, d: str, timeout_s: float, background: bool = False) -> None:
+def wait_for_commit(st: Storage, d: str, timeout_s: float, background: bool = False) -> None:
     """The other ranks: wait for rank 0's manifest (or its abort marker, looked at every
     ``ABORT_EVERY`` polls). ``background``: an async save, where nobody waits on the
     answer's latency, so an object store is asked less often. A storage error while

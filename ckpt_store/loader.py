@@ -12,7 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import math
-from typing import TypeGuard
+from typing import TYPE_CHECKING, TypeGuard
 
 import crc32c
 import torch
@@ -41,13 +41,16 @@ from ckpt_store.zarr_format import (
     tensor_bytes,
 )
 
+if TYPE_CHECKING:
+    from ckpt_store.storage import Storage
+
 log = get_logger(__name__)
 MANIFEST = "manifest.json"
 #: the checkpoint format this marind writes (``manifest.json``'s "format") and the only one it reads
 FORMAT = 1
 
 
-def read_manifest(st, d: str) -> dict:
+def read_manifest(st: Storage, d: str) -> dict:
     """The manifest of step dir ``d``, checked: CheckpointNotFound when there is none,
     CheckpointFormatUnsupported for another format, CheckpointCorrupt when it is malformed."""
     key = f"{d}/{MANIFEST}"
@@ -132,7 +135,7 @@ def _obj(manifest: dict, d: str, key: str) -> dict:
     return obj
 
 
-def load_step(st, d: str, state: dict, rank: int, values: bool = True) -> dict:
+def load_step(st: Storage, d: str, state: dict, rank: int, values: bool = True) -> dict:
     """Fill ``state`` in place from step dir ``d``; returns read statistics."""
     manifest = read_manifest(st, d)
     step = manifest.get("step", -1)
@@ -218,11 +221,11 @@ def load_step(st, d: str, state: dict, rank: int, values: bool = True) -> dict:
     return stats
 
 
-def _read(st, manifest: dict, d: str, reqs: list[tuple[str, int, int]]) -> list[bytes]:
+def _read(st: Storage, manifest: dict, d: str, reqs: list[tuple[str, int, int]]) -> list[bytes]:
     return _storage_read(st, manifest, d, st.read_ranges, reqs)
 
 
-def _storage_read(st, manifest: dict, d: str, read, reqs: list) -> list:
+def _storage_read(st: Storage, manifest: dict, d: str, read, reqs: list) -> list:
     """``read(reqs)``: ranged reads of objects of step dir ``d``. An object that is missing or
     shorter than the manifest says raises CheckpointCorrupt naming it. A local disk reads a
     short object short (the caller checks), but S3 refuses a range past its end (HTTP 416:
@@ -241,7 +244,7 @@ def _storage_read(st, manifest: dict, d: str, read, reqs: list) -> list:
         raise bad from exc
 
 
-def _find_bad_object(st, manifest: dict, d: str, keys: list[str], exc: OSError) -> CheckpointCorrupt | None:
+def _find_bad_object(st: Storage, manifest: dict, d: str, keys: list[str], exc: OSError) -> CheckpointCorrupt | None:
     """The first of ``keys`` that is missing or not the size the manifest lists (the object
     the error names, if any, first); None when every one is whole."""
     def probe(key: str) -> CheckpointCorrupt | None:
@@ -341,7 +344,7 @@ class _Block:
             self.host[inter.slices(self.box.offset)] = self.tensor[inter.slices(self.block.offset)]
 
 
-def _apply_values(st, d: str, manifest: dict, state: dict, rank: int) -> None:
+def _apply_values(st: Storage, d: str, manifest: dict, state: dict, rank: int) -> None:
     key = f"values/rank-{rank:05d}.json"
     if key not in manifest["objects"]:
         key = "values/rank-00000.json"
@@ -368,7 +371,7 @@ def _merge(state: dict, saved: dict) -> None:
             state[key] = v
 
 
-def verify_step(st, d: str) -> tuple[list[str], int, int]:
+def verify_step(st: Storage, d: str) -> tuple[list[str], int, int]:
     """Re-read every object of a committed step; (problems, objects, bytes)."""
     try:
         manifest = read_manifest(st, d)

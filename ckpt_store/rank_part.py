@@ -15,6 +15,7 @@ import json
 import time
 from collections.abc import Sequence
 from concurrent.futures import wait
+from typing import TYPE_CHECKING
 
 import crc32c
 
@@ -25,6 +26,9 @@ from ckpt_store.save_job import SaveJob
 from ckpt_store.steps import apply_retention
 from ckpt_store.zarr_format import ArraySpec, array_metadata, chunk_key, encode_chunk
 
+if TYPE_CHECKING:
+    from ckpt_store.storage import Storage
+
 log = get_logger(__name__)
 
 
@@ -32,7 +36,7 @@ def values_key(d: str, rank: int) -> str:
     return f"{d}/values/rank-{rank:05d}.json"
 
 
-def run_save(st, job: SaveJob, arena: memoryview, on_commit, handoff: SnapshotHandoff) -> None:
+def run_save(st: Storage, job: SaveJob, arena: memoryview, on_commit, handoff: SnapshotHandoff) -> None:
     """Write this rank's part of ``job``; rank 0 commits, then applies retention.
     ``on_commit(timings)`` is called at the end; failures raise. ``handoff``: how far the
     caller's copy into ``arena`` got."""
@@ -78,7 +82,7 @@ def run_save(st, job: SaveJob, arena: memoryview, on_commit, handoff: SnapshotHa
             log.warning("ckpt_trash_delete_failed", key=key, error=str(exc))
 
 
-def write_rank_part(st, d: str, rank: int, chunks: list, values: dict, meta: Sequence[tuple[str, bytes]] = (),
+def write_rank_part(st: Storage, d: str, rank: int, chunks: list, values: dict, meta: Sequence[tuple[str, bytes]] = (),
                     nice: int = 0, *, handoff: SnapshotHandoff, timeout_s: float = 600.0) -> dict:
     """Encode + write this rank's chunks ``(key, spec, buffer, valid_rows)``, metadata objects
     ``(key, bytes)`` and JSON values, then its done marker (on failure the caller, ``run_save``,

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import operator
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpt_store import retention
 from ckpt_store.errors import CheckpointError
 from ckpt_store.log import get_logger
+
+if TYPE_CHECKING:
+    from ckpt_store.storage import Storage
 
 log = get_logger(__name__)
 MANIFEST = "manifest.json"
@@ -31,17 +34,17 @@ def parse_step_dir(name: str) -> int | None:
     return None
 
 
-def all_step_dirs(st) -> list[int]:
+def all_step_dirs(st: Storage) -> list[int]:
     """Every step directory under the root (committed or not), oldest first."""
     return sorted(s for s in map(parse_step_dir, st.list_dir("")) if s is not None)
 
 
-def committed_steps(st) -> list[int]:
+def committed_steps(st: Storage) -> list[int]:
     """The steps with a manifest, oldest first."""
     return [s for s in all_step_dirs(st) if st.exists(f"{step_dir(s)}/{MANIFEST}")]
 
 
-def apply_retention(st, keep_last: int | None, keep_every: int | None,
+def apply_retention(st: Storage, keep_last: int | None, keep_every: int | None,
                     in_flight: set[int] | None = None, trash: list | None = None,
                     keep: set[int] | None = None) -> list[int]:
     """Delete steps past ``keep_last``/``keep_every`` and uncommitted leftovers; returns them.
@@ -76,7 +79,7 @@ def apply_retention(st, keep_last: int | None, keep_every: int | None,
     return sorted(doomed)
 
 
-def prepare_step_dir(st, url: str, step: int, rank: int) -> None:
+def prepare_step_dir(st: Storage, url: str, step: int, rank: int) -> None:
     """Refuse a committed step; rank 0 clears leftovers of an earlier failed attempt.
 
     Runs in the caller's thread of ``save()``, before the ranks' layout
