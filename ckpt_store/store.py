@@ -287,6 +287,12 @@ class CheckpointStore:
     def manifest(self, step: int) -> dict:
         """``step``'s manifest (arrays, objects, saved layout).
 
+        Args:
+            step: a committed step.
+
+        Returns:
+            The manifest, decoded.
+
         Raises:
             CheckpointNotFound: no committed ``step``.
             CheckpointCorrupt: the manifest is malformed.
@@ -328,6 +334,10 @@ class CheckpointStore:
     def load_arrays(self, state: dict, step: int) -> dict:
         """Fill only the tensors of ``state`` (no JSON values) from ``step``, as rank 0; for tools.
 
+        Args:
+            state: the target tensors (nested dicts), in any layout.
+            step: a committed step.
+
         Returns:
             ``state``, filled.
 
@@ -339,6 +349,9 @@ class CheckpointStore:
 
     def verify(self, step: int) -> VerifyReport:
         """Read every object of ``step`` and check its size and checksums.
+
+        Args:
+            step: the step to check (committed, readable or not).
 
         Returns:
             A ``VerifyReport``: ``ok``, and the problems found (an unreadable manifest is one).
