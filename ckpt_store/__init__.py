@@ -1,7 +1,7 @@
 """Sharded, async, atomically committed Zarr v3 checkpoints on S3 or disk (DESIGN §4).
 
 The store classes load on first use, so the writer process (``python -m
-ckpt_store.writer_proc``) runs without importing torch.
+ckpt_store.writer_process``) runs without importing torch.
 """
 
 from ckpt_store.errors import (

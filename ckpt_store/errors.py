@@ -1,15 +1,15 @@
-"""Typed errors of the checkpoint store (all are MarindError: exit code 1 in the CLI)."""
+"""Typed errors of the checkpoint store (all CheckpointError; a CLI maps them to exit code 1)."""
 
 from __future__ import annotations
 
-from marind.core.errors import MarindError, NotFound
+
+class CheckpointError(Exception):
+    """Base of every checkpoint-store error; ``exit_code``: what a command line exits with."""
+
+    exit_code = 1
 
 
-class CheckpointError(MarindError):
-    """Base of every checkpoint-store error."""
-
-
-class CheckpointNotFound(CheckpointError, NotFound):
+class CheckpointNotFound(CheckpointError):
     """No committed checkpoint (or not the requested step) under the store URL."""
 
 

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import torch
 
+from ckpt_store.log import get_logger
 from ckpt_store.zarr_format import TORCH_DTYPES
-from marind.core.log import get_logger
 
 log = get_logger(__name__)
 

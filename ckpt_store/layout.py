@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -107,7 +108,7 @@ class Piece:
         return tuple(slice(o, o + s) for o, s in zip(self.local, self.box.shape))
 
 
-def rank_pieces(shape: tuple[int, ...], ranks: list[int], mesh_shape: tuple[int, ...],
+def rank_pieces(shape: tuple[int, ...], ranks: Sequence[int], mesh_shape: tuple[int, ...],
                 placements) -> dict[int, list[Piece]]:
     """Every mesh rank's pieces; ``ranks`` lists global ranks in C order over ``mesh_shape``.
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+from typing import TYPE_CHECKING, TypeGuard
 
 import crc32c
 import torch
@@ -25,6 +26,7 @@ from ckpt_store.errors import (
     CheckpointNotFound,
 )
 from ckpt_store.layout import Box
+from ckpt_store.log import get_logger
 from ckpt_store.plan import flatten, local_pieces
 from ckpt_store.zarr_format import (
     EMPTY,
@@ -38,7 +40,9 @@ from ckpt_store.zarr_format import (
     index_nbytes,
     tensor_bytes,
 )
-from marind.core.log import get_logger
+
+if TYPE_CHECKING:
+    from ckpt_store.storage import Storage
 
 log = get_logger(__name__)
 MANIFEST = "manifest.json"
@@ -46,7 +50,7 @@ MANIFEST = "manifest.json"
 FORMAT = 1
 
 
-def read_manifest(st, d: str) -> dict:
+def read_manifest(st: Storage, d: str) -> dict:
     """The manifest of step dir ``d``, checked: CheckpointNotFound when there is none,
     CheckpointFormatUnsupported for another format, CheckpointCorrupt when it is malformed."""
     key = f"{d}/{MANIFEST}"
@@ -71,7 +75,7 @@ def read_manifest(st, d: str) -> dict:
     return manifest
 
 
-def _is_int(v) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -131,7 +135,7 @@ def _obj(manifest: dict, d: str, key: str) -> dict:
     return obj
 
 
-def load_step(st, d: str, state: dict, rank: int, values: bool = True) -> dict:
+def load_step(st: Storage, d: str, state: dict, rank: int, values: bool = True) -> dict:
     """Fill ``state`` in place from step dir ``d``; returns read statistics."""
     manifest = read_manifest(st, d)
     step = manifest.get("step", -1)
@@ -182,7 +186,7 @@ def load_step(st, d: str, state: dict, rank: int, values: bool = True) -> dict:
             want = math.prod(spec.chunks) * spec.itemsize + 4
             if size != want:
                 raise CheckpointCorrupt(key, f"object has {size} bytes in the manifest, expected {want}")
-            spans = [(None, 0, want, Box(full_off, spec.chunks))]
+            spans: list[tuple[int | None, int, int, Box]] = [(None, 0, want, Box(full_off, spec.chunks))]
         else:
             (index, _), rows = indexes[key], spec.inner_rows
             lo = inter.offset[0] - cbox.offset[0]
@@ -206,7 +210,7 @@ def load_step(st, d: str, state: dict, rank: int, values: bool = True) -> dict:
             raise CheckpointCorrupt(key, f"object truncated ({n} of {want} bytes read)")
         stats["bytes_read"] += n
         stats["objects"] += 1
-    checked = list(st._pool.map(_Block.check, blocks))
+    checked = list(st.pool().map(_Block.check, blocks))
     _check_whole_objects(manifest, d, checked, indexes)
     for blk in checked:
         blk.place()
@@ -217,11 +221,11 @@ def load_step(st, d: str, state: dict, rank: int, values: bool = True) -> dict:
     return stats
 
 
-def _read(st, manifest: dict, d: str, reqs: list[tuple[str, int, int]]) -> list[bytes]:
+def _read(st: Storage, manifest: dict, d: str, reqs: list[tuple[str, int, int]]) -> list[bytes]:
     return _storage_read(st, manifest, d, st.read_ranges, reqs)
 
 
-def _storage_read(st, manifest: dict, d: str, read, reqs: list) -> list:
+def _storage_read(st: Storage, manifest: dict, d: str, read, reqs: list) -> list:
     """``read(reqs)``: ranged reads of objects of step dir ``d``. An object that is missing or
     shorter than the manifest says raises CheckpointCorrupt naming it. A local disk reads a
     short object short (the caller checks), but S3 refuses a range past its end (HTTP 416:
@@ -240,7 +244,7 @@ def _storage_read(st, manifest: dict, d: str, read, reqs: list) -> list:
         raise bad from exc
 
 
-def _find_bad_object(st, manifest: dict, d: str, keys: list[str], exc: OSError) -> CheckpointCorrupt | None:
+def _find_bad_object(st: Storage, manifest: dict, d: str, keys: list[str], exc: OSError) -> CheckpointCorrupt | None:
     """The first of ``keys`` that is missing or not the size the manifest lists (the object
     the error names, if any, first); None when every one is whole."""
     def probe(key: str) -> CheckpointCorrupt | None:
@@ -259,7 +263,7 @@ def _find_bad_object(st, manifest: dict, d: str, keys: list[str], exc: OSError) 
     for found in map(probe, named):
         if found is not None:
             return found
-    return next((f for f in st._pool.map(probe, [k for k in keys if k not in named]) if f), None)
+    return next((f for f in st.pool().map(probe, [k for k in keys if k not in named]) if f), None)
 
 
 def _check_whole_objects(manifest: dict, d: str, blocks: list, indexes: dict) -> None:
@@ -340,7 +344,7 @@ class _Block:
             self.host[inter.slices(self.box.offset)] = self.tensor[inter.slices(self.block.offset)]
 
 
-def _apply_values(st, d: str, manifest: dict, state: dict, rank: int) -> None:
+def _apply_values(st: Storage, d: str, manifest: dict, state: dict, rank: int) -> None:
     key = f"values/rank-{rank:05d}.json"
     if key not in manifest["objects"]:
         key = "values/rank-00000.json"
@@ -367,7 +371,7 @@ def _merge(state: dict, saved: dict) -> None:
             state[key] = v
 
 
-def verify_step(st, d: str) -> tuple[list[str], int, int]:
+def verify_step(st: Storage, d: str) -> tuple[list[str], int, int]:
     """Re-read every object of a committed step; (problems, objects, bytes)."""
     try:
         manifest = read_manifest(st, d)
@@ -407,7 +411,7 @@ def verify_step(st, d: str) -> tuple[list[str], int, int]:
         return None, len(raw)
 
     total = 0
-    for problem, n in st._pool.map(one, keys):
+    for problem, n in st.pool().map(one, keys):
         total += n
         if problem:
             problems.append(problem)

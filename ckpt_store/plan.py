@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -121,7 +122,7 @@ def _static_plan(name, shape, dtype, itemsize, rank, world, salt, inner_bytes, w
     if where is not None:
         ranks, mesh_shape, specs, dim_names, placement_names, copies = where
         pieces = layout.pieces_from_specs(shape, ranks, mesh_shape, specs)
-        how = {"mesh_shape": list(mesh_shape), "mesh_dim_names": list(dim_names),
+        how: dict[str, Any] = {"mesh_shape": list(mesh_shape), "mesh_dim_names": list(dim_names),
                "placements": list(placement_names)}
     else:
         pieces = layout.replicated_pieces(shape, world)

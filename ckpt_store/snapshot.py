@@ -19,6 +19,7 @@ import os
 import torch
 
 from ckpt_store import layout
+from ckpt_store.save_job import Slot
 from ckpt_store.zarr_format import chunk_key, slot_nbytes
 
 ALIGN = 64
@@ -29,7 +30,7 @@ class HostArena:
     """A growable memfd-backed byte buffer shared with the writer process."""
 
     def __init__(self):
-        self.fd = os.memfd_create("marind-ckpt-snapshot", 0)
+        self.fd: int | None = os.memfd_create("marind-ckpt-snapshot", 0)
         self.size = 0
         self._mm: mmap.mmap | None = None
         self.buf: torch.Tensor | None = None
@@ -40,11 +41,24 @@ class HostArena:
             return
         size = max(nbytes, 1) + (1 << 20)
         self._unpin()      # the old mapping goes: its pages must not stay page-locked
-        os.ftruncate(self.fd, size)
-        self._mm = mmap.mmap(self.fd, size)
+        fd = self.fileno()
+        os.ftruncate(fd, size)
+        self._mm = mmap.mmap(fd, size)
         self.buf = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.size = size
         self._pinned = False
+
+    def fileno(self) -> int:
+        """The memfd (for the writer process to map)."""
+        if self.fd is None:
+            raise ValueError("the snapshot arena is closed")
+        return self.fd
+
+    def tensor(self) -> torch.Tensor:
+        """The arena's bytes as a uint8 tensor (``ensure`` first)."""
+        if self.buf is None:
+            raise ValueError("the snapshot arena holds no memory: reserve() the slots first")
+        return self.buf
 
     def pin_for_cuda(self) -> None:
         """Page-lock the arena once so device-to-host copies run at full speed."""
@@ -76,21 +90,22 @@ class HostArena:
             self.fd = None
 
 
-def reserve(plans: list, arena: HostArena) -> tuple[list[dict], list[tuple]]:
+def reserve(plans: list, arena: HostArena) -> tuple[list[Slot], list[tuple]]:
     """Give every owned chunk of ``plans`` a slot in ``arena`` (grown to hold them all).
 
-    Returns the slots for the writer (``{"key", "array", "offset", "nbytes",
-    "valid_rows"}``, in copy order) and the copies for ``fill``.
+    Returns the slots for the writer's job (in copy order) and the copies for ``fill``.
     """
-    copies, slots, total = [], [], 0
+    copies: list[tuple] = []
+    slots: list[Slot] = []
+    total = 0
     for plan in plans:
         spec = plan.spec
         for cell, piece in plan.owned:
             nbytes = slot_nbytes(spec)
             cbox = layout.cell_box(cell, spec.chunks, spec.shape)
             copies.append((plan, cbox, piece, total, nbytes))
-            slots.append({"key": chunk_key(spec.name, cell), "array": spec.name, "offset": total,
-                          "nbytes": nbytes, "valid_rows": cbox.shape[0] if cbox.shape else 1})
+            slots.append(Slot(key=chunk_key(spec.name, cell), array=spec.name, offset=total,
+                              nbytes=nbytes, valid_rows=cbox.shape[0] if cbox.shape else 1))
             total += -(-nbytes // ALIGN) * ALIGN
     arena.ensure(total)
     return slots, copies
@@ -108,7 +123,7 @@ def fill(copies: list[tuple], arena: HostArena, on_progress=None, every_bytes: i
         if src.device.type == "cuda" and not cuda:
             cuda = True
             arena.pin_for_cuda()
-        dst = arena.buf[offset:offset + nbytes].view(src.dtype).view(spec.chunks)
+        dst = arena.tensor()[offset:offset + nbytes].view(src.dtype).view(spec.chunks)
         if tuple(cbox.shape) != tuple(spec.chunks):
             dst.zero_()
             dst = dst[tuple(slice(0, s) for s in cbox.shape)]

@@ -23,13 +23,15 @@ _BF16 = np.dtype(ml_dtypes.bfloat16)
 class BFloat16(Float16):
     dtype_cls = type(_BF16)
     _zarr_v3_name = "bfloat16"
-    _zarr_v2_names: ClassVar[tuple[str, ...]] = ()
+    # bfloat16 has no Zarr v2 name; Float16 types its names as float16's two literals
+    _zarr_v2_names: ClassVar[tuple[str, ...]] = ()  # type: ignore[assignment]
 
     def to_native_dtype(self):
         return _BF16
 
     @classmethod
-    def _check_native_dtype(cls, dtype) -> bool:
+    # the supertype's TypeGuard names float16's dtype class; ml_dtypes' bfloat16 is another class
+    def _check_native_dtype(cls, dtype) -> bool:  # type: ignore[override]
         return dtype == _BF16
 
     def _cast_scalar_unchecked(self, data):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import crc32c
 import numpy as np
@@ -106,8 +106,9 @@ def chunk_key(name: str, cell: tuple[int, ...]) -> str:
 
 
 def array_metadata(spec: ArraySpec, attributes: dict | None = None) -> dict:
-    endian = [] if spec.itemsize == 1 else [_BYTES_LE]
-    leaf = endian + [_CRC] if endian else [{"name": "bytes"}, _CRC]
+    endian: list[dict[str, Any]] = [] if spec.itemsize == 1 else [_BYTES_LE]
+    leaf: list[dict[str, Any]] = endian + [_CRC] if endian else [{"name": "bytes"}, _CRC]
+    codecs: list[dict[str, Any]]
     if spec.inner_rows:
         codecs = [{"name": "sharding_indexed", "configuration": {
             "chunk_shape": list(spec.inner_shape), "codecs": leaf,

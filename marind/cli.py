@@ -15,6 +15,7 @@ import os
 import sys
 import traceback
 
+from ckpt_store.errors import CheckpointError
 from marind.core.errors import MarindError
 
 COMMAND_MODULES = ("agent", "jobs", "ckpt", "data", "doctor")
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except MarindError as exc:
+        return _fail(exc, exc.exit_code)
+    except CheckpointError as exc:
         return _fail(exc, exc.exit_code)
     except (FileNotFoundError, PermissionError, ValueError) as exc:
         return _fail(exc, 2)

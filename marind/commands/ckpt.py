@@ -12,6 +12,7 @@ import functools
 import json
 import sys
 
+from ckpt_store.errors import CheckpointError
 from marind.core.errors import MarindError, UsageError
 
 
@@ -68,7 +69,7 @@ def _guard(handler):
     def run(args) -> int:
         try:
             return handler(args)
-        except MarindError:
+        except (MarindError, CheckpointError):
             raise       # already one line naming the problem
         except Exception as exc:
             mapped = _storage_error(args.url, exc)

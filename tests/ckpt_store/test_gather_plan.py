@@ -2,10 +2,14 @@
 
 import math
 
+import pytest
+
 from ckpt_store import layout
 from ckpt_store.gather import whole_spec
 from ckpt_store.layout import Box, Piece, gather_plan
 from ckpt_store.zarr_format import ArraySpec
+
+pytestmark = pytest.mark.unit
 
 
 def _pieces(shape, mesh_shape, specs):

@@ -4,6 +4,7 @@ done only once the copy is whole: a copy that fails partway never commits."""
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 
@@ -16,31 +17,45 @@ from ckpt_store.handoff import SnapshotHandoff
 from ckpt_store.steps import step_dir
 
 
+@pytest.mark.unit
 def test_a_slot_is_written_only_once_copied_and_the_part_only_once_complete():
     handoff = SnapshotHandoff()
     got: list = []
+    waiting: queue.Queue = queue.Queue()     # what the writer waits for next, said just before it waits
 
     def writer():
         for i in range(3):
+            waiting.put(i)
             handoff.wait_slot(i, 10)
             got.append(i)
+        waiting.put("complete")
         handoff.wait_complete(10)
         got.append("done")
     t = threading.Thread(target=writer)
     t.start()
-    time.sleep(0.05)
+    assert waiting.get(timeout=10) == 0
+    _not_yet(handoff.wait_slot, 0)                   # slot 0 not copied: the writer is held there
     assert got == []
     handoff.advance(2)
-    time.sleep(0.05)
+    assert [waiting.get(timeout=10) for _ in range(2)] == [1, 2]
+    _not_yet(handoff.wait_slot, 2)
     assert got == [0, 1]
     handoff.advance(3)
-    time.sleep(0.05)
+    assert waiting.get(timeout=10) == "complete"
+    _not_yet(handoff.wait_complete)
     assert got == [0, 1, 2], "the part must wait for the copy to be declared complete"
     handoff.advance(3, complete=True)
     t.join(10)
     assert got == [0, 1, 2, "done"]
 
 
+def _not_yet(wait, *args) -> None:
+    """``wait`` (a handoff wait) does not return: what it waits for has not happened."""
+    with pytest.raises(CheckpointSaveFailed, match="did not reach"):
+        wait(*args, 0)
+
+
+@pytest.mark.unit
 def test_a_failed_copy_fails_every_waiter_and_a_whole_snapshot_waits_for_nothing():
     handoff = SnapshotHandoff()
     handoff.advance(2)
@@ -67,10 +82,13 @@ def test_a_copy_that_fails_partway_raises_at_save_and_never_commits(tmp_path, mo
     store.save(1, state, async_=False)
     fill = snapshot.fill
 
+    chunks = {key: obj["size"] for key, obj in store.manifest(1)["objects"].items() if "/c/" in key}
+    assert chunks
+
     def fails_at_the_end(copies, arena, on_progress=None, every_bytes=snapshot.PROGRESS_BYTES):
         fill(copies, arena, on_progress=on_progress, every_bytes=1)
         on_progress(len(copies))     # the writer may write every slot: all but "complete"
-        time.sleep(0.3)
+        _wait_until(lambda: _written(tmp_path / "c" / step_dir(2), chunks), 60)   # and it did
         raise RuntimeError("device lost during the copy")
     monkeypatch.setattr(snapshot, "fill", fails_at_the_end)
     with pytest.raises(RuntimeError, match="device lost"):
@@ -84,3 +102,15 @@ def test_a_copy_that_fails_partway_raises_at_save_and_never_commits(tmp_path, mo
     store.load(target, step=2)
     assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
     store.close()
+
+
+def _written(d, chunks: dict) -> bool:
+    """Every chunk object of ``chunks`` ({key: size}) is in ``d``, whole."""
+    return all((d / key).is_file() and (d / key).stat().st_size == size for key, size in chunks.items())
+
+
+def _wait_until(ready, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, "the writer did not write the copied slots"
+        time.sleep(0.01)

@@ -14,6 +14,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ckpt_store import layout, retention
 from ckpt_store.zarr_format import ArraySpec, chunks_digest, embedded_crcs, encode_chunk
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("n", range(0, 23))
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])

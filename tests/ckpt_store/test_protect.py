@@ -89,6 +89,7 @@ def test_a_change_in_place_during_the_copy_fails_the_save(tmp_path, held_copy):
     assert store.steps() == [2]
 
 
+@pytest.mark.unit
 def test_protect_needs_an_optimizer(tmp_path):
     with pytest.raises(TypeError, match="Optimizer"):
         CheckpointStore(f"file://{tmp_path}/c").protect(object())

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ckpt_store import CheckpointError, CheckpointSaveFailed, CheckpointStore
+from ckpt_store.save_job import SaveJob
 from ckpt_store.store import PendingSave
 from marind.testing.procs import run_torch_workers
 
@@ -50,7 +51,8 @@ def test_a_job_the_writer_cannot_take_leaves_the_next_save_working(tmp_path):
     store = CheckpointStore(f"file://{tmp_path}/ckpt")
     store.save(1, {"w": torch.ones(3)}, async_=False)
     with pytest.raises(TypeError):   # not JSON: refused before it is queued
-        store._writer.submit({"step": 2, "rank": 0, "bad": object()}, PendingSave(2))
+        store._writer.submit(SaveJob(step=2, dir="step-0000000002", rank=0, world=1, fmt=1, commit_timeout_s=60,
+                                     values={"bad": object()}, arrays={}, saved_layout={}), PendingSave(2))
     pending = store.save(3, {"w": torch.ones(3)})
     pending.wait(timeout=60)         # answered by its own reply, not the refused job's
     assert store.steps() == [1, 3]

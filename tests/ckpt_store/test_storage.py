@@ -1,4 +1,5 @@
-"""The local-disk write path of ckpt_store.storage: O_DIRECT objects, exact bytes, no page cache."""
+"""The storage backends: the local-disk write path (O_DIRECT objects, exact bytes, no page cache)
+and the S3 checksum headers."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import os
 
 import pytest
 
-from ckpt_store.storage import DIRECT_ALIGN, DIRECT_BOUNCE, DIRECT_MIN_BYTES, Storage, s3_defaults
+from ckpt_store.storage import open_storage
+from ckpt_store.storage_fsspec import s3_defaults
+from ckpt_store.storage_local import DIRECT_ALIGN, DIRECT_BOUNCE, DIRECT_MIN_BYTES
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -38,9 +41,10 @@ SIZES = [DIRECT_MIN_BYTES, DIRECT_MIN_BYTES + 1, DIRECT_BOUNCE, DIRECT_BOUNCE + 
          2 * DIRECT_BOUNCE + 3]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("nbytes", SIZES)
 def test_large_objects_round_trip_exactly_past_the_page_cache(tmp_path, nbytes):
-    st = Storage(str(tmp_path))
+    st = open_storage(str(tmp_path))
     data = os.urandom(nbytes)
     cut = [0, 7, nbytes // 3, nbytes - 4, nbytes]          # unaligned pieces, as encode_chunk makes them
     st.write("a/obj", [memoryview(data)[lo:hi] for lo, hi in zip(cut, cut[1:])])
@@ -52,18 +56,20 @@ def test_large_objects_round_trip_exactly_past_the_page_cache(tmp_path, nbytes):
     assert st.read("a/obj") == data
 
 
+@pytest.mark.unit
 def test_small_objects_and_direct_io_off_use_the_page_cache(tmp_path):
-    st = Storage(str(tmp_path), direct_io=False)
+    st = open_storage(str(tmp_path), direct_io=False)
     data = os.urandom(DIRECT_BOUNCE + 5)
     st.write("big", [data])
     assert resident_pages(tmp_path / "big") > 0 and st.read("big") == data
     small = os.urandom(DIRECT_MIN_BYTES - 1)
-    Storage(str(tmp_path)).write("small", [small])
+    open_storage(str(tmp_path)).write("small", [small])
     assert resident_pages(tmp_path / "small") > 0 and (tmp_path / "small").read_bytes() == small
 
 
+@pytest.mark.unit
 def test_a_failed_direct_write_leaves_no_object(tmp_path):
-    st = Storage(str(tmp_path))
+    st = open_storage(str(tmp_path))
     strided = memoryview(os.urandom(64))[::2]          # has a size, but cannot be copied as bytes
     with pytest.raises(TypeError):
         st.write("x/obj", [os.urandom(DIRECT_BOUNCE + DIRECT_MIN_BYTES), strided])
@@ -75,7 +81,7 @@ def test_s3_checks_each_upload_against_the_writers_crc32c(s3, s3_url):
     does not match it, and nothing is stored."""
     import crc32c
 
-    st = Storage(s3_url, s3.storage_options)
+    st = open_storage(s3_url, s3.storage_options)
     assert st.s3
     st.write("probe", [b"x"])                       # connects the client
     sent: list[dict] = []
@@ -92,6 +98,7 @@ def test_s3_checks_each_upload_against_the_writers_crc32c(s3, s3_url):
     assert all("x-amz-checksum-crc32c" in {k.lower() for k in h} for h in sent)
 
 
+@pytest.mark.unit
 def test_s3_defaults_leave_other_options_and_an_explicit_choice_alone():
     user = {"key": "k", "config_kwargs": {"retries": {"max_attempts": 1}, "s3": {"addressing_style": "path"}}}
     got = s3_defaults("s3://b/p", user)

@@ -159,6 +159,7 @@ def test_failed_background_save_surfaces_and_training_carries_on(tmp_path):
     assert store.steps() == [1, 4] and store.latest() == 4
 
 
+@pytest.mark.unit
 def test_non_json_value_is_refused(url):
     with pytest.raises(ValueError, match="extra/bad"):
         CheckpointStore(url).save(1, {"extra": {"bad": object()}})
@@ -204,11 +205,12 @@ def test_deleted_steps_leave_no_trash(tmp_path):
     assert sorted(os.listdir(root)) == ["step-0000000003"]
 
 
+@pytest.mark.unit
 def test_background_io_threads_run_nicer_and_foreground_ones_do_not(tmp_path):
     import threading
 
-    from ckpt_store.storage import Storage
-    st = Storage(f"file://{tmp_path}")
+    from ckpt_store.storage import open_storage
+    st = open_storage(f"file://{tmp_path}")
 
     def my_nice():
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

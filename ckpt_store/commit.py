@@ -1,11 +1,13 @@
-"""The write side of the commit protocol: rank parts, done markers, metadata, manifest.
+"""The commit protocol's markers and its commit: rank 0 commits, the other ranks wait for it.
 
-Only storage operations, never torch collectives, and no torch import: this
-runs in the writer process (or a thread) next to training. ``run_save``
-takes a JSON job (built by ``CheckpointStore.save``) and the snapshot
-memory. Rank 0 learns that the others are done from their marker objects
-(``{step}/.marind/rank-R.json``), written after all their chunk objects; it
-writes ``manifest.json`` last, then applies retention.
+Each rank's part ends with its done marker (``{step}/.marind/rank-R.json``,
+listing its objects' sizes and crc32c), or its error marker
+(``error-R.json``) if it failed; rank 0 polls for them (``commit``), writes
+the Zarr group metadata, checks that every listed object is there at its
+size, and writes ``manifest.json`` last: the commit. If it cannot, it writes
+the abort marker (``abort.json``). The other ranks poll for the manifest or
+the abort marker (``wait_for_commit``). A storage error while polling is
+retried until the timeout. Storage operations only: no torch, no collectives.
 """
 
 from __future__ import annotations
@@ -13,17 +15,17 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from concurrent.futures import wait
+from typing import TYPE_CHECKING
 
 import crc32c
 
 from ckpt_store.errors import CheckpointSaveFailed
-from ckpt_store.handoff import SnapshotHandoff
-from ckpt_store.steps import apply_retention
-from ckpt_store.zarr_format import ArraySpec, array_metadata, chunk_key, encode_chunk, group_metadata
-from marind.core.log import get_logger
+from ckpt_store.save_job import SaveJob
+from ckpt_store.zarr_format import ArraySpec, array_metadata, group_metadata
 
-log = get_logger(__name__)
+if TYPE_CHECKING:
+    from ckpt_store.storage import Storage
+
 MARKERS = ".marind"
 POLL_S = 0.05             # polling object stores (each poll is a request)
 POLL_BACKGROUND_S = 0.2   # the other ranks of an async save, polling an object store for the commit
@@ -31,121 +33,34 @@ POLL_LOCAL_S = 0.01       # polling a local disk (each poll is a stat)
 ABORT_EVERY = 5           # the other ranks look for rank 0's abort marker every this many polls
 
 
-def _marker(d: str, kind: str, rank: int) -> str:
+def marker_key(d: str, kind: str, rank: int) -> str:
+    """The key of rank ``rank``'s ``kind`` ("rank": done, "error") marker in step directory ``d``."""
     return f"{d}/{MARKERS}/{kind}-{rank:05d}.json"
 
 
-def values_key(d: str, rank: int) -> str:
-    return f"{d}/values/rank-{rank:05d}.json"
-
-
-def run_save(st, job: dict, arena: memoryview, on_commit, handoff: SnapshotHandoff) -> None:
-    """Write this rank's part of ``job``; rank 0 commits, then applies retention.
-    ``on_commit(timings)`` is called at the end; failures raise. ``handoff``: how far the
-    caller's copy into ``arena`` got."""
-    t0 = time.perf_counter()
-    d, rank = job["dir"], job["rank"]
-    try:
-        specs = {name: ArraySpec.from_json(name, meta) for name, meta in job["arrays"].items()}
-        chunks = [(s["key"], specs[s["array"]], arena[s["offset"]:s["offset"] + s["nbytes"]], s["valid_rows"])
-                  for s in job["slots"]]
-        # the writer of an array's first chunk writes its zarr.json too (rank 0 fills any gap)
-        firsts = {chunk_key(n, (0,) * len(spec.shape)): spec for n, spec in specs.items()}
-        meta = [(f"{spec.name}/zarr.json",
-                 _json_bytes(array_metadata(spec, {"marind": job["arrays"][spec.name]["layout"]})))
-                for spec in (firsts.get(s["key"]) for s in job["slots"]) if spec is not None]
-        write_rank_part(st, d, rank, chunks, job["values"], meta, nice=job.get("background_nice", 0),
-                        handoff=handoff, timeout_s=job["commit_timeout_s"])
-    except BaseException as exc:
-        # the others stop waiting for a part (rank 0: a commit) that will not come; rank 0
-        # names the failing rank in its error (``_collect``), the others in theirs
-        fail_part(st, job, str(exc))
-        raise
-    del chunks
-    timings = {"write_s": time.perf_counter() - t0}
-    if rank == 0:
-        commit(st, d, job["step"], job["world"], list(specs.values()),
-               {n: m["layout"] for n, m in job["arrays"].items()}, job["saved_layout"],
-               timeout_s=job["commit_timeout_s"], fmt=job["fmt"])
-    else:
-        wait_for_commit(st, d, timeout_s=job["commit_timeout_s"], background=job.get("background", False))
-    timings["commit_s"] = time.perf_counter() - t0
-    log.info("ckpt_committed", step=job["step"], rank=rank, seconds=round(timings["commit_s"], 3))
-    trash: list[str] = []
-    if rank == 0:
-        try:   # the step just committed stays, even below the newest (a run resumed from an older step)
-            apply_retention(st, job.get("keep_last"), job.get("keep_every"), in_flight=set(), trash=trash,
-                            keep={job["step"]})
-        except Exception as exc:  # noqa: BLE001 - retention never fails a committed save
-            log.warning("ckpt_retention_failed", error=str(exc))
-    on_commit(timings)
-    for key in trash:   # steps retention uncommitted (renamed out of sight on a local disk): delete them now
-        try:
-            st.delete_prefix(key)
-        except Exception as exc:  # noqa: BLE001
-            log.warning("ckpt_trash_delete_failed", key=key, error=str(exc))
-
-
-def fail_part(st, job: dict, error: str) -> None:
+def fail_part(st: Storage, job: SaveJob, error: str) -> None:
     """This rank's part of ``job`` failed before ``run_save`` could say so: tell the others
     now (rank 0: the abort marker; any other rank: its error marker), not at their timeout."""
-    if job["rank"] == 0:
-        write_abort_marker(st, job["dir"], error)
+    if job.rank == 0:
+        write_abort_marker(st, job.dir, error)
     else:
-        write_error_marker(st, job["dir"], job["rank"], error)
+        write_error_marker(st, job.dir, job.rank, error)
 
 
-def _json_bytes(obj) -> bytes:
+def metadata_bytes(obj) -> bytes:
+    """How a Zarr metadata object (``zarr.json``) is encoded."""
     return json.dumps(obj, indent=1).encode()
 
 
-def write_rank_part(st, d: str, rank: int, chunks: list, values: dict, meta: list = (),
-                    nice: int = 0, *, handoff: SnapshotHandoff, timeout_s: float = 600.0) -> dict:
-    """Encode + write this rank's chunks ``(key, spec, buffer, valid_rows)``, metadata objects
-    ``(key, bytes)`` and JSON values, then its done marker (on failure the caller, ``run_save``,
-    writes the error marker: ``fail_part``).
-    ``nice``: run the encoding and writes on I/O threads that much nicer (async saves).
-    ``handoff``: chunk ``i`` is written once the caller copied it; the done marker only
-    once the whole copy is complete (``handoff.py``)."""
-    objects: dict[str, dict] = {}
-
-    def one(index, item):
-        key, spec, buf, valid_rows = item
-        handoff.wait_slot(index, timeout_s)
-        pieces, size, crc, digest = encode_chunk(buf, spec, valid_rows)
-        st.write(f"{d}/{key}", pieces, crc=crc)
-        return key, {"size": size, "crc32c": crc, "chunks_crc32c": digest}
-
-    def small(item):
-        key, data = item
-        crc = crc32c.crc32c(data)
-        st.write(f"{d}/{key}", [data], crc=crc)
-        return key, {"size": len(data), "crc32c": crc}
-
-    pool = st.pool(nice)
-    futures = [pool.submit(one, i, c) for i, c in enumerate(chunks)] + [pool.submit(small, m) for m in meta]
-    wait(futures)  # all writes are over before this returns or raises: the snapshot is free
-    for fut in futures:
-        key, objects[key] = fut.result()
-    handoff.wait_complete(timeout_s)
-    data = json.dumps(values, sort_keys=True).encode()
-    vkey = values_key(d, rank)
-    st.write(vkey, [data])
-    objects[vkey[len(d) + 1:]] = {"size": len(data), "crc32c": crc32c.crc32c(data)}
-    st.make_durable([f"{d}/{key}" for key in objects])   # before the marker that lists them
-    st.write_json_atomic(_marker(d, "rank", rank), {"rank": rank, "objects": objects})
-    return objects
-
-
-def write_error_marker(st, d: str, rank: int, error: str) -> None:
+def write_error_marker(st: Storage, d: str, rank: int, error: str) -> None:
     """Tell rank 0 this rank's part failed (so the commit aborts now, not at its timeout)."""
     try:
-        st.write_json_atomic(_marker(d, "error", rank), {"rank": rank, "error": error})
+        st.write_json_atomic(marker_key(d, "error", rank), {"rank": rank, "error": error})
     except Exception:  # noqa: BLE001 - storage may be down; rank 0 then times out
         pass
 
 
-def write_abort_marker(st, d: str, error: str) -> None:
+def write_abort_marker(st: Storage, d: str, error: str) -> None:
     """Rank 0: tell the other ranks this step will not commit."""
     try:
         st.write_json_atomic(f"{d}/{MARKERS}/abort.json", {"error": error})
@@ -153,7 +68,7 @@ def write_abort_marker(st, d: str, error: str) -> None:
         pass
 
 
-def commit(st, d: str, step: int, world: int, specs: list[ArraySpec], layouts: dict,
+def commit(st: Storage, d: str, step: int, world: int, specs: list[ArraySpec], layouts: dict,
            saved_layout: dict, timeout_s: float, fmt: int) -> dict:
     """Rank 0: wait for every rank's marker, write the group (and any missing array) metadata,
     then manifest.json."""
@@ -172,7 +87,7 @@ def commit(st, d: str, step: int, world: int, specs: list[ArraySpec], layouts: d
             meta[f"{g}/zarr.json" if g else "zarr.json"] = group_metadata(root_attrs if not g else None)
         items = []
         for key, obj in meta.items():
-            data = _json_bytes(obj)
+            data = metadata_bytes(obj)
             items.append((f"{d}/{key}", [data]))
             objects[key] = {"size": len(data), "crc32c": crc32c.crc32c(data)}
         st.write_many(items)
@@ -188,7 +103,7 @@ def commit(st, d: str, step: int, world: int, specs: list[ArraySpec], layouts: d
         raise
 
 
-def _check_present(st, d: str, objects: dict) -> None:
+def _check_present(st: Storage, d: str, objects: dict) -> None:
     """Rank 0, right before the manifest: every object the ranks listed is there, whole.
 
     One listing of the step (a LIST per 1000 objects on S3). It catches what no
@@ -211,7 +126,7 @@ def _check_present(st, d: str, objects: dict) -> None:
             "was the step deleted under the save, e.g. by another job saving to the same URL?")
 
 
-def _collect(st, d: str, world: int, timeout_s: float) -> dict:
+def _collect(st: Storage, d: str, world: int, timeout_s: float) -> dict:
     """Wait for every rank's done marker; one listing of the marker dir per poll. A storage
     error while polling is retried until the deadline (a blip must not fail the save)."""
     objects: dict = {}
@@ -221,11 +136,11 @@ def _collect(st, d: str, world: int, timeout_s: float) -> dict:
     def done(_polls: int) -> bool:
         present = set(st.list_dir(markers))
         for r in sorted(waiting):
-            error = _marker(d, "error", r)
+            error = marker_key(d, "error", r)
             if error.rsplit("/", 1)[1] in present:
                 err = st.read_json(error).get("error")
                 raise CheckpointSaveFailed(f"rank {r} failed to write its part: {err}")
-            marker = _marker(d, "rank", r)
+            marker = marker_key(d, "rank", r)
             if marker.rsplit("/", 1)[1] in present:
                 objects.update(st.read_json(marker)["objects"])
                 waiting.discard(r)
@@ -260,13 +175,13 @@ def _poll_until(done: Callable[[int], bool], timeout_s: float, interval: float,
         time.sleep(interval)
 
 
-def _poll(st, background: bool = False) -> float:
-    if getattr(st, "local", False):
+def _poll(st: Storage, background: bool = False) -> float:
+    if st.local:
         return POLL_LOCAL_S
     return POLL_BACKGROUND_S if background else POLL_S
 
 
-def wait_for_commit(st, d: str, timeout_s: float, background: bool = False) -> None:
+def wait_for_commit(st: Storage, d: str, timeout_s: float, background: bool = False) -> None:
     """The other ranks: wait for rank 0's manifest (or its abort marker, looked at every
     ``ABORT_EVERY`` polls). ``background``: an async save, where nobody waits on the
     answer's latency, so an object store is asked less often. A storage error while

@@ -118,10 +118,10 @@ def test_writer_dies_with_its_trainer_and_never_commits(tmp_path):
 
 
 def test_a_writer_that_cannot_start_fails_the_save_at_wait(tmp_path, monkeypatch):
-    from ckpt_store import executors
+    from ckpt_store import writer_client
 
     store = CheckpointStore(f"file://{tmp_path}/ckpt")
-    monkeypatch.setattr(executors.sys, "executable", str(tmp_path / "no-such-python"))
+    monkeypatch.setattr(writer_client.sys, "executable", str(tmp_path / "no-such-python"))
     pending = store.save(1, _state(1.0))
     with pytest.raises(CheckpointSaveFailed, match="cannot start the checkpoint writer"):
         pending.wait(timeout=60)

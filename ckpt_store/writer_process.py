@@ -1,10 +1,10 @@
 """The writer process: runs each rank's background save part outside the training process.
 
-Started by ``ckpt_store.executors.ProcessWriter`` as ``python -m
-ckpt_store.writer_proc``. It imports no torch. Protocol (JSON lines):
+Started by ``writer_client.ProcessWriter`` as ``python -m
+ckpt_store.writer_process``. It imports no torch. Protocol (JSON lines):
 
 * stdin, first line: config ``{parent, arena_fd, reply_fd, url, storage_options,
-  io_threads, rate_limit, nice, direct_io}``; then ``{"op": "save", "job": {...}}`` per save,
+  io_threads, rate_limit, nice, direct_io}``; then ``{"op": "save", "job": {...}}`` per save (``SaveJob.to_json``),
   then ``{"op": "copied", "slots": n, "complete": bool}`` as the
   caller's snapshot copy goes on (or ``{"op": "copy_failed", "error"}``), and
   ``{"op": "exit"}`` to finish the queued saves and exit;
@@ -27,9 +27,11 @@ import signal
 import sys
 import threading
 
+from ckpt_store.commit import fail_part
 from ckpt_store.handoff import SnapshotHandoff
-from ckpt_store.storage import Storage
-from ckpt_store.writer import fail_part, run_save
+from ckpt_store.rank_part import run_save
+from ckpt_store.save_job import SaveJob
+from ckpt_store.storage import Storage, open_storage
 
 PR_SET_PDEATHSIG = 1
 
@@ -50,25 +52,25 @@ def _work(st: Storage, arena_fd: int, jobs: queue.Queue, reply) -> None:
         if item is None:
             return
         job, handoff = item
-        sent = []
+        sent: list[bool] = []
 
-        def on_commit(timings, step=job["step"], sent=sent):
+        def on_commit(timings, step=job.step, sent=sent):
             reply.write(json.dumps({"step": step, "ok": True, "timings": timings}) + "\n")
             sent.append(True)
 
         started = False
         try:
-            if job["arena_size"] != size:   # the arena grew (0: this rank owns no chunk yet)
-                mm = mmap.mmap(arena_fd, job["arena_size"], prot=mmap.PROT_READ) if job["arena_size"] else None
-                size = job["arena_size"]
+            if job.arena_size != size:   # the arena grew (0: this rank owns no chunk yet)
+                mm = mmap.mmap(arena_fd, job.arena_size, prot=mmap.PROT_READ) if job.arena_size else None
+                size = job.arena_size
             started = True
             run_save(st, job, memoryview(mm) if mm is not None else memoryview(b""), on_commit, handoff)
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
             error = f"{type(exc).__name__}: {exc}"
             if not started:
-                fail_part(st, job, f"rank {job['rank']}'s writer could not start its part: {error}")
+                fail_part(st, job, f"rank {job.rank}'s writer could not start its part: {error}")
             if not sent:
-                reply.write(json.dumps({"step": job["step"], "ok": False, "error": error}) + "\n")
+                reply.write(json.dumps({"step": job.step, "ok": False, "error": error}) + "\n")
 
 
 def main() -> int:
@@ -76,13 +78,13 @@ def main() -> int:
     _die_with_parent(cfg["parent"])
     if cfg.get("nice"):
         os.nice(cfg["nice"])
-    st = Storage(cfg["url"], cfg.get("storage_options"), io_threads=cfg["io_threads"],
-                 rate_limit=cfg.get("rate_limit"), direct_io=cfg.get("direct_io", True))
+    st = open_storage(cfg["url"], cfg.get("storage_options"), io_threads=cfg["io_threads"],
+                      rate_limit=cfg.get("rate_limit"), direct_io=cfg.get("direct_io", True))
     reply = os.fdopen(cfg["reply_fd"], "w", buffering=1)
     jobs: queue.Queue = queue.Queue()
     worker = threading.Thread(target=_work, args=(st, cfg["arena_fd"], jobs, reply), daemon=True)
     worker.start()
-    handoff = None   # the latest job's
+    handoff: SnapshotHandoff | None = None   # the latest job's
     for line in sys.stdin:
         msg = json.loads(line)
         if msg["op"] == "exit":
@@ -91,12 +93,14 @@ def main() -> int:
             reply.flush()
             os._exit(0)
         if msg["op"] == "copied":
-            handoff.advance(msg["slots"], msg.get("complete", False))
+            if handoff is not None:
+                handoff.advance(msg["slots"], msg.get("complete", False))
         elif msg["op"] == "copy_failed":
-            handoff.fail(msg["error"])
+            if handoff is not None:
+                handoff.fail(msg["error"])
         else:
             handoff = SnapshotHandoff()
-            jobs.put((msg["job"], handoff))
+            jobs.put((SaveJob.from_json(msg["job"]), handoff))
     os._exit(1)  # stdin closed: the trainer is gone; never finish (never commit) its save
 
 

@@ -1,0 +1,167 @@
+"""How the ranks of a save or a load agree (DESIGN §4): the few collectives the store runs.
+
+All run in the caller's thread on the default process group, and only when
+there is more than one rank: every rank must call the same ones in the same
+order. A save agrees on what it saves (``agree_layout``: one all-reduce of a
+digest, before anything is written); a load lists the steps on rank 0 only
+(``rank0_steps``: one broadcast) and agrees on each step's outcome
+(``agree_outcome``: the worst over the ranks wins), so every rank takes the
+same branch and none is left waiting in a collective. ``layout_difference``,
+which names what the ranks disagree on, is a pure function.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ckpt_store.errors import CheckpointError
+from ckpt_store.plan import mesh_ranks
+
+#: a step's load on one rank; the worst over the ranks wins (``agree_outcome``)
+LOAD_OK, LOAD_GONE, LOAD_CORRUPT, LOAD_FATAL = 0, 1, 2, 3
+
+
+def rank_world() -> tuple[int, int]:
+    """This process's rank and the world size (0, 1 without an initialized process group)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def distributed() -> bool:
+    """Is there a process group of more than one rank?"""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def barrier() -> None:
+    """Wait for every rank (foreground, default group); nothing with one rank."""
+    if distributed():
+        dist.barrier()
+
+
+def _collective_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+
+
+def agree_outcome(outcome: int) -> int:
+    """The worst ``outcome`` (``LOAD_*``) over all ranks (foreground, default group): every
+    rank then takes the same branch (return, try an older step, or raise)."""
+    if not distributed():
+        return outcome
+    flag = torch.tensor([outcome], dtype=torch.int32, device=_collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
+
+
+def layout_rows(step: int, tensors: dict) -> list:
+    """What every rank of a save must agree on: the step, and each array's name, global
+    shape, dtype, mesh shape and placements (not the mesh's ranks: sibling sub-meshes differ)."""
+    rows: list = [step]
+    for name in sorted(tensors):
+        t = tensors[name]
+        where = None
+        if isinstance(t, DTensor):
+            where = [list(mesh_ranks(t.device_mesh)[1]), [str(p) for p in t.placements]]
+        rows.append([name, list(t.shape), str(t.dtype), where])
+    return rows
+
+
+def agree_layout(step: int, tensors: dict) -> None:
+    """Refuse, on every rank and before anything is written, a save whose ranks disagree.
+
+    One all-reduce of a 62-bit digest of ``layout_rows``; only when the digests
+    differ do the ranks exchange the rows themselves, to name the difference.
+    Ranks that save different steps, or hold different arrays (a pipeline
+    stage's own layers: not supported, every rank must hold every array, sharded
+    or replicated), would otherwise commit a checkpoint with holes, or wait on
+    each other in a collective that never matches.
+
+    Raises:
+        CheckpointError: on every rank, naming the first difference.
+    """
+    rows = layout_rows(step, tensors)
+    raw = json.dumps(rows).encode()
+    digest = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big") >> 2
+    both = torch.tensor([digest, -digest], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(both, op=dist.ReduceOp.MIN)
+    if int(both[0]) == -int(both[1]):
+        return
+    raise CheckpointError(f"checkpoint step {step}: the ranks disagree on what they save "
+                          f"({layout_difference(all_gather_json(rows))}); every rank must call save() "
+                          "with the same step and the same arrays (shapes, dtypes, placements)")
+
+
+def layout_difference(per_rank: list) -> str:
+    """The first difference between the ranks' ``layout_rows`` (``per_rank[r]``: rank r's), in words."""
+    steps = {r: rows[0] for r, rows in enumerate(per_rank)}
+    if len(set(steps.values())) > 1:
+        return f"steps by rank: {steps}"
+    tables = [{row[0]: row[1:] for row in rows[1:]} for rows in per_rank]
+    for name in sorted(set().union(*tables)):
+        holders = [r for r, table in enumerate(tables) if name in table]
+        if len(holders) < len(tables):
+            return f"array {name!r} is held by ranks {holders} only"
+        kinds = {json.dumps(table[name]) for table in tables}
+        if len(kinds) > 1:
+            first = tables[0][name]
+            other = next(r for r, table in enumerate(tables) if table[name] != first)
+            return f"array {name!r} is {first} on rank 0 but {tables[other][name]} on rank {other}"
+    return "their digests differ"
+
+
+def all_gather_json(obj: Any) -> list:
+    """Every rank's ``obj`` (JSON), through two all-gathers of byte tensors (no pickle)."""
+    device = _collective_device()
+    data = json.dumps(obj).encode()
+    world = dist.get_world_size()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    width = max(int(s) for s in sizes)
+    buf = torch.zeros(width, dtype=torch.uint8, device=device)
+    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bufs = [torch.zeros_like(buf) for _ in range(world)]
+    dist.all_gather(bufs, buf)
+    return [json.loads(bytes(b[:int(s)].cpu().tolist())) for b, s in zip(bufs, sizes)]
+
+
+def rank0_steps(list_steps: Callable[[], list[int]] | None) -> list[int]:
+    """Rank 0's committed steps, on every rank (``list_steps``: rank 0's lister, None elsewhere).
+
+    One listing for the whole job instead of one per rank (on S3 a LIST plus a HEAD per
+    step, times every rank), and every rank then tries the same steps in the same order:
+    listings taken a moment apart can differ, and a load whose ranks walk different lists
+    would leave some of them waiting in a collective.
+
+    Raises:
+        Whatever rank 0's listing raised, on rank 0; CheckpointError on the other ranks.
+    """
+    if not distributed():
+        return list_steps() if list_steps is not None else []   # a single rank is rank 0: it lists
+    device = _collective_device()
+    steps: list[int] = []
+    error = None
+    if list_steps is not None:
+        try:
+            steps = list_steps()
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+            error = exc
+    count = torch.tensor([-1 if error is not None else len(steps)], dtype=torch.int64, device=device)
+    dist.broadcast(count, src=0)
+    if int(count.item()) < 0:
+        if error is not None:
+            raise error
+        raise CheckpointError("rank 0 could not list the checkpoint steps (see its log)")
+    buf = torch.tensor(steps if list_steps is not None else [0] * int(count.item()), dtype=torch.int64,
+                       device=device)
+    if buf.numel():
+        dist.broadcast(buf, src=0)
+    return [int(s) for s in buf.tolist()]

@@ -1,0 +1,269 @@
+"""The local-disk storage backend (file://): O_DIRECT chunk writes, pread/preadv reads, fsyncs.
+
+Writes take a list of buffers and never concatenate them. Objects of
+``DIRECT_MIN_BYTES`` and more bypass the page cache (``_write_direct``);
+smaller ones are buffered and their writeback started at once
+(``sync_file_range``). ``make_durable`` flushes a rank's part with one
+``syncfs``; JSON objects are renamed into place with the directory fsynced.
+Range reads run ``pread``/``preadv`` in the I/O threads (they release the GIL).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import threading
+from typing import Any
+
+from ckpt_store.storage_base import StorageBase, json_bytes
+
+_IOV_MAX = 512
+
+
+class LocalStorage(StorageBase):
+    """A store root on a local filesystem (see ``storage.Storage`` for the operations)."""
+
+    local = True
+
+    def __init__(self, url: str, fs: Any, root: str, io_threads: int = 4, rate_limit: float | None = None,
+                 direct_io: bool = True):
+        super().__init__(url, fs, root, io_threads, rate_limit)
+        # objects of DIRECT_MIN_BYTES and more bypass the page cache (see _write_direct)
+        self.direct = _O_DIRECT is not None and direct_io
+
+    # -- writes --------------------------------------------------------------------------
+    def write(self, key: str, pieces: list, crc: int | None = None) -> None:
+        """Write one object from ``pieces`` (``crc`` is for object stores: unused here).
+        Objects of ``DIRECT_MIN_BYTES`` and more bypass the page cache (``_write_direct``);
+        a filesystem that refuses O_DIRECT (EINVAL) gets buffered writes from then on."""
+        nbytes = sum(memoryview(p).nbytes for p in pieces)
+        self._throttle(nbytes)
+        path = self.path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if self.direct and nbytes >= DIRECT_MIN_BYTES:
+            try:
+                _write_direct(path, pieces, nbytes)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.direct = False     # this filesystem refuses O_DIRECT: the page cache from now on
+        with open(path, "wb") as fh:
+            for piece in pieces:
+                fh.write(piece)
+            fh.flush()
+            _start_writeback(fh.fileno())
+
+    def make_durable(self, keys: list[str]) -> None:
+        """Flush ``keys`` to the disk, so a commit survives a power cut (one ``syncfs`` of
+        their filesystem where Linux has it: a rank's part is dozens of objects and one
+        flush is far cheaper than one per object; else fdatasync each)."""
+        if not keys:
+            return
+        if _syncfs is not None:
+            fd = os.open(os.path.dirname(self.path(keys[0])), os.O_RDONLY)
+            try:
+                if _syncfs(fd) == 0:
+                    return
+            finally:
+                os.close(fd)
+
+        def one(key):
+            fd = os.open(self.path(key), os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        for _ in self._pool.map(one, keys):
+            pass
+
+    def write_json_atomic(self, key: str, obj: Any) -> None:
+        """Write ``obj`` as JSON under a temporary name, fsync it, rename it into place and
+        fsync the directory (the rename itself survives a power cut)."""
+        data = json_bytes(obj)
+        path = self.path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(os.path.dirname(path))
+
+    # -- reads ---------------------------------------------------------------------------
+    def read(self, key: str) -> bytes:
+        """The whole object ``key``."""
+        with open(self.path(key), "rb") as fh:
+            return fh.read()
+
+    def read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[bytes]:
+        """Read [start, end) of each key (``pread`` in the I/O threads); short reads come back
+        short (the caller checks)."""
+        if not ranges:
+            return []
+        return list(self._pool.map(lambda r: self._pread(*r), ranges))
+
+    def read_into(self, reqs: list[tuple[str, int, list]]) -> list[int]:
+        """Scatter-read: fill each request's writable buffers, in order, from ``key`` at ``start``,
+        with one ``preadv`` per request in the I/O threads (no intermediate copy).
+        Returns the bytes read per request (short at end of object; the caller checks)."""
+        if not reqs:
+            return []
+        return list(self._pool.map(lambda r: self._preadv(*r), reqs))
+
+    def _preadv(self, key: str, start: int, bufs: list) -> int:
+        views = [memoryview(b).cast("B") for b in bufs]
+        fd = os.open(self.path(key), os.O_RDONLY)
+        total = 0
+        try:
+            while views:
+                n = os.preadv(fd, views[:_IOV_MAX], start + total)
+                if n <= 0:
+                    break
+                total += n
+                while views and n >= views[0].nbytes:
+                    n -= views[0].nbytes
+                    views.pop(0)
+                if n:
+                    views[0] = views[0][n:]
+        finally:
+            os.close(fd)
+        return total
+
+    def _pread(self, key: str, start: int, end: int) -> bytes:
+        with open(self.path(key), "rb") as fh:
+            return os.pread(fh.fileno(), max(0, end - start), start)
+
+    def exists(self, key: str) -> bool:
+        """Does the object ``key`` exist (one stat)?"""
+        return os.path.exists(self.path(key))
+
+    def size(self, key: str) -> int:
+        """The size of object ``key`` in bytes."""
+        return os.path.getsize(self.path(key))
+
+    def object_sizes(self, key: str) -> dict[str, int]:
+        """Every file under ``key``, at any depth: {key relative to ``key``: size in bytes}."""
+        root = self.path(key)
+        out = {}
+        for dirpath, _dirs, files in os.walk(root):
+            for name in files:
+                full = os.path.join(dirpath, name)
+                out[os.path.relpath(full, root).replace(os.sep, "/")] = os.path.getsize(full)
+        return out
+
+    def list_dir(self, key: str = "") -> list[str]:
+        """Names (not paths) of the entries directly under ``key``; [] when absent."""
+        try:
+            return sorted(os.listdir(self.path(key)))
+        except FileNotFoundError:
+            return []
+
+    def rename(self, key: str, new_key: str) -> None:
+        """Rename a file or directory (atomic)."""
+        os.rename(self.path(key), self.path(new_key))
+
+    def delete_prefix(self, key: str) -> None:
+        """Delete the file or the directory tree ``key``; nothing if it is absent."""
+        try:
+            self.fs.rm(self.path(key), recursive=True)
+        except FileNotFoundError:
+            pass
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _sync_file_range: Any = _libc.sync_file_range
+    _sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    _syncfs: Any = _libc.syncfs
+    _syncfs.argtypes = (ctypes.c_int,)
+except (OSError, AttributeError):   # not Linux: make_durable's fdatasync does it all
+    _sync_file_range = _syncfs = None
+
+
+_O_DIRECT = getattr(os, "O_DIRECT", None)
+DIRECT_ALIGN = 4096                 # O_DIRECT: buffer address, length and file offset multiples
+DIRECT_BOUNCE = 4 * 2**20           # per-thread aligned staging buffer
+DIRECT_MIN_BYTES = 256 * 2**10      # smaller objects: the page cache (metadata, markers, values)
+_bounce = threading.local()
+
+
+def _write_direct(path: str, pieces: list, nbytes: int) -> None:
+    """Write ``pieces`` to ``path`` with O_DIRECT, through a page-aligned per-thread buffer.
+
+    Buffered writes of a checkpoint cost the machine several times what the
+    copy does: page-cache allocation, dirty tracking and the kernel flusher's
+    writeback all run beside training. Measured on the 2-core CI VM, 600 MB
+    beside two busy processes: buffered (with sync_file_range and syncfs)
+    2.3 s and those processes 1.57x slower meanwhile; O_DIRECT 0.50 s and
+    1.21x. Sync saves come here too: with nothing beside them buffered writes
+    are sometimes as fast (0.3-0.4 s for the bench's 600 MB from 4 ranks), but
+    on a VM whose free pages go back to the host (virtio-balloon free page
+    reporting) every fresh page-cache page is a fault to the host, and the same
+    writes took 0.9-1.1 s in half the runs; direct writes stayed at 0.44-0.53 s
+    (median of 6 each, alternating, twice). The last block is zero-padded to the alignment and the file then
+    truncated to ``nbytes``. Durability still needs ``make_durable`` (the
+    file's size and extents are metadata).
+    """
+    buf = getattr(_bounce, "buf", None)
+    if buf is None:
+        buf = _bounce.buf = mmap.mmap(-1, DIRECT_BOUNCE)     # anonymous mmap: page-aligned
+    view = memoryview(buf)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (_O_DIRECT or 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        fill = 0
+        for piece in pieces:
+            src = memoryview(piece).cast("B")
+            at = 0
+            while at < src.nbytes:
+                n = min(DIRECT_BOUNCE - fill, src.nbytes - at)
+                view[fill:fill + n] = src[at:at + n]
+                fill += n
+                at += n
+                if fill == DIRECT_BOUNCE:
+                    _write_all(fd, view)
+                    fill = 0
+        if fill:
+            padded = -(-fill // DIRECT_ALIGN) * DIRECT_ALIGN
+            view[fill:padded] = bytes(padded - fill)
+            _write_all(fd, view[:padded])
+            os.ftruncate(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        raise
+    os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass   # a filesystem that cannot fsync a directory
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view.nbytes:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _start_writeback(fd: int) -> None:
+    """Start writing a file's dirty pages now, from this thread (Linux sync_file_range):
+    the disk works while the other objects are written, and the CPU it costs is this
+    (possibly niced) thread's rather than the kernel flusher's."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
