@@ -18,7 +18,7 @@ Medians over ``--repeats``.
     python bench/ckpt_bench.py            # full (~10 min on 2 cores)
     python bench/ckpt_bench.py --quick    # tiny state, checks the output shape
 
-The last stdout line is one JSON object (DESIGN §7). The ranks run
+The last stdout line is one JSON object (docs/design.md §7). The ranks run
 ``bench/ckpt_workers.py`` (built from ``bench/ckpt_rank_ops.py``).
 """
 

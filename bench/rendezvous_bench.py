@@ -15,7 +15,7 @@ hosts it in the first agent). Both include torch's built-in random
     python bench/rendezvous_bench.py --quick         # 2 and 4 agents, once: checks the shape
 
 ``measure(agent_counts, repeats)`` returns the same dict (imported by
-bench/daemon_bench.py). The last stdout line is one JSON object (DESIGN §7).
+bench/daemon_bench.py). The last stdout line is one JSON object (docs/design.md §7).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sharded, async, atomically committed Zarr v3 checkpoints on S3 or disk (DESIGN §4).
+"""Sharded, async, atomically committed Zarr v3 checkpoints on S3 or disk (docs/design.md §4).
 
 The store classes load on first use, so the writer process (``python -m
 ckpt_store.writer_process``) runs without importing torch.

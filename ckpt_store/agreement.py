@@ -1,4 +1,4 @@
-"""How the ranks of a save or a load agree (DESIGN §4): the few collectives the store runs.
+"""How the ranks of a save or a load agree (docs/design.md §4): the few collectives the store runs.
 
 All run in the caller's thread on the default process group, and only when
 there is more than one rank: every rank must call the same ones in the same

@@ -1,4 +1,4 @@
-"""Loading the newest committed step that loads clean, on every rank alike (DESIGN §4).
+"""Loading the newest committed step that loads clean, on every rank alike (docs/design.md §4).
 
 Rank 0 alone lists the committed steps and broadcasts them, so every rank
 walks the same list; all ranks agree on each tried step's outcome (one

@@ -1,4 +1,4 @@
-"""CheckpointStore: the public API (DESIGN §4).
+"""CheckpointStore: the public API (docs/design.md §4).
 
 Save protocol, per step (the background part uses no torch collectives):
 

@@ -2,7 +2,7 @@
 
 Each command group lives in ``marind/commands/<group>.py`` and exposes
 ``register(subparsers)``; the handler it sets returns an exit code.
-Errors are mapped to exit codes here and only here (DESIGN §5):
+Errors are mapped to exit codes here and only here (docs/design.md §5):
 0 ok, 1 failed, 2 bad input/usage, 3 control plane unreachable,
 4 job failed. User errors print one line on stderr, with a traceback
 only when ``MARIND_DEBUG=1``.

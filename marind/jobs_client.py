@@ -2,7 +2,7 @@
 
 A thin layer over ``EtcdClient`` and ``marind.agent.job_records``; the CLI only
 parses arguments and prints. ``status_document`` is the ``--json``
-schema of DESIGN §5.
+schema of docs/design.md §5.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class JobsClient:
         return [dict(v, node=k) for k, v in sorted(live_nodes(self.client).items())]
 
     def status_document(self, job: str | None = None) -> dict:
-        """`marind status --json`: schema version, nodes, and the jobs (or ``job``) (DESIGN §5)."""
+        """`marind status --json`: schema version, nodes, and the jobs (or ``job``) (docs/design.md §5)."""
         jobs = [self.job(job)] if job else self.jobs()
         keys = ("id", "name", "state", "nodes", "world_size", "step", "loss", "tokens_per_s",
                 "last_checkpoint_step", "restarts", "updated_at")

@@ -1,4 +1,4 @@
-"""The per-node daemon behind `marind agent` (DESIGN §1, §2).
+"""The per-node daemon behind `marind agent` (docs/design.md §1, §2).
 
 Modules, one concept each:
 

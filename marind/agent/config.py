@@ -4,7 +4,7 @@ Precedence (lowest first): built-in defaults < the config file
 (``--config``, else ``$MARIND_CONFIG``, else ``/etc/marind/marind.toml``
 when present) < ``MARIND_*`` environment variables < command-line flags.
 
-The control plane address (DESIGN §5): ``--etcd``, then ``MARIND_ETCD``,
+The control plane address (docs/design.md §5): ``--etcd``, then ``MARIND_ETCD``,
 then ``etcd.endpoints`` in the config file, then the embedded default:
 the agent starts a local etcd under its state dir and writes its endpoint
 to ``{state_dir}/etcd.endpoint``; the CLI reads that file from

@@ -1,4 +1,4 @@
-"""The bounded event ring ``{p}/jobs/{job}/events/{seq:012d}`` (DESIGN §2).
+"""The bounded event ring ``{p}/jobs/{job}/events/{seq:012d}`` (docs/design.md §2).
 
 ``seq`` comes from a counter key (``{p}/jobs/{job}/event_seq``) bumped by
 compare-and-swap, so concurrent agents never reuse a number. After each

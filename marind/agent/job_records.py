@@ -1,4 +1,4 @@
-"""A job's keys in etcd, read and written the one way (DESIGN §2).
+"""A job's keys in etcd, read and written the one way (docs/design.md §2).
 
 ``update_state`` applies ``lifecycle.apply`` with compare-and-swap on the
 state key's mod_revision, retrying on contention, so every agent and the

@@ -1,4 +1,4 @@
-"""Job states and the one transition function (DESIGN §2).
+"""Job states and the one transition function (docs/design.md §2).
 
 Every writer of ``{p}/jobs/{job}/state`` goes through ``transition``: it
 is pure, returns the new state *and the reason*, and refuses any move

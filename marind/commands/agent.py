@@ -1,4 +1,4 @@
-"""`marind agent`: the per-node daemon (DESIGN §5)."""
+"""`marind agent`: the per-node daemon (docs/design.md §5)."""
 
 from __future__ import annotations
 

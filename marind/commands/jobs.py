@@ -1,4 +1,4 @@
-"""`marind submit | status | cancel | logs | nodes | rm` (DESIGN §5).
+"""`marind submit | status | cancel | logs | nodes | rm` (docs/design.md §5).
 
 A thin layer over ``marind.jobs_client``: parse, call, print. Tables and
 ``--json`` come from the same rows.

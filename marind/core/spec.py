@@ -1,4 +1,4 @@
-"""The run spec: ``run.toml`` parsed into frozen dataclasses (DESIGN §3).
+"""The run spec: ``run.toml`` parsed into frozen dataclasses (docs/design.md §3).
 
 One loader for everybody: ``marind submit`` validates with it before
 anything reaches etcd, and the trainer reads its job's spec through it.

@@ -1,6 +1,6 @@
 """The trainer's checkpoint state, saved and restored through ckpt_store.
 
-State tree (DESIGN §4)::
+State tree (docs/design.md §4)::
 
     model/{fqn}                 DTensor parameters (any layout)
     optim/{fqn}/{exp_avg,exp_avg_sq,step}

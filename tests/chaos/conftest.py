@@ -2,7 +2,7 @@
 
 ``fake_node(job, node, nworkers)`` starts an agent -> torchrun -> workers
 tree of real processes (``tests.chaos.fake_job``) and publishes the
-DESIGN §2 records for it in the test's etcd prefix; ``run_injector`` runs
+docs/design.md §2 records for it in the test's etcd prefix; ``run_injector`` runs
 ``python chaos/NAME.py`` as a subprocess and parses its JSON lines.
 """
 

@@ -1,7 +1,7 @@
 """Each injector against real processes, real etcd records and real servers.
 
 The fake jobs (tests.chaos.fake_job) are agent -> torchrun -> sleeping
-worker trees; their records in etcd follow DESIGN §2. An injector runs as
+worker trees; their records in etcd follow docs/design.md §2. An injector runs as
 ``python chaos/NAME.py`` and must signal exactly the process its records
 name, on this host, in this job, print one JSON line per action and exit
 0 when it acted, 1 when it found nothing.

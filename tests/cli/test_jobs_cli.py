@@ -63,7 +63,7 @@ def test_submit_status_cancel_rm(cli, tmp_path, etcd_client):
     rc, out, err = cli("submit", str(tiny_spec(tmp_path, name="cli")), "--id", "cli-job-1")
     assert rc == 0 and out.strip().splitlines()[-1] == "cli-job-1" and "marind status cli-job-1" in out
     spec = json.loads(etcd_client.get(etcd_client.key("jobs", "cli-job-1", "spec"))[0])
-    assert spec["job"]["name"] == "cli"   # the validated spec itself (DESIGN §2)
+    assert spec["job"]["name"] == "cli"   # the validated spec itself (docs/design.md §2)
     rc, out, err = cli("submit", str(tiny_spec(tmp_path, name="cli")), "--id", "cli-job-1")
     assert rc == 2 and "already exists" in err
     rc, out, err = cli("status", "--json")

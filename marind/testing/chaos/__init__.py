@@ -1,4 +1,4 @@
-"""The library behind the fault injectors in ``chaos/`` (DESIGN §6).
+"""The library behind the fault injectors in ``chaos/`` (docs/design.md §6).
 
 Each ``chaos/NAME.py`` is a script: ``python chaos/NAME.py --job JOB
 [--etcd URL] [--seed N] ...``. It finds its target through etcd, acts only

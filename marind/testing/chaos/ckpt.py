@@ -1,4 +1,4 @@
-"""Reading a checkpoint root the way DESIGN §4 lays it out, without ckpt_store.
+"""Reading a checkpoint root the way docs/design.md §4 lays it out, without ckpt_store.
 
 ``{url}/step-{step:010d}/`` holds a checkpoint; it is committed once its
 ``manifest.json`` (``{format, step, arrays, objects: {key: {size, crc32c}}, world}``)

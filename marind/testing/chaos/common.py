@@ -1,6 +1,6 @@
 """What every injector shares: its arguments, the etcd connection, its output, its exit code.
 
-Output contract (DESIGN §6): one JSON line per action on stdout,
+Output contract (docs/design.md §6): one JSON line per action on stdout,
 ``{"action", "target", "pid", "rank", "node", "at", ...}`` (``at`` is Unix
 time in seconds; extra keys such as ``seed`` or ``signal`` may follow).
 Logs go to stderr. Exit codes: 0 acted, 1 nothing to act on, 2 bad usage,

@@ -1,6 +1,6 @@
 """Finding targets through etcd and checking that a pid is what its record says.
 
-Records (DESIGN §2): ``{p}/jobs/{job}/nodes/{node}`` =
+Records (docs/design.md §2): ``{p}/jobs/{job}/nodes/{node}`` =
 ``{state, torchrun_pid, workers: [{rank, local_rank, pid}], restarts, step,
 updated_at, host, agent_pid}`` and ``{p}/nodes/{node}`` =
 ``{node, host, slots, labels, version, started_at[, pid]}``.
