@@ -55,8 +55,21 @@ from marind.core.log import get_logger
 from marind.local_etcd import LocalEtcd
 from marind.testing import hosts_net as net
 from marind.testing.hosts_net import BedError, bed_unavailable
-from marind.testing.hosts_plan import BED_ENV, CONTROL, DATA, NETS, BedPlan, HostPlan, nets_of
-from marind.testing.hosts_plan import choose_subnets, host_env, hosts_file, new_bed_id, plan_bed, write_state
+from marind.testing.hosts_plan import (
+    BED_ENV,
+    CONTROL,
+    DATA,
+    NETS,
+    BedPlan,
+    HostPlan,
+    choose_subnets,
+    host_env,
+    hosts_file,
+    nets_of,
+    new_bed_id,
+    plan_bed,
+    write_state,
+)
 from marind.testing.procs import REPO_ROOT, kill_group, spawn
 from marind.testing.s3_server import SeaweedS3
 

@@ -191,7 +191,7 @@ def wait_holder_ready(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise BedError(f"the host's holder exited with {proc.returncode}: {' '.join(map(str, proc.args))}")
+            raise BedError(f"the host's holder exited with {proc.returncode}: {proc.args}")
         try:
             if Path(f"/proc/{proc.pid}/comm").read_text().strip() == "sleep":
                 return
@@ -274,7 +274,10 @@ def wait_gone(leftovers, timeout: float) -> list[str]:
 
 
 def established_tcp(proc_net_tcp: str) -> list[tuple[str, str]]:
-    """The ESTABLISHED IPv4 connections in a ``/proc/net/tcp`` text, as ``("A:PORT", "B:PORT")``."""
+    """The ESTABLISHED connections in a ``/proc/net/tcp`` or ``tcp6`` text, as ``("A:PORT", "B:PORT")``.
+
+    IPv4-mapped IPv6 addresses (a dual-stack socket's, gRPC's) are given as IPv4.
+    """
     out = []
     for line in proc_net_tcp.splitlines()[1:]:
         parts = line.split()
@@ -286,5 +289,9 @@ def established_tcp(proc_net_tcp: str) -> list[tuple[str, str]]:
 
 def _hex_endpoint(text: str) -> str:
     addr, port = text.split(":")
-    ip4 = ipaddress.IPv4Address(int.from_bytes(bytes.fromhex(addr), "little"))
-    return f"{ip4}:{int(port, 16)}"
+    raw = bytes.fromhex(addr)
+    if len(raw) == 4:
+        return f"{ipaddress.IPv4Address(raw[::-1])}:{int(port, 16)}"
+    # four 32-bit words, each in host (little-endian) order
+    ip6 = ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+    return f"{ip6.ipv4_mapped or ip6}:{int(port, 16)}"
