@@ -191,7 +191,7 @@ def wait_holder_ready(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise BedError(f"the host's holder exited with {proc.returncode}: {proc.args}")
+            raise BedError(f"the host's holder exited with {proc.returncode}: {proc.args!r}")
         try:
             if Path(f"/proc/{proc.pid}/comm").read_text().strip() == "sleep":
                 return
