@@ -70,6 +70,7 @@ from marind.testing.hosts_plan import (
     plan_bed,
     write_state,
 )
+from marind.testing.hosts_sweep import register, remove_network, sweep_stale, unregister
 from marind.testing.procs import REPO_ROOT, kill_group, spawn
 from marind.testing.s3_server import SeaweedS3
 
@@ -128,9 +129,13 @@ class HostBed:
         reason = bed_unavailable()
         if reason:
             raise BedError(reason)
+        stale = sweep_stale()
+        if stale:
+            log.warning("stale_beds_removed", beds=stale)
         self.root.mkdir(parents=True, exist_ok=True)
         bed_id = new_bed_id(self._rng if self._seed is not None else None)
         self.plan = plan_bed(self.names, bed_id, choose_subnets(self._rng, net.taken_networks()))
+        register(self.plan)               # from now on a crash of this process is swept up later
         try:
             self._build()
         except BaseException:
@@ -166,6 +171,8 @@ class HostBed:
         if self.want_s3:
             self.s3 = SeaweedS3(self.root / "s3", host=addr).start()
             self.plan = replace(self.plan, s3=self.s3.endpoint)
+        servers = [server.pid for server in (self.etcd, self.s3) if server is not None]
+        register(self.plan, [pid for pid in servers if pid])
         write_state(self.state_path, self.plan)
 
     def close(self) -> None:
@@ -196,17 +203,12 @@ class HostBed:
                 except Exception as exc:  # noqa: BLE001 - keep tearing down; reported in leftovers
                     log.warning("server_stop_failed", error=str(exc))
         self.s3 = self.etcd = None
-        for host in plan.hosts:
-            net.delete_netns(host.netns)
-            for n in NETS:
-                net.delete_link(host.link(n).veth)
-            net.remove_etc_netns(host.netns)
-        for n in NETS:
-            net.delete_link(plan.bridges[n])
+        remove_network(plan)
         self.state_path.unlink(missing_ok=True)
         left = net.wait_gone(self.leftovers, timeout=10.0)
         if left:
             raise BedError(f"bed {plan.bed_id} left behind: {', '.join(left)}")
+        unregister(plan.bed_id)
         log.info("bed_closed", bed=plan.bed_id)
 
     def leftovers(self) -> list[str]:

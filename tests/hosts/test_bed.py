@@ -14,7 +14,7 @@ from marind.core.etcd_client import EtcdClient
 from marind.testing import hosts_net
 from marind.testing.hosts import HostBed
 from tests.agent.helpers import wait_for
-from tests.hosts.conftest import probe, require_bed, serve
+from tests.hosts.conftest import probe, require_bed, serve, state_of
 
 pytestmark = pytest.mark.hosts
 
@@ -108,4 +108,31 @@ def test_teardown_removes_everything_also_after_an_exception(tmp_path):
         raise RuntimeError("boom")
     assert hb.leftovers() == [] and _system_names(bed_id) == []
     assert not (hosts_net.ETC_NETNS / f"mb-{bed_id}-b1").exists()
-    assert subprocess.run(["kill", "-0", str(etcd_pid)], capture_output=True).returncode != 0
+    wait_for(lambda: state_of(etcd_pid) in "-Z", 10, "the bed's etcd stopped")
+
+
+_ORPHAN = """
+import sys, time
+from marind.testing.hosts import HostBed
+bed = HostBed(sys.argv[1], ["c1", "c2"]).start()
+bed.popen("c1", ["sleep", "300"])
+print(bed.plan.bed_id, bed.etcd.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_bed_whose_owner_was_killed_is_removed_by_the_next_bed(tmp_path):
+    require_bed()
+    owner = subprocess.Popen([sys.executable, "-c", _ORPHAN, str(tmp_path / "orphan")], stdout=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    try:
+        bed_id, etcd_pid = owner.stdout.readline().split()
+    finally:
+        owner.kill()                      # SIGKILL: no teardown runs
+        owner.wait()
+    assert len(_system_names(bed_id)) >= 2 + 4
+    with HostBed(tmp_path / "next", ["d1"], etcd=False) as hb:
+        assert _system_names(bed_id) == []          # swept when this bed started
+    assert hb.leftovers() == []
+    assert not (hosts_net.ETC_NETNS / f"mb-{bed_id}-c1").exists()
+    wait_for(lambda: state_of(int(etcd_pid)) in "-Z", 10, "the orphaned etcd killed")
