@@ -54,6 +54,8 @@ from pathlib import Path
 from marind.core.log import get_logger
 from marind.local_etcd import LocalEtcd
 from marind.testing import hosts_net as net
+from marind.testing.chaos import host_faults
+from marind.testing.chaos.host_faults import Frozen
 from marind.testing.hosts_net import BedError, bed_unavailable
 from marind.testing.hosts_plan import (
     BED_ENV,
@@ -351,6 +353,20 @@ class HostBed:
         veths = [self.host(name).link(n).veth for n in nets_of(which)]
         net.set_links(veths, up=True)
         return veths
+
+    def power_off(self, name: str) -> list[Frozen]:
+        """What ``chaos/power_off.py`` does, in process: cut both links, SIGSTOP every process.
+
+        Returns:
+            The stopped processes, for ``power_on``.
+        """
+        self.cut(name, "both")
+        return host_faults.freeze(self.host(name))
+
+    def power_on(self, name: str, frozen: list[Frozen]) -> list[int]:
+        """Undo ``power_off``: restore both links, SIGCONT what it stopped; the pids continued."""
+        self.restore(name, "both")
+        return host_faults.resume(frozen)
 
     def addr(self, name: str, which: str = DATA) -> str:
         """Host ``name``'s address on ``control`` or ``data``."""

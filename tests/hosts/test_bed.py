@@ -105,6 +105,7 @@ def test_teardown_removes_everything_also_after_an_exception(tmp_path):
         etcd_pid = hb.etcd.pid
         hb.popen("b2", ["sleep", "300"])
         hb.cut("b1", "both")
+        assert hb.power_off("b2")                        # stopped processes are killed too
         raise RuntimeError("boom")
     assert hb.leftovers() == [] and _system_names(bed_id) == []
     assert not (hosts_net.ETC_NETNS / f"mb-{bed_id}-b1").exists()

@@ -108,3 +108,12 @@ def test_injectors_with_nothing_to_act_on(bed, tmp_path):
     rc, _, err = _finish(_injector("partition", "--bed", str(bed.root), "--net", "wifi", "--seconds", "1"))
     assert rc == 2 and "invalid choice" in err
     assert all(hosts_net.link_is_up(h.link(n).veth) for h in bed.plan.hosts for n in ("control", "data"))
+
+
+def test_power_off_in_process_and_back(bed):
+    pids = _sleepers(bed)
+    frozen = bed.power_off("host1")
+    assert [f.pid for f in frozen] == [pids["host1"]] and state_of(pids["host1"]) == "T"
+    assert state_of(pids["host2"]) in "SR"
+    assert bed.power_on("host1", frozen) == [pids["host1"]]
+    assert state_of(pids["host1"]) in "SR"
