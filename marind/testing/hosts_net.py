@@ -191,7 +191,8 @@ def wait_holder_ready(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise BedError(f"the host's holder exited with {proc.returncode}: {proc.args!r}")
+            err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
+            raise BedError(f"the host's holder exited with {proc.returncode}: {proc.args!r}: {err}")
         try:
             if Path(f"/proc/{proc.pid}/comm").read_text().strip() == "sleep":
                 return

@@ -137,3 +137,14 @@ def test_a_bed_whose_owner_was_killed_is_removed_by_the_next_bed(tmp_path):
     assert hb.leftovers() == []
     assert not (hosts_net.ETC_NETNS / f"mb-{bed_id}-c1").exists()
     wait_for(lambda: state_of(int(etcd_pid)) in "-Z", 10, "the orphaned etcd killed")
+
+
+def test_s3_on_the_control_network_from_a_host(tmp_path):
+    require_bed()
+    with HostBed(tmp_path / "s3bed", ["e1"], s3=True) as hb:
+        assert hb.plan.s3 == hb.s3.endpoint and hb.plan.s3.startswith(f"http://{hb.plan.server_addrs['control']}:")
+        code = ("import json, sys, s3fs\n"
+                "fs = s3fs.S3FileSystem(skip_instance_cache=True, **json.loads(sys.argv[1]))\n"
+                "fs.pipe(sys.argv[2], b'from e1'); print(fs.cat(sys.argv[2]).decode())")
+        res = hb.python("e1", code, json.dumps(hb.s3.storage_options), f"{hb.s3.bucket}/probe", timeout=120)
+        assert res.returncode == 0 and res.stdout.strip() == "from e1", res.stderr[-2000:]
