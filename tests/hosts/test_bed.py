@@ -4,15 +4,18 @@ and a teardown that leaves nothing behind (real namespaces, bridges and veths; n
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import uuid
 
 import pytest
 
 from marind.core.etcd_client import EtcdClient
 from marind.testing import hosts_net
-from marind.testing.hosts import HostBed
+from marind.testing.hosts import HostBed, bed_unavailable
+from marind.testing.procs import REPO_ROOT, base_env
 from tests.agent.helpers import wait_for
 from tests.hosts.conftest import probe, require_bed, serve, state_of
 
@@ -114,7 +117,8 @@ def test_teardown_removes_everything_also_after_an_exception(tmp_path):
 
 _ORPHAN = """
 import sys, time
-from marind.testing.hosts import HostBed
+from marind.testing.hosts import HostBed, bed_unavailable
+from marind.testing.procs import REPO_ROOT, base_env
 bed = HostBed(sys.argv[1], ["c1", "c2"]).start()
 bed.popen("c1", ["sleep", "300"])
 print(bed.plan.bed_id, bed.etcd.pid, flush=True)
@@ -148,3 +152,17 @@ def test_s3_on_the_control_network_from_a_host(tmp_path):
                 "fs.pipe(sys.argv[2], b'from e1'); print(fs.cat(sys.argv[2]).decode())")
         res = hb.python("e1", code, json.dumps(hb.s3.storage_options), f"{hb.s3.bucket}/probe", timeout=120)
         assert res.returncode == 0 and res.stdout.strip() == "from e1", res.stderr[-2000:]
+
+
+def test_without_root_the_bed_tests_skip_with_one_line():
+    if os.geteuid() != 0:
+        assert bed_unavailable() == "the multi-host bed needs root (network namespaces)"
+        return
+    with tempfile.TemporaryDirectory() as scratch:        # pytest's own tmp dirs are root's only
+        os.chmod(scratch, 0o777)
+        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m", "pytest",
+               "-q", "-rs", "-p", "no:cacheprovider", f"--basetemp={scratch}/pt",
+               "tests/hosts/test_bed.py::test_tcp_between_hosts_on_both_networks_and_by_hostname"]
+        res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, env=base_env(), timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "1 skipped" in res.stdout and "the multi-host bed needs root (network namespaces)" in res.stdout
