@@ -27,11 +27,15 @@ Which network carries what:
   ``local_addr`` (``socket.getfqdn()``) makes ``MASTER_ADDR`` a data
   address; ``GLOO_SOCKET_IFNAME=data0`` (and ``NCCL_``/``TP_SOCKET_IFNAME``)
   pins gloo's sockets to the data link. ``HostBed.env(host)`` is that
-  environment; ``popen``/``run``/``start_agent`` apply it.
+  environment; ``popen``/``run``/``start_agent`` apply it. A launcher that
+  passes torchrun's ``--local-addr`` or sets ``MASTER_ADDR`` itself gives the
+  hostname or ``bed.addr(host, "data")``; ``--rdzv-endpoint`` stays etcd's
+  control address.
 
 Faults: ``cut``/``restore`` set a link's outer end down/up (the bridge then
 drops the host's frames without a reset; the host's inner end loses its
-carrier). ``chaos/power_off.py`` and ``chaos/partition.py`` act on a bed
+carrier); ``power_off``/``power_on`` also SIGSTOP/SIGCONT the host's
+processes. ``chaos/power_off.py`` and ``chaos/partition.py`` act on a bed
 through its state file (``bed.json`` in the bed's directory; scripts take
 ``--bed DIR`` or ``MARIND_BED``). Nothing global is changed: no forwarding,
 no default route in a host, no firewall rule, addresses only on the bed's
@@ -39,7 +43,9 @@ own bridges and veths. ``close()`` (also on an exception inside ``with``)
 kills every process in every host's namespace and every process group
 the bed started, stops the servers, and deletes the namespaces, links,
 bridges and ``/etc/netns`` entries; ``leftovers()`` lists what remains.
-Needs root, iproute2 and util-linux: ``bed_unavailable()`` says why not.
+A bed whose owner was killed before ``close()`` is removed by the next bed
+built (``marind.testing.hosts_sweep``). Needs root, iproute2 and
+util-linux: ``bed_unavailable()`` says why not.
 """
 
 from __future__ import annotations

@@ -99,7 +99,25 @@ def freeze(host: HostPlan, rounds: int = 20) -> list[Frozen]:
             except psutil.Error:
                 continue
             stopped[pid] = Frozen(pid, created)
+    _wait_stopped(list(stopped))
     return sorted(stopped.values(), key=lambda f: f.pid)
+
+
+def _wait_stopped(pids: list[int], timeout: float = 2.0) -> None:
+    """Wait until every pid is stopped or gone (a signal is taken when the process next runs)."""
+    deadline = time.monotonic() + timeout
+    pending = set(pids)
+    while pending and time.monotonic() < deadline:
+        for pid in list(pending):
+            try:
+                if psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE):
+                    pending.discard(pid)
+            except psutil.Error:
+                pending.discard(pid)
+        if pending:
+            time.sleep(0.01)
+    if pending:
+        log.warning("not_stopped_in_time", pids=sorted(pending))
 
 
 def resume(frozen: list[Frozen]) -> list[int]:
