@@ -49,7 +49,7 @@ def serve(hb: HostBed, host: str, port: int = PORT) -> subprocess.Popen:
     raise AssertionError(f"echo server in {host} not up")
 
 
-def probe(hb: HostBed, host: str, addr: str, port: int = PORT, timeout: float = 2.0,
+def probe(hb: HostBed, host: str, addr: str, port: int = PORT, timeout: float = 5.0,
           wait_file: str | None = None) -> dict:
     """Run the probe in ``host`` against ``addr``; its JSON result."""
     cmd = [sys.executable, "-m", "tests.hosts.netprobe", "probe", addr, str(port), "--timeout", str(timeout)]

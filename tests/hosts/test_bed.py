@@ -85,7 +85,7 @@ def test_a_cut_data_link_is_silent_and_the_control_link_still_works(bed, tmp_pat
     established = json.loads(out)
     # an established connection: the reply never comes (no RST); a new one: the SYN goes unanswered
     assert established["echo"] == "ok" and established["recv"] == "timeout", established
-    assert probe(bed, "host1", bed.addr("host2", "data"))["connect"] == "timeout"
+    assert probe(bed, "host1", bed.addr("host2", "data"), timeout=2)["connect"] == "timeout"
     assert probe(bed, "host1", bed.addr("host2", "control"))["echo"] == "ok"
     bed.restore("host2", "data")
     assert probe(bed, "host1", bed.addr("host2", "data"), timeout=10)["echo"] == "ok"

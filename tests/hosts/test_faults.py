@@ -38,10 +38,10 @@ def test_power_off_back_after_stops_only_that_host_then_resumes_it(bed):
     serve(bed, "host1")
     pids = _sleepers(bed)
     holder = bed.host("host1").holder_pid
-    proc = _injector("power_off", "--bed", str(bed.root), "--host", "host1", "--back-after", "4")
+    proc = _injector("power_off", "--bed", str(bed.root), "--host", "host1", "--back-after", "8")
     first = proc.stdout.readline()
     off = json.loads(first)
-    assert off["action"] == "power_off" and off["target"] == "host1" and off["back_after"] == 4
+    assert off["action"] == "power_off" and off["target"] == "host1" and off["back_after"] == 8
     assert pids["host1"] in off["stopped"] and pids["host2"] not in off["stopped"]
     assert holder not in off["stopped"]
     # while off: host1's processes are stopped, host2's run; both links down; peers see silence
@@ -74,7 +74,7 @@ def test_power_off_forever_kills_that_host_s_processes_only(bed):
 def test_partition_cuts_one_network_and_heals(bed):
     serve(bed, "host1")
     pids = _sleepers(bed)
-    proc = _injector("partition", "--bed", str(bed.root), "--host", "host1", "--net", "data", "--seconds", "4")
+    proc = _injector("partition", "--bed", str(bed.root), "--host", "host1", "--net", "data", "--seconds", "8")
     cut = json.loads(proc.stdout.readline())
     assert cut["action"] == "partition" and cut["nets"] == ["data"] and cut["links"] == [bed.host("host1").data.veth]
     assert probe(bed, "host2", bed.addr("host1", "data"), timeout=1)["connect"] == "timeout"
