@@ -60,7 +60,7 @@ def bed_unavailable() -> str | None:
     """Why a bed cannot be built here (one line), or None when it can.
 
     Checks root, ``ip``/``unshare``/``nsenter`` on ``PATH``, and that a
-    network namespace can actually be made (a container may forbid it).
+    network and a UTS namespace can actually be made (a container may forbid it).
     """
     if os.geteuid() != 0:
         return "the multi-host bed needs root (network namespaces)"
@@ -72,6 +72,9 @@ def bed_unavailable() -> str | None:
     if res.returncode != 0:
         return f"cannot create a network namespace here: {res.stderr.strip()}"
     ip("netns", "del", probe, check=False)
+    uts = subprocess.run(["unshare", "--uts", "--", "true"], capture_output=True, text=True, timeout=30)
+    if uts.returncode != 0:
+        return f"cannot create a UTS namespace here: {uts.stderr.strip()}"
     return None
 
 
