@@ -12,5 +12,8 @@ imports ``tests``):
   agent, which embeds it);
 * ``marind.testing.cluster``: ``marind agent``s as subprocesses, submit, a
   tiny dataset (the daemon benchmarks);
+* ``marind.testing.hosts``: the multi-host bed (network namespaces with their own
+  hostnames, a control and a data network; ``hosts_plan`` names it, ``hosts_net``
+  makes it);
 * ``marind.testing.chaos``: the library behind the ``chaos/`` injectors.
 """

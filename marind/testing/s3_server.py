@@ -44,16 +44,17 @@ class SeaweedS3:
     Args:
         root: its directory (data, log, state file); kept across ``stop``/``start``.
         bucket: the bucket created at start.
+        host: the address it listens on (the multi-host bed gives its control bridge's).
     """
 
-    def __init__(self, root: str | os.PathLike, bucket: str = "marind"):
+    def __init__(self, root: str | os.PathLike, bucket: str = "marind", host: str = "127.0.0.1"):
         self.root = Path(root)
         self.bucket = bucket
-        self.host = "127.0.0.1"
+        self.host = host
         names = ["s3", "s3_grpc", "master", "master_grpc", "volume", "volume_grpc",
                  "filer", "filer_grpc", "iceberg", "lance", "admin", "admin_grpc", "webdav",
                  "metrics", "debug", "s3_https"]
-        self.ports = dict(zip(names, free_ports(len(names))))
+        self.ports = dict(zip(names, free_ports(len(names), host)))
         self.proc: subprocess.Popen | None = None
         self.log_path = self.root / "weed.log"
         # read by chaos/storage_outage.py, which may stop and restart this server (see local_etcd)

@@ -10,5 +10,7 @@ scripts share lives here:
 * ``targets``: finding workers and agents through etcd, checked against the OS;
 * ``servers`` and ``outage``: stopping a server (etcd, S3) and starting the same one again;
 * ``ckpt``: reading a checkpoint root's layout without ckpt_store;
-* ``schedule``: failure times drawn from a seed.
+* ``schedule``: failure times drawn from a seed;
+* ``host_faults``: a bed host's power loss and partitions (``power_off.py``,
+  ``partition.py``), found through the bed's state file rather than etcd.
 """
