@@ -192,7 +192,8 @@ class RunMonitor:
                                                                 exitcode=failure.exitcode))
             if len(self.scan.failures) <= self.spec.job.max_restarts:
                 self._unmatched_failures += 1
-                self._restarted(failure.reason, {"exitcode": failure.exitcode, "local_rank": failure.local_rank})
+                self._restarted(failure.reason, {"round": self.generations + self._unmatched_failures,
+                                                 "exitcode": failure.exitcode, "local_rank": failure.local_rank})
                 self.awaiting_running_since = now
         return found
 
