@@ -36,7 +36,7 @@ FAILED = ("E1205 12:15:39.238000 27595 torch/distributed/elastic/multiprocessing
 TORCHRUN_GIVES_UP = """Traceback (most recent call last):
   File "/venv/torch/distributed/run.py", line 1028, in main
     run(args)
-torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\x20
 ============================================================
 train FAILED
 Root Cause (first observed failure):
