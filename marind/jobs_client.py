@@ -193,9 +193,9 @@ class JobsClient:
         """Print the job's events as they are written until it is terminal.
 
         Every event already in the ring first, then the new ones as a watch on the job's keys
-        reports changes. Once the job is terminal it waits up to ``settle`` seconds for the event
-        that records the end (``succeeded``/``failed``/``cancelled``), which the agent writes
-        just after the state.
+        reports changes. Once the job is terminal it ends when the event that records the end
+        (``succeeded``/``failed``/``cancelled``) has been printed, or ``settle`` seconds later
+        (a job cancelled or failed without one).
 
         Args:
             job: the job's id.
@@ -208,7 +208,7 @@ class JobsClient:
             The job's terminal state.
         """
         watch = ChangeWatch(self.client, resync_s=resync, prefix=self.client.key("jobs", job) + "/")
-        last_seq, ended_at = 0, None
+        last_seq, ended_at, final_seen = 0, None, False
         try:
             while True:
                 watch.begin_read()
@@ -217,8 +217,9 @@ class JobsClient:
                     if event["seq"] > last_seq:
                         on_event(event)
                         last_seq = event["seq"]
-                        if event.get("kind") in FINAL_EVENTS and state.is_terminal():
-                            return state
+                        final_seen = final_seen or event.get("kind") in FINAL_EVENTS
+                if state.is_terminal() and final_seen:
+                    return state
                 if state.is_terminal():
                     ended_at = ended_at or time.monotonic()
                     if time.monotonic() - ended_at >= settle:

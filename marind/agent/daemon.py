@@ -393,9 +393,10 @@ class Agent:
         self.log.info("torchrun_exited", job=run.job, rc=rc)
         run.final_progress()
         why = run.exit_reason(time.time()) if rc != 0 else None
-        link.outbox.state(run.job, event, reason=decision.reason, restarts=run.restarts, step=run.step or None)
+        # the event first: whoever sees the terminal state (`events -f`, `submit --wait`) finds it written
         link.outbox.event(run.job, kind, {"rc": rc, "step": run.step, "restarts": run.restarts}
                           | ({"reason": why} if why else {}))
+        link.outbox.state(run.job, event, reason=decision.reason, restarts=run.restarts, step=run.step or None)
         link.outbox.leaving(run.job, run.members, f"torchrun exited {rc}")
         link.outbox.drop_node_record(run.job)
 
