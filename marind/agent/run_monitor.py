@@ -40,6 +40,7 @@ from marind.agent.decisions import (
     Generation,
     HangAction,
     classify_workers,
+    failure_restarts,
     on_hang,
     workers_running,
 )
@@ -190,7 +191,8 @@ class RunMonitor:
         for failure in found:
             self.outbox.last_error(self.job, self._error_record(failure.reason, "log", now,
                                                                 exitcode=failure.exitcode))
-            if len(self.scan.failures) <= self.spec.job.max_restarts:
+            restart, _ = failure_restarts(len(self.scan.failures), self.spec.job.max_restarts)
+            if restart:
                 self._unmatched_failures += 1
                 self._restarted(failure.reason, {"round": self.generations + self._unmatched_failures,
                                                  "exitcode": failure.exitcode, "local_rank": failure.local_rank})

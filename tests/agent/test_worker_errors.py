@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from marind.agent.decisions import failure_restarts
 from marind.agent.registry import may_take_over
 from marind.agent.worker_errors import (
     MAX_LINE,
@@ -146,3 +147,8 @@ def test_per_job_series_go_with_the_job():
     assert 'job="a"' not in text and 'marind_job_step{job="b"} 1' in text
     m.remove_job("b")
     assert "\nmarind_job_restarts_total 0" not in m.render()     # no unlabelled zero for a per-job counter
+
+
+def test_a_restart_follows_the_first_max_restarts_failures():
+    assert [failure_restarts(n, 2)[0] for n in (1, 2, 3, 4)] == [True, True, False, False]
+    assert failure_restarts(1, 0) == (False, "failure 1 after 0 restarts: torchrun gives up")
