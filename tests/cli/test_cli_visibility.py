@@ -79,3 +79,19 @@ def test_status_finds_the_agent_etcd_through_the_state_dir(etcd, etcd_prefix, tm
     assert out.returncode == 0, out.stderr
     out = run("status")
     assert out.returncode == 3 and "no etcd configured" in out.stderr
+
+
+def test_a_cancel_is_an_event_and_ends_events_follow(etcd, etcd_prefix, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MARIND_ETCD", etcd.endpoint)
+    monkeypatch.setenv("MARIND_PREFIX", etcd_prefix)
+    assert main(["submit", str(tiny_spec(tmp_path)), "--id", "cancel-1"]) == 0
+    assert main(["events", "cancel-1"]) == 0
+    assert "No events of job cancel-1." in capsys.readouterr().out
+    assert main(["cancel", "cancel-1"]) == 0
+    capsys.readouterr()
+    assert main(["events", "cancel-1", "-f", "--json"]) == 4
+    cap = capsys.readouterr()
+    (event,) = [json.loads(line) for line in cap.out.splitlines()]
+    assert event["kind"] == "cancelled" and event["detail"]["by"] == event["node"] and "@" in event["node"]
+    assert cap.err.startswith("Error: job cancel-1 CANCELLED")
+    assert main(["events", "nope"]) == 1
