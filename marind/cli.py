@@ -5,7 +5,8 @@ Each command group lives in ``marind/commands/<group>.py`` and exposes
 Errors are mapped to exit codes here and only here (docs/design.md §5):
 0 ok, 1 failed, 2 bad input/usage, 3 control plane unreachable,
 4 job failed. User errors print one line on stderr, with a traceback
-only when ``MARIND_DEBUG=1``.
+only when ``MARIND_DEBUG=1``. A reader that stops reading (``marind status
+| head -1``) ends the command quietly with exit 0.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import traceback
 from ckpt_store.errors import CheckpointError
 from marind.core.errors import MarindError
 
-COMMAND_MODULES = ("agent", "jobs", "ckpt", "data", "doctor")
+COMMAND_MODULES = ("agent", "jobs", "events", "ckpt", "data", "doctor")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,7 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        return int(args.handler(args) or 0)
+        rc = int(args.handler(args) or 0)
+        sys.stdout.flush()          # a closed pipe shows here, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        _drop_stdout()
+        return 0
     except KeyboardInterrupt:
         return 130
     except MarindError as exc:
@@ -58,6 +64,16 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(exc, 2)
     except Exception as exc:  # noqa: BLE001 - the last line of defence of a CLI
         return _fail(exc, 1, unexpected=True)
+
+
+def _drop_stdout() -> None:
+    """The reader of stdout went away: send what is left to /dev/null (no second error at exit)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 def _fail(exc: BaseException, code: int, unexpected: bool = False) -> int:

@@ -1,4 +1,4 @@
-"""The client library behind `marind submit/status/cancel/logs/nodes/rm`.
+"""The client library behind `marind submit/status/events/cancel/logs/nodes/rm`.
 
 A thin layer over ``EtcdClient`` and ``marind.agent.job_records``; the CLI only
 parses arguments and prints. ``status_document`` is the ``--json``
@@ -7,13 +7,15 @@ schema of docs/design.md §5.
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from marind.agent import job_records as J
 from marind.agent.change_watch import ChangeWatch
 from marind.agent.config import client_settings, resolve_endpoint
-from marind.agent.events import list_events
+from marind.agent.events import append_event, list_events
 from marind.agent.ft_coordinator import ft_status, is_torchft
 from marind.agent.lifecycle import JobEvent, JobState
 from marind.agent.registry import live_nodes
@@ -21,14 +23,46 @@ from marind.core.errors import NotFound
 from marind.core.etcd_client import EtcdClient
 
 SCHEMA_VERSION = 1
+#: States whose status row shows a reason (the last worker error line, else the state's reason).
+REASON_STATES = ("RESTARTING", "FAILED")
+#: Event kinds that end a job's event stream.
+FINAL_EVENTS = ("succeeded", "failed", "cancelled")
 
 
-def connect(etcd: str | None = None, config_file: str | None = None) -> EtcdClient:
-    """A client on the control plane found in the documented order; pings it (exit 3 if down)."""
-    endpoints, _ = resolve_endpoint(etcd, config_file)
+def connect(etcd: str | None = None, config_file: str | None = None, state_dir: str | None = None) -> EtcdClient:
+    """A client on the control plane found in the documented order; pings it (exit 3 if down).
+
+    Args:
+        etcd: ``--etcd``.
+        config_file: ``--config``.
+        state_dir: ``--state-dir``: the local agent's state dir, searched for its ``etcd.endpoint``
+            before ``MARIND_STATE_DIR`` and the default state dirs.
+
+    Returns:
+        The client.
+    """
+    env = dict(os.environ, MARIND_STATE_DIR=state_dir) if state_dir else None
+    endpoints, _ = resolve_endpoint(etcd, config_file, env=env)
     client = EtcdClient(endpoints, **client_settings(config_file))
     client.ping()
     return client
+
+
+def row_reason(state: str, state_reason: str, last_error: dict | None) -> str:
+    """A job's reason as `status` shows it.
+
+    Args:
+        state: the job's state.
+        state_reason: the reason its state record carries.
+        last_error: ``{p}/jobs/{job}/last_error`` (the last worker error line), or None.
+
+    Returns:
+        For RESTARTING and FAILED, the last worker error line when one was recorded; else the
+        state's reason.
+    """
+    if state in REASON_STATES and isinstance(last_error, dict) and last_error.get("line"):
+        return str(last_error["line"])
+    return state_reason
 
 
 class JobsClient:
@@ -81,8 +115,11 @@ class JobsClient:
         world = progress.get("world_size") if progress else None
         if not world and nodes:
             world = sum(len(n.get("workers", [])) for n in nodes.values()) or len(nodes) * nproc
+        last_error = self.client.get_json(self.client.key("jobs", view.id, "last_error"))
+        state = view.state.state.value
         return {"id": view.id, "name": view.name,
-                "state": view.state.state.value, "reason": view.state.reason,
+                "state": state, "reason": row_reason(state, view.state.reason, last_error),
+                "last_error": last_error,
                 "nodes": sorted(nodes), "world_size": world or 0,
                 "step": _last_step(progress.get("step"), view.state.step), "loss": progress.get("loss"),
                 "tokens_per_s": progress.get("tokens_per_s"),
@@ -102,7 +139,7 @@ class JobsClient:
         """`marind status --json`: schema version, nodes, and the jobs (or ``job``) (docs/design.md §5)."""
         jobs = [self.job(job)] if job else self.jobs()
         keys = ("id", "name", "state", "nodes", "world_size", "step", "loss", "tokens_per_s",
-                "last_checkpoint_step", "restarts", "updated_at")
+                "last_checkpoint_step", "restarts", "reason", "updated_at")
         return {"schema_version": SCHEMA_VERSION, "nodes": self.nodes(),
                 "jobs": [{k: j[k] for k in keys} | ({"torchft": j["torchft"]} if j["torchft"] else {})
                          for j in jobs]}
@@ -122,6 +159,8 @@ class JobsClient:
             return view.state.state.value
         self.client.put_json(self.client.key("jobs", job, "cancel"), {"at": time.time(), "by": by})
         new = J.update_state(self.client, job, JobEvent.CANCEL, reason=f"cancelled by {by}")
+        if new is not None:
+            append_event(self.client, job, "cancelled", by, {"by": by})
         return (new.state if new else J.read_job(self.client, job).state.state).value
 
     def remove(self, job: str, force: bool = False) -> None:
@@ -141,8 +180,56 @@ class JobsClient:
         J.mark_jobs_changed(self.client)
 
     def events(self, job: str) -> list[dict]:
-        """The job's event ring, oldest first."""
+        """The job's event ring, oldest first (``NotFound`` when there is no such job)."""
+        J.read_job(self.client, job)
         return list_events(self.client, job)
+
+    def state(self, job: str) -> JobState:
+        """The job's state (``NotFound`` when there is no such job)."""
+        return J.read_job(self.client, job).state.state
+
+    def follow_events(self, job: str, on_event: Callable[[dict], None], *, poll: float = 0.5,
+                      resync: float = 15.0, settle: float = 3.0) -> JobState:
+        """Print the job's events as they are written until it is terminal.
+
+        Every event already in the ring first, then the new ones as a watch on the job's keys
+        reports changes. Once the job is terminal it ends when the event that records the end
+        (``succeeded``/``failed``/``cancelled``) has been printed, or ``settle`` seconds later
+        (a job cancelled or failed without one).
+
+        Args:
+            job: the job's id.
+            on_event: called with each event, oldest first.
+            poll: seconds between looks while nothing changes.
+            resync: read again after this long even without a change.
+            settle: how long to wait for the final event.
+
+        Returns:
+            The job's terminal state.
+        """
+        watch = ChangeWatch(self.client, resync_s=resync, prefix=self.client.key("jobs", job) + "/")
+        last_seq, ended_at, final_seen = 0, None, False
+        try:
+            while True:
+                watch.begin_read()
+                state = self.state(job)
+                for event in list_events(self.client, job):
+                    if event["seq"] > last_seq:
+                        on_event(event)
+                        last_seq = event["seq"]
+                        final_seen = final_seen or event.get("kind") in FINAL_EVENTS
+                if state.is_terminal() and final_seen:
+                    return state
+                if state.is_terminal():
+                    ended_at = ended_at or time.monotonic()
+                    if time.monotonic() - ended_at >= settle:
+                        return state
+                while not watch.due():
+                    time.sleep(poll)
+                    if ended_at is not None:
+                        break
+        finally:
+            watch.stop()
 
     def wait(self, job: str, on_change=None, timeout: float | None = None, poll: float = 1.0,
              resync: float = 15.0) -> dict:

@@ -5,6 +5,10 @@ exposition format, and a threaded ``http.server`` answering ``/metrics``
 and ``/healthz`` (200 when the agent reaches etcd, 503 otherwise).
 Names follow Prometheus conventions: the ``marind_`` prefix, base units,
 ``_total`` on counters, bounded labels (never a step).
+
+Per-job series (``JOB_SERIES``) carry one label, ``job`` (the job's id), and
+are removed when the job is gone from this agent (``remove_job``), so
+their number is bounded by the jobs the agent runs.
 """
 
 from __future__ import annotations
@@ -14,6 +18,10 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from marind import __version__
+
+#: The per-job series, labelled ``job`` only; ``remove_job`` drops them.
+JOB_SERIES = ("marind_job_step", "marind_job_loss", "marind_job_tokens_per_second", "marind_job_restarts_total",
+              "marind_job_last_checkpoint_step", "marind_checkpoint_duration_seconds")
 
 _BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, float("inf"))
 
@@ -45,7 +53,13 @@ class Metrics:
             "marind_jobs": ("gauge", "jobs this agent runs"),
             "marind_etcd_keepalive_failures_total": ("counter", "failed lease keep-alives"),
             "marind_etcd_up": ("gauge", "1 when etcd answered the last request"),
-            "marind_checkpoint_duration_seconds": ("histogram", "time workers spent in the checkpointing phase"),
+            "marind_checkpoint_duration_seconds": (
+                "histogram", "seconds from the end of a step to its checkpoint's commit, as rank 0 reports it"),
+            "marind_job_step": ("gauge", "the job's step (rank 0's where it runs here, else this node's)"),
+            "marind_job_loss": ("gauge", "the job's loss at its last step (rank 0)"),
+            "marind_job_tokens_per_second": ("gauge", "the job's tokens per second (rank 0)"),
+            "marind_job_restarts_total": ("counter", "the job's worker restarts on this node"),
+            "marind_job_last_checkpoint_step": ("gauge", "the job's last committed checkpoint step"),
         }
         self._values: dict[tuple[str, tuple], float] = {}
         self._hist: dict[tuple[str, tuple], list] = {}
@@ -70,6 +84,13 @@ class Metrics:
             counts[1] += value
             counts[2] += 1
 
+    def remove_job(self, job: str) -> None:
+        """Drop every per-job series of ``job`` (the job is gone from this agent)."""
+        label = ("job", job)
+        with self._lock:
+            self._values = {k: v for k, v in self._values.items() if label not in k[1]}
+            self._hist = {k: v for k, v in self._hist.items() if label not in k[1]}
+
     def value(self, name: str, **labels) -> float:
         with self._lock:
             return self._values.get((name, tuple(sorted(labels.items()))), 0.0)
@@ -90,7 +111,7 @@ class Metrics:
                         out.append(f"{name}_count{_labels(dict(labels))} {count}")
                     continue
                 rows = [(labels, v) for (n, labels), v in sorted(self._values.items()) if n == name]
-                if not rows and kind == "counter":
+                if not rows and kind == "counter" and name not in JOB_SERIES:
                     rows = [((), 0.0)]
                 for labels, v in rows:
                     out.append(f"{name}{_labels(dict(labels))} {_fmt(v)}")

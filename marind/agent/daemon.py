@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from marind.agent import progress as prog
-from marind.agent.config import AgentConfig
+from marind.agent.config import AgentConfig, endpoint_file
 from marind.agent.decisions import (
     Admission,
     ExitAction,
@@ -129,6 +129,9 @@ class Agent:
                 self.etcd_server, self.endpoint = start_embedded_etcd(self.config.state_dir)
             if not self._connect():
                 return 0
+            if self.etcd_server is None and not self.config.embedded:
+                # the CLI on this host finds the agent's etcd here (`--state-dir`, MARIND_STATE_DIR)
+                endpoint_file(self.config.state_dir).write_text(self.endpoint + "\n")
             self.notifier.ready(f"node {self.node} registered; etcd {self.endpoint}")
             self.log.info("agent_ready", etcd=self.endpoint, slots=self.slots, state_dir=str(self.config.state_dir))
             while not self.stop_event.is_set():
@@ -314,6 +317,7 @@ class Agent:
         if run.ft is not None:
             run.ft.stop()
         self.runs.pop(run.job, None)
+        self.metrics.remove_job(run.job)
         self.finished.add(run.job)
         link.watch.poke()         # slots are free again
         link.outbox.leaving(run.job, run.members, why)
@@ -365,6 +369,7 @@ class Agent:
     def _torchrun_exited(self, run: RunMonitor, rc: int) -> None:
         link = self._link()
         self.runs.pop(run.job, None)
+        self.metrics.remove_job(run.job)
         link.watch.poke()
         run.sup.stop(5)   # reap anything left, clear pids.json
         if run.ft is not None:
@@ -377,7 +382,8 @@ class Agent:
             self._cp_restarts[run.job] = decision.etcd_retries
             self.log.warning("torchrun_lost_etcd", job=run.job, rc=rc, attempt=decision.etcd_retries, limit=limit)
         if decision.action == ExitAction.RETRY:
-            link.outbox.event(run.job, "restart", {"reason": decision.reason, "rc": rc})
+            link.outbox.event(run.job, "restart", {"reason": decision.reason, "rc": rc,
+                                                   "restarts": run.restarts})
             return
         self.finished.add(run.job)
         if decision.action == ExitAction.FAIL and run.ft is not None and self._ft_others_train_on(run, run.ft, rc):
@@ -386,8 +392,11 @@ class Agent:
                        else (JobEvent.FAILED, "failed"))
         self.log.info("torchrun_exited", job=run.job, rc=rc)
         run.final_progress()
+        why = run.exit_reason(time.time()) if rc != 0 else None
+        # the event first: whoever sees the terminal state (`events -f`, `submit --wait`) finds it written
+        link.outbox.event(run.job, kind, {"rc": rc, "step": run.step, "restarts": run.restarts}
+                          | ({"reason": why} if why else {}))
         link.outbox.state(run.job, event, reason=decision.reason, restarts=run.restarts, step=run.step or None)
-        link.outbox.event(run.job, kind, {"rc": rc, "step": run.step})
         link.outbox.leaving(run.job, run.members, f"torchrun exited {rc}")
         link.outbox.drop_node_record(run.job)
 

@@ -10,6 +10,7 @@ pattern as ``hang.HangDetector`` and ``lifecycle.transition``.
   or give it the success grace period?
 * ``classify_workers``: are torchrun's workers a new rendezvous round?
 * ``workers_running``: has a restarted round started training?
+* ``failure_restarts``: torchrun logged a failed round; does a restart follow it?
 * ``after_exit`` / ``after_group_failure``: torchrun exited; restart it once
   etcd is back, or move the job to SUCCEEDED / FAILED, or (torchft) leave
   the job to the other replica groups?
@@ -147,6 +148,24 @@ def workers_running(phases: Iterable[str], *, awaiting_since: float, now: float,
     if now - awaiting_since > fallback_s:
         return True, f"no training report {fallback_s:.0f}s after the restart"
     return False, "waiting for a worker to report training"
+
+
+def failure_restarts(failures: int, max_restarts: int) -> tuple[bool, str]:
+    """torchrun reported its ``failures``-th failed round on this node: does a restart follow?
+
+    torchrun restarts its workers after each of the first ``max_restarts`` failures (a round
+    restarted because the nodes changed does not count); the next failure ends it.
+
+    Args:
+        failures: failed rounds this torchrun has reported so far, this one included.
+        max_restarts: the job's ``job.max_restarts``.
+
+    Returns:
+        (restart, why).
+    """
+    if failures <= max_restarts:
+        return True, f"failure {failures}: torchrun restarts the workers ({max_restarts} at most)"
+    return False, f"failure {failures} after {max_restarts} restarts: torchrun gives up"
 
 
 # ---------------------------------------------------------------- torchrun exited

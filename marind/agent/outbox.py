@@ -59,6 +59,16 @@ class Outbox:
         at = self._clock()
         self.put(job, lambda: append_event(self.client, job, kind, self.node, detail, now=at))
 
+    def last_error(self, job: str, record: dict) -> None:
+        """Write why the job's workers last failed (``{p}/jobs/{job}/last_error``, docs/design.md §2).
+
+        Args:
+            job: the job's id.
+            record: ``{"line", "node", "at", "source", "restarts", ...}``.
+        """
+        key = self.client.key("jobs", job, "last_error")
+        self.put(job, lambda: self.client.put_json(key, record))
+
     def progress(self, job: str, summary: dict) -> None:
         """Write the job's progress record (``{p}/jobs/{job}/progress``)."""
         key = self.client.key("jobs", job, "progress")

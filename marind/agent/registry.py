@@ -7,19 +7,75 @@ unreachable it counts the failure and retries, and when etcd comes back
 with the lease expired it takes a new lease, re-registers, and bumps
 ``generation`` so the daemon rewrites its per-job records. Errors are
 recorded (``last_error``), never raised from the thread.
+
+A node name is unique: the node key is created only if absent; when it is
+held (its lease is live), ``may_take_over`` decides. A restarted agent on
+the same host whose previous holder's process is gone takes the key over
+(compare-and-swap onto its own lease); any other holder is refused with
+``NodeNameTaken`` (`marind agent` exits 2 naming the holder's host and pid).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
 import time
+from collections.abc import Callable
+
+import psutil
 
 from marind import __version__
-from marind.core.errors import ControlPlaneUnavailable
+from marind.core.errors import ControlPlaneUnavailable, UsageError
 from marind.core.etcd_client import EtcdClient
 from marind.core.log import get_logger
+
+
+class NodeNameTaken(UsageError):
+    """Another live agent holds this node's name (exit 2)."""
+
+
+def process_alive(pid: int, started_before: float) -> bool:
+    """Is ``pid`` a live process that was started by ``started_before`` (not a reused pid, not a zombie)?
+
+    Args:
+        pid: the process id.
+        started_before: the time the process claims to have started (plus a second of slack).
+
+    Returns:
+        True when such a process runs on this host.
+    """
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and proc.create_time() <= started_before + 1.0
+    except (psutil.Error, OSError):
+        return False
+
+
+def may_take_over(holder: dict, *, host: str, pid: int,
+                  alive: Callable[[int, float], bool] = process_alive) -> tuple[bool, str]:
+    """May an agent take a node name whose key another record holds under a live lease?
+
+    Args:
+        holder: the record under the node key (``host``, ``pid``, ``started_at``).
+        host: this agent's host name.
+        pid: this agent's pid.
+        alive: tells whether ``(pid, started_at)`` is a live process on this host.
+
+    Returns:
+        (take, why).
+    """
+    h_host, h_pid = holder.get("host"), holder.get("pid")
+    if h_host != host:
+        return False, f"it runs on another host ({h_host})"
+    if not isinstance(h_pid, int):
+        return False, "its record names no pid"
+    if h_pid == pid:
+        return True, "this agent's own record"
+    if alive(h_pid, float(holder.get("started_at") or 0.0)):
+        return False, f"process {h_pid} on this host is alive"
+    return True, f"the previous agent on this host (pid {h_pid}) is gone"
 
 
 class NodeRegistry:
@@ -46,15 +102,51 @@ class NodeRegistry:
         return self.client.key("nodes", self.node)
 
     def register(self) -> None:
-        """Take a new lease and write the node key (raises ControlPlaneUnavailable)."""
+        """Take a new lease and write the node key, unless another live agent holds the name.
+
+        Raises:
+            NodeNameTaken: the key is held by a live agent elsewhere, or by a live process here.
+            ControlPlaneUnavailable: etcd is unreachable.
+        """
         with self._lock:
             lease = self.client.lease(self.ttl)
-            self.client.put_json(self.key, self.record, lease=lease)
+            value = json.dumps(self.record, sort_keys=True)
+            try:
+                self._claim(value, lease)
+            except NodeNameTaken:
+                self._revoke_quietly(lease)
+                raise
             self.lease = lease
             self.generation += 1
             self.connected = True
             self.last_error = None
         self.log.info("node_registered", lease=lease.id, generation=self.generation)
+
+    def _claim(self, value: str, lease) -> None:
+        ok, current, rev = self.client.compare_and_swap_value(self.key, value, 0, lease=lease)
+        if ok:
+            return
+        try:
+            holder = json.loads(current or b"{}")
+        except ValueError:
+            holder = {}
+        holder = holder if isinstance(holder, dict) else {}
+        take, why = may_take_over(holder, host=str(self.record["host"]), pid=os.getpid())
+        if take:
+            ok, _ = self.client.compare_and_swap(self.key, value, rev, lease=lease)
+            if ok:
+                self.log.info("node_taken_over", reason=why)
+                return
+            why = "another agent registered it at the same moment"
+        raise NodeNameTaken(
+            f"node name {self.node!r} is held by a live agent on host {holder.get('host', '?')}, pid "
+            f"{holder.get('pid', '?')} ({why}): stop that agent, or start this one with another --node")
+
+    def _revoke_quietly(self, lease) -> None:
+        try:
+            self.client.revoke_lease(lease)
+        except ControlPlaneUnavailable:
+            pass
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="marind-keepalive", daemon=True)

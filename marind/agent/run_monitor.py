@@ -6,8 +6,12 @@ The agent keeps one ``RunMonitor`` per job it runs and calls
 * tells rendezvous rounds apart (a new set of worker launchers is a new
   round; after the first it is a restart) and moves the job's state
   (``WORKERS_STARTED``, ``RESTART``) through the outbox;
+* follows ``logs/torchrun.log`` (``worker_errors.LogScan``): each round
+  torchrun reports failed is a restart with its reason (the worker's last
+  exception line), counted even when the workers died between two ticks,
+  and the job's ``last_error``;
 * reads the current round's progress records: the node's step, checkpoint
-  commits (an event) and durations (a metric);
+  commits (an event with their duration, and a metric) and the per-job metrics;
 * detects hangs without blocking the tick: a hung round's workers get
   SIGUSR1 (faulthandler dumps their stacks into the log), and
   ``HANG_DUMP_WAIT_S`` later, on a later tick, SIGKILL; then the
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +40,7 @@ from marind.agent.decisions import (
     Generation,
     HangAction,
     classify_workers,
+    failure_restarts,
     on_hang,
     workers_running,
 )
@@ -46,6 +52,7 @@ from marind.agent.outbox import Outbox
 from marind.agent.registry import NodeRegistry
 from marind.agent.supervisor import TorchrunSupervisor, WorkerProc
 from marind.agent.torchrun_args import default_python, prepare_run_dir, torchrun_command, worker_env
+from marind.agent.worker_errors import Failure, LogScan, LogTail, read_error_file
 from marind.core.errors import ControlPlaneUnavailable
 from marind.core.etcd_client import EtcdClient
 from marind.core.log import get_logger
@@ -76,10 +83,13 @@ class RunMonitor:
         metrics: the agent's metrics.
         members: the job's membership watch (``node_lost`` events).
         ft: torchft jobs: the node's replica-group slot and lighthouse.
+        log_offset: the size of ``logs/torchrun.log`` before this torchrun started (earlier runs' output
+            is not this run's).
     """
 
     def __init__(self, job: str, spec: RunSpec, sup: TorchrunSupervisor, *, node: str, outbox: Outbox,
-                 metrics: Metrics, members: Membership | None = None, ft: FTCoordinator | None = None):
+                 metrics: Metrics, members: Membership | None = None, ft: FTCoordinator | None = None,
+                 log_offset: int = 0):
         self.job, self.spec, self.sup, self.node = job, spec, sup, node
         self.outbox, self.metrics, self.members, self.ft = outbox, metrics, members, ft
         self.hang = HangDetector(spec.job.hang_timeout)
@@ -89,11 +99,17 @@ class RunMonitor:
         self.restarts = 0
         self.awaiting_running_since: float | None = None
         self.last_report = 0.0
-        self.ckpt_since: float | None = None
         self.last_ckpt_step: int | None = None
         self.terminal_since: float | None = None
         self.step = 0
         self.pending_kill: PendingKill | None = None
+        self.started_at = time.time()
+        self.log_path = sup.run_dir / "logs" / "torchrun.log"
+        self.tail = LogTail(self.log_path, log_offset)
+        self.scan = LogScan()
+        self._unmatched_failures = 0         # restarts counted from the log whose round was not seen yet
+        self._ckpt_baseline = False          # the first training record's checkpoint step is a restore
+        self._step_seen_at: dict[int, float] = {}   # rank 0's steps: when its record first showed them
         self.log = get_logger(__name__, node=node, job=job)
 
     @property
@@ -111,6 +127,7 @@ class RunMonitor:
         Returns:
             The current round's progress records (for the report).
         """
+        self.scan_log(now)
         workers = self.sup.workers()
         launched = frozenset(w.launched_by for w in workers)   # stable while a round lives
         verdict, self.gen_pids, _ = classify_workers(launched, self.gen_pids)
@@ -128,6 +145,7 @@ class RunMonitor:
                                   reason=f"workers running (round {self.generations})")
         self._watch_checkpoints(records, now)
         self.step = prog.node_step(records) or self.step
+        self._job_metrics(records)
         self._hang_tick(now, workers, records)
         return records
 
@@ -135,31 +153,105 @@ class RunMonitor:
         self.generations += 1
         self.hang.reset()
         self.metrics.inc("marind_rendezvous_rounds_total")
-        if self.generations == 1:
-            self.outbox.state(self.job, JobEvent.WORKERS_STARTED, reason=f"workers started on {self.node}")
+        if self._unmatched_failures or self.generations == 1:
+            # the round after the latest failure counted from the log (rounds between were missed)
+            if self._unmatched_failures:
+                self.awaiting_running_since = now
+            else:
+                self.outbox.state(self.job, JobEvent.WORKERS_STARTED, reason=f"workers started on {self.node}")
+            self._unmatched_failures = 0
             return
+        self.awaiting_running_since = now
+        self._restarted("a new rendezvous round: the job's nodes changed or another node's workers failed",
+                        {"round": self.generations})
+
+    def _restarted(self, reason: str, detail: dict) -> None:
         self.restarts += 1
         self.metrics.inc("marind_restarts_total")
-        self.log.info("workers_restarted", round=self.generations, restarts=self.restarts)
-        self.outbox.state(self.job, JobEvent.RESTART, reason=f"torchrun restarted workers on {self.node}",
+        self.log.info("workers_restarted", round=self.generations, restarts=self.restarts, reason=reason)
+        self.outbox.state(self.job, JobEvent.RESTART, reason=f"workers restarted on {self.node}: {reason}",
                           restarts=self.restarts)
-        self.outbox.event(self.job, "restart", {"round": self.generations, "restarts": self.restarts})
-        self.awaiting_running_since = now
+        self.outbox.event(self.job, "restart", {**detail, "restarts": self.restarts, "reason": reason})
 
+    # -- the log: failed rounds and their reasons -----------------------------------------
+    def scan_log(self, now: float) -> list[Failure]:
+        """Read what torchrun.log gained; each failed round is a restart (or the last failure).
+
+        A failure torchrun restarts after (the first ``max_restarts``) counts as a restart at
+        once, with the worker's error line as its reason; every failure becomes the job's
+        ``last_error``.
+
+        Args:
+            now: the current time.
+
+        Returns:
+            The failures found.
+        """
+        found = self.scan.feed(self.tail.read())
+        for failure in found:
+            self.outbox.last_error(self.job, self._error_record(failure.reason, "log", now,
+                                                                exitcode=failure.exitcode))
+            restart, _ = failure_restarts(len(self.scan.failures), self.spec.job.max_restarts)
+            if restart:
+                self._unmatched_failures += 1
+                self._restarted(failure.reason, {"round": self.generations + self._unmatched_failures,
+                                                 "exitcode": failure.exitcode, "local_rank": failure.local_rank})
+                self.awaiting_running_since = now
+        return found
+
+    def exit_reason(self, now: float) -> str | None:
+        """torchrun exited: why its workers failed, if this node knows (error file, else the log).
+
+        Also records it as the job's ``last_error`` when it comes from the error file.
+
+        Args:
+            now: the current time.
+
+        Returns:
+            The error line, or None when no worker failed here.
+        """
+        self.scan_log(now)
+        line = read_error_file(self.sup.run_dir / "logs" / "error.json", self.started_at)
+        if line is not None:
+            self.outbox.last_error(self.job, self._error_record(line, "error_file", now))
+            return line
+        return self.scan.failures[-1].reason if self.scan.failures else self.scan.last_error
+
+    def _error_record(self, line: str, source: str, now: float, **extra) -> dict:
+        return {"line": line, "node": self.node, "at": now, "source": source, "restarts": self.restarts, **extra}
+
+    # -- progress: checkpoints and the per-job metrics ------------------------------------
     def _watch_checkpoints(self, records: list[prog.ProgressRecord], now: float) -> None:
-        if not records:
-            return
-        first = min(records, key=lambda r: r.local_rank)
-        if first.phase == "checkpointing":
-            self.ckpt_since = self.ckpt_since or now
-        elif self.ckpt_since is not None:
-            self.metrics.observe("marind_checkpoint_duration_seconds", now - self.ckpt_since)
-            self.ckpt_since = None
         rank0 = next((r for r in records if r.rank == 0), None)
-        if rank0 is not None and rank0.last_checkpoint_step is not None:
-            if self.last_ckpt_step is not None and rank0.last_checkpoint_step > self.last_ckpt_step:
-                self.outbox.event(self.job, "checkpoint_committed", {"step": rank0.last_checkpoint_step})
-            self.last_ckpt_step = rank0.last_checkpoint_step
+        if rank0 is None or rank0.phase in ("starting", "restoring"):
+            return
+        self._step_seen_at.setdefault(rank0.step, rank0.updated_at)
+        step = rank0.last_checkpoint_step
+        if not self._ckpt_baseline:          # what the run restored, not a commit
+            self._ckpt_baseline, self.last_ckpt_step = True, step
+            return
+        if step is None or (self.last_ckpt_step is not None and step <= self.last_ckpt_step):
+            return
+        started = min((t for s, t in self._step_seen_at.items() if s >= step), default=None)
+        detail: dict[str, Any] = {"step": step}
+        if started is not None and rank0.updated_at >= started:
+            detail["duration_s"] = round(rank0.updated_at - started, 3)
+            self.metrics.observe("marind_checkpoint_duration_seconds", detail["duration_s"], job=self.job)
+        self.outbox.event(self.job, "checkpoint_committed", detail)
+        self.last_ckpt_step = step
+        self._step_seen_at = {s: t for s, t in self._step_seen_at.items() if s > step}
+
+    def _job_metrics(self, records: list[prog.ProgressRecord]) -> None:
+        rank0 = next((r for r in records if r.rank == 0), None)
+        m, job = self.metrics, self.job
+        m.set("marind_job_step", rank0.step if rank0 is not None else self.step, job=job)
+        m.set("marind_job_restarts_total", self.restarts, job=job)
+        if rank0 is not None and rank0.loss is not None:
+            m.set("marind_job_loss", rank0.loss, job=job)
+        if rank0 is not None and rank0.tokens_per_s is not None:
+            m.set("marind_job_tokens_per_second", rank0.tokens_per_s, job=job)
+        if self.last_ckpt_step is not None:
+            m.set("marind_job_last_checkpoint_step", self.last_ckpt_step, job=job)
 
     # -- hangs ----------------------------------------------------------------------------
     def _hang_tick(self, now: float, workers: list[WorkerProc], records: list[prog.ProgressRecord]) -> None:
@@ -190,7 +282,8 @@ class RunMonitor:
         elif action == HangAction.KILL and pending is not None:
             killed = self.sup.signal_workers(signal.SIGKILL, pending.pids)
             self.outbox.event(self.job, "hang_detected", {"reason": pending.why, "ranks": pending.ranks,
-                                                          "stack_dumped": pending.dumped, "killed": killed})
+                                                          "stack_dumped": pending.dumped, "killed": killed,
+                                                          "stack_dump": str(self.log_path)})
             self.pending_kill = None
             self.hang.reset()
 
@@ -280,6 +373,8 @@ def launch(job: str, spec: RunSpec, *, run_dir: Path, config: AgentConfig, endpo
         The monitor of the started torchrun.
     """
     run_toml = prepare_run_dir(run_dir, spec)
+    log = run_dir / "logs" / "torchrun.log"
+    log_offset = log.stat().st_size if log.exists() else 0
     c = config
     cmd = torchrun_command(python=c.python or default_python(), job=job, spec=spec, endpoint=endpoint,
                            prefix=c.prefix, run_toml=run_toml, rdzv_conf=c.rdzv_conf,
@@ -292,4 +387,5 @@ def launch(job: str, spec: RunSpec, *, run_dir: Path, config: AgentConfig, endpo
     sup = TorchrunSupervisor(job, run_dir, cmd, env)
     sup.start()
     members = Membership(client, job, node, incarnation=str(os.getpid()))
-    return RunMonitor(job, spec, sup, node=node, outbox=outbox, metrics=metrics, members=members, ft=ft)
+    return RunMonitor(job, spec, sup, node=node, outbox=outbox, metrics=metrics, members=members, ft=ft,
+                      log_offset=log_offset)

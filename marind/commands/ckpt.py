@@ -148,6 +148,9 @@ def ls(args) -> int:
     from ckpt_store.errors import CheckpointFormatUnsupported
 
     store = _store(args.url)
+    if not store.storage.s3 and not store.storage.fs.exists(store.storage.root):
+        raise CheckpointNotFound(f"no checkpoint store at {args.url}: {store.storage.root} does not exist "
+                                 "(check the URL; a store's root holds step-* directories)")
     rows, bad = [], []
     for step in store.steps():
         try:

@@ -1,4 +1,4 @@
-"""`marind submit | status | cancel | logs | nodes | rm` (docs/design.md §5).
+"""`marind submit | status | cancel | logs | nodes | rm` (docs/design.md §5); `events` is ``marind.commands.events``.
 
 A thin layer over ``marind.jobs_client``: parse, call, print. Tables and
 ``--json`` come from the same rows.
@@ -12,10 +12,17 @@ import socket
 import sys
 import time
 
+#: A reason longer than this is cut in the status table (``--json`` has it whole).
+REASON_WIDTH = 100
 
-def _common(p) -> None:
-    p.add_argument("--etcd", help="etcd endpoints (default: $MARIND_ETCD, the config file, the embedded agent's)")
+
+def common_flags(p) -> None:
+    """``--etcd --config --state-dir``: where the control plane is (docs/design.md §5)."""
+    p.add_argument("--etcd", help="etcd endpoints (default: $MARIND_ETCD, the config file, the local agent's)")
     p.add_argument("--config", help="config file (default $MARIND_CONFIG or /etc/marind/marind.toml)")
+    p.add_argument("--state-dir", help="the local agent's state dir, to find its etcd (default $MARIND_STATE_DIR, "
+                                       "then ~/.local/state/marind, /var/lib/marind)")
+
 
 
 def register(sub) -> None:
@@ -24,41 +31,42 @@ def register(sub) -> None:
     p.add_argument("--wait", action="store_true", help="follow the job; exit 4 if it fails")
     p.add_argument("--json", action="store_true", help='print {"id": ...}')
     p.add_argument("--id", help="job id (default: NAME-YYYYmmdd-HHMMSS-xxxx)")
-    _common(p)
+    common_flags(p)
     p.set_defaults(handler=submit)
 
     p = sub.add_parser("status", help="nodes and jobs")
     p.add_argument("job", nargs="?")
     p.add_argument("--json", action="store_true")
-    _common(p)
+    common_flags(p)
     p.set_defaults(handler=status)
 
     p = sub.add_parser("nodes", help="registered nodes")
     p.add_argument("--json", action="store_true")
-    _common(p)
+    common_flags(p)
     p.set_defaults(handler=nodes)
 
     p = sub.add_parser("cancel", help="stop a job on every node")
     p.add_argument("job")
-    _common(p)
+    common_flags(p)
     p.set_defaults(handler=cancel)
 
     p = sub.add_parser("logs", help="a job's logs on this node")
     p.add_argument("job")
-    p.add_argument("-f", "--follow", action="store_true")
-    p.add_argument("--state-dir", help="the local agent's state dir")
+    p.add_argument("-f", "--follow", action="store_true",
+                   help="print new lines until the job ends; exit 0 if it SUCCEEDED, else 4")
+    common_flags(p)
     p.set_defaults(handler=logs)
 
     p = sub.add_parser("rm", help="delete a finished job's keys from etcd")
     p.add_argument("job")
     p.add_argument("--force", action="store_true", help="also when it is not finished")
-    _common(p)
+    common_flags(p)
     p.set_defaults(handler=rm)
 
 
 def _client(args):
     from marind.jobs_client import JobsClient, connect
-    return JobsClient(connect(args.etcd, args.config))
+    return JobsClient(connect(args.etcd, args.config, args.state_dir))
 
 
 def submit(args) -> int:
@@ -130,14 +138,24 @@ def status(args) -> int:
     if not doc["jobs"]:
         print("No jobs.")
         return 0
-    print(_table(["JOB", "STATE", "NODES", "WORLD", "STEP", "LOSS", "TOK/S", "CKPT", "RESTARTS"],
+    print(_table(["JOB", "STATE", "NODES", "WORLD", "STEP", "LOSS", "TOK/S", "CKPT", "RESTARTS", "REASON"],
                  [[j["id"], j["state"], _fmt(len(j["nodes"])), _fmt(j["world_size"]), _fmt(j["step"]),
                    _fmt(j["loss"], 4), _fmt(j["tokens_per_s"], 0), _fmt(j["last_checkpoint_step"]),
-                   _fmt(j["restarts"])] for j in doc["jobs"]]))
+                   _fmt(j["restarts"]), _reason_cell(j)] for j in doc["jobs"]]))
     for j in doc["jobs"]:
         if j.get("torchft"):
             _print_replica_groups(j["id"], j["torchft"])
     return 0
+
+
+def _reason_cell(job: dict) -> str:
+    """The REASON column: RESTARTING and FAILED jobs only, cut to ``REASON_WIDTH``."""
+    from marind.jobs_client import REASON_STATES
+
+    reason = job.get("reason") or ""
+    if job["state"] not in REASON_STATES or not reason:
+        return "-"
+    return reason if len(reason) <= REASON_WIDTH else reason[:REASON_WIDTH - 3] + "..."
 
 
 def _print_replica_groups(job: str, ft: dict) -> None:
@@ -181,22 +199,60 @@ def logs(args) -> int:
     if not files:
         raise NotFound(f"no logs of job {args.job} on this node: run `marind logs` on a node that ran it "
                        "(see `marind status`), or pass --state-dir")
-    for path in files:
-        sys.stdout.write(path.read_text(errors="replace"))
-    sys.stdout.flush()
+    offsets = {p: 0 for p in files}
+    _copy_new(offsets)
     if not args.follow:
         return 0
-    offsets = {p: p.stat().st_size for p in files}
+    return _follow_logs(args, offsets)
+
+
+def _copy_new(offsets: dict) -> None:
+    """Write what each file gained since its offset to stdout; move the offsets."""
+    for path, offset in offsets.items():
+        try:
+            size = path.stat().st_size
+        except OSError:
+            continue
+        if size < offset:
+            offset = 0          # truncated: from the start
+        if size > offset:
+            with open(path, "rb") as fh:
+                fh.seek(offset)
+                data = fh.read(size - offset)
+            sys.stdout.write(data.decode(errors="replace"))
+            offsets[path] = offset + len(data)
+    sys.stdout.flush()
+
+
+def _follow_logs(args, offsets: dict, poll: float = 0.5, state_every: float = 1.0) -> int:
+    """`logs -f`: new lines until the job is terminal; exit like `submit --wait` (0 SUCCEEDED, else 4).
+
+    Without a reachable control plane it follows until Ctrl-C (said once on stderr).
+    """
+    from marind.agent.lifecycle import JobState
+    from marind.core.errors import ControlPlaneUnavailable, JobFailed
+
+    try:
+        jc = _client(args)
+    except ControlPlaneUnavailable as exc:
+        sys.stderr.write(f"marind: {exc}; following until Ctrl-C (the job's end cannot be seen)\n")
+        jc = None
+    last_look = 0.0
     try:
         while True:
-            for path in files:
-                size = path.stat().st_size
-                if size > offsets[path]:
-                    with open(path, errors="replace") as fh:
-                        fh.seek(offsets[path])
-                        sys.stdout.write(fh.read())
-                    offsets[path] = size
-            sys.stdout.flush()
-            time.sleep(0.5)
+            _copy_new(offsets)
+            if jc is not None and time.monotonic() - last_look >= state_every:
+                last_look = time.monotonic()
+                try:
+                    state = jc.state(args.job)
+                except ControlPlaneUnavailable:
+                    continue
+                if state.is_terminal():
+                    time.sleep(poll)          # the last lines the workers wrote on the way out
+                    _copy_new(offsets)
+                    if state != JobState.SUCCEEDED:
+                        raise JobFailed(f"job {args.job} {state.value}: see `marind events {args.job}`")
+                    return 0
+            time.sleep(poll)
     except KeyboardInterrupt:
         return 0

@@ -97,7 +97,7 @@ def test_agent_runs_cancels_and_recovers_jobs(tmp_path, etcd, etcd_client, etcd_
     assert doc["schema_version"] == 1 and doc["jobs"][0]["id"] == job
     row = doc["jobs"][0]
     assert set(row) == {"id", "name", "state", "nodes", "world_size", "step", "loss", "tokens_per_s",
-                        "last_checkpoint_step", "restarts", "updated_at"}
+                        "last_checkpoint_step", "restarts", "reason", "updated_at"}
     assert row["state"] == "SUCCEEDED" and row["step"] == 8 and row["world_size"] == 2
     assert [n["node"] for n in doc["nodes"]] == ["a"]
     rc, out, _ = _cli(capsys, "logs", job)

@@ -17,6 +17,8 @@ from marind.metrics import Metrics
 
 pytestmark = pytest.mark.unit
 
+NEW_ROUND = "a new rendezvous round: the job's nodes changed or another node's workers failed"
+
 SPEC = """
 [job]
 name = "h"
@@ -62,6 +64,9 @@ class FakeOutbox:
 
     def event(self, job, kind, detail):
         self.events.append((kind, detail))
+
+    def last_error(self, job, record):
+        self.events.append(("last_error", record))
 
 
 def _progress(run_dir: Path, rank: int, pid: int, step: int, phase: str = "training") -> None:
@@ -129,8 +134,8 @@ def test_a_new_round_is_a_restart(tmp_path):
     sup._workers = [WorkerProc(201, 0, 0), WorkerProc(202, 1, 1)]
     run.supervise(1.0)
     assert (run.generations, run.restarts, run.awaiting_running_since) == (2, 1, 1.0)
-    assert outbox.states[-1] == (JobEvent.RESTART, "torchrun restarted workers on n1")
-    assert outbox.events == [("restart", {"round": 2, "restarts": 1})]
+    assert outbox.states[-1] == (JobEvent.RESTART, f"workers restarted on n1: {NEW_ROUND}")
+    assert outbox.events == [("restart", {"round": 2, "restarts": 1, "reason": NEW_ROUND})]
     _progress(tmp_path, 0, 201, 9)
     run.supervise(2.0)
     assert outbox.states[-1] == (JobEvent.WORKERS_STARTED, "workers running (round 2)")
