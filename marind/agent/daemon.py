@@ -143,6 +143,7 @@ class Agent:
     def _connect(self) -> bool:
         self.link = Link.open(self.config, self.endpoint, slots=self.slots, online=lambda: self.etcd_ok,
                               offline=self._offline, on_keepalive_failure=self._keepalive_failed)
+        self.doctor = DoctorProbes(self.link.client, self.config, self.endpoint)
         registry = self.link.registry
         last_log = 0.0
         while not self.stop_event.is_set():

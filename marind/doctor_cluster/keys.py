@@ -104,6 +104,8 @@ class Phases:
 
     @classmethod
     def of(cls, timeout_s: float) -> Phases:
-        """The phases of a check bounded by ``timeout_s`` (gather twice, connect, the collectives)."""
-        return cls(gather_s=max(2.0, timeout_s * 0.15), connect_s=max(1.0, min(5.0, timeout_s * 0.05)),
-                   collective_s=max(5.0, timeout_s * 0.4))
+        """The phases of a check bounded by ``timeout_s``: gathering twice, connecting and one
+        collective's timeout fit in it, so a collective that times out is reported as such
+        before the probe's watchdog fires."""
+        return cls(gather_s=max(1.0, timeout_s * 0.15), connect_s=max(0.5, min(5.0, timeout_s * 0.05)),
+                   collective_s=max(3.0, timeout_s * 0.4))
