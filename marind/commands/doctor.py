@@ -23,6 +23,10 @@ import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from marind.doctor_cluster.verdict import Report
 
 MIN_FREE_BYTES = 5 * 2**30
 
@@ -191,7 +195,8 @@ def run_cluster(args) -> int:
         hosts = registered_hosts(client)
         if not hosts:
             if args.json:
-                print(json.dumps({"schema_version": 1, "ok": False, "failing": [], "hosts": []}))
+                print(json.dumps({"schema_version": 1, "ok": False, "request": None, "backend": "",
+                                  "bytes": nbytes, "world_size": 0, "failing": [], "hosts": []}))
             else:
                 print("No nodes registered: start `marind agent` on each host first.")
             return 1
@@ -199,25 +204,32 @@ def run_cluster(args) -> int:
                            by=f"{os.environ.get('USER', '?')}@{socket.gethostname()}")
     if args.json:
         print(json.dumps(report.to_dict()))
-        return 0 if report.ok else 1
-    head = ("NODE", "HOST", "REACHABLE", "LATENCY", "BUS BW", "RESULT")
-    lines = [(r.node, r.host or "-", f"{r.reachable_from}/{r.peers}", _ms(r.latency_s), _rate(r.bus_bandwidth),
-              "ok" if r.ok else f"FAIL: {r.error}") for r in report.rows]
-    widths = [max(len(x[i]) for x in [head, *lines]) for i in range(len(head) - 1)]
-    for line in [head, *lines]:
-        print("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=False)) + "  " + line[-1])
-    print(f"\n{report.world_size} of {len(report.rows)} host(s) all-reduced {report.bytes} bytes"
-          f" ({report.backend or 'no backend reached'}).")
-    if report.ok:
-        print(f"All {len(report.rows)} hosts passed.")
     else:
-        print(f"FAILING: {', '.join(report.failing)}")
+        print("\n".join(cluster_table(report)))
     return 0 if report.ok else 1
+
+
+def cluster_table(report: Report) -> list[str]:
+    """The text of ``doctor --cluster``: a row per host, a summary line, the verdict naming the failing hosts."""
+    head = ("NODE", "HOST", "REACHABLE", "LATENCY", "BUS BW", "RESULT")
+    cells = [(r.node, r.host or "-", f"{r.reachable_from}/{r.peers}", _ms(r.latency_s), _rate(r.bus_bandwidth),
+              "ok" if r.ok else f"FAIL: {r.error}") for r in report.rows]
+    widths = [max(len(row[i]) for row in [head, *cells]) for i in range(len(head) - 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]
+             for row in [head, *cells]]
+    lines.append("")
+    lines.append(f"{report.world_size} of {len(report.rows)} host(s) all-reduced {report.bytes} bytes "
+                 f"({report.backend or 'no collective ran'}).")
+    lines.append(f"All {len(report.rows)} hosts passed." if report.ok
+                 else f"FAILING: {', '.join(report.failing)}")
+    return lines
 
 
 def run(args) -> int:
     if args.cluster:
         return run_cluster(args)
+    if args.bytes is not None or args.timeout is not None:
+        raise ValueError("doctor: --bytes and --timeout belong to the cluster check: add --cluster")
     from marind.agent.config import default_state_dir
     state_dir = args.state_dir or os.environ.get("MARIND_STATE_DIR") or str(default_state_dir())
     checks = check_torch()

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from marind.cli import main
+from marind.commands.doctor import cluster_table
 from marind.core.etcd_client import EtcdClient
 from marind.doctor_cluster.client import run_check
 from marind.doctor_cluster.keys import Phases, Request, requests_prefix
@@ -127,10 +128,29 @@ def test_the_probe_phases_fit_in_the_timeout(timeout):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("flags", [["--bytes", "2"], ["--timeout", "1"]])
+@pytest.mark.parametrize("flags", [["--cluster", "--bytes", "2"], ["--cluster", "--timeout", "1"], ["--bytes", "64"]])
 def test_bad_cluster_flags_exit_2(flags, capsys):
-    assert main(["doctor", "--cluster", *flags]) == 2
-    assert "doctor --cluster" in capsys.readouterr().err
+    assert main(["doctor", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Error: doctor") and "--cluster" in err and err.count("\n") == 1
+
+
+@pytest.mark.unit
+def test_the_table_has_a_row_per_host_and_names_the_failing_one():
+    hosts = ("host1", "host2", "host3")
+    reach = matrix(hosts, cut("host1", hosts))
+    plan = choose_group(hosts, reach)
+    results = {"host1": HostResult("host1", "host1", error=plan.excluded["host1"]),
+               "host2": HostResult("host2", "host2", 0, 2, "gloo", 2.5e-4, 1.5e9),
+               "host3": HostResult("host3", "host3", 1, 2, "gloo", 3e-4, 1.25e9)}
+    report = build_report("r", hosts, 1 << 20, reported=set(hosts), reach=reach, plan=plan, results=results)
+    lines = cluster_table(report)
+    assert lines[0].split() == ["NODE", "HOST", "REACHABLE", "LATENCY", "BUS", "BW", "RESULT"]
+    assert lines[1].startswith("host1") and "0/2" in lines[1] and "FAIL: not reachable from host2 (timeout)" in lines[1]
+    assert lines[2].split() == ["host2", "host2", "1/2", "0.25", "ms", "1.50", "GB/s", "ok"]
+    assert lines[3].split() == ["host3", "host3", "1/2", "0.30", "ms", "1.25", "GB/s", "ok"]
+    assert lines[-2] == "2 of 3 host(s) all-reduced 1048576 bytes (gloo)."
+    assert lines[-1] == "FAILING: host1"
 
 
 def test_probes_on_loopback_measure_and_name_the_host_without_one(etcd, etcd_prefix):
