@@ -17,6 +17,9 @@ from marind.doctor_cluster.verdict import Group, HostResult, Report, build_repor
 
 POLL_S = 0.25
 LEASE_MARGIN_S = 30
+#: how long past ``timeout_s`` the CLI waits: a probe starts a moment after the request, and its
+#: watchdog reports at ``timeout_s`` after its own start
+WAIT_MARGIN_S = 10
 
 log = get_logger("doctor_cluster.client")
 
@@ -36,7 +39,7 @@ def collect(client: EtcdClient, request: Request) -> Report:
     plan_doc = client.get_json(run_key(client, request.id, "plan"))
     results = {n: HostResult.from_dict(v) for n, v in _rows(client, request.id, "result").items()}
     return build_report(request.id, request.hosts, request.bytes,
-                        reported=set(_rows(client, request.id, "addr")),
+                        reported={n: str(v.get("host", "")) for n, v in _rows(client, request.id, "addr").items()},
                         reach=_rows(client, request.id, "reach"),
                         plan=Group.from_dict(plan_doc) if isinstance(plan_doc, dict) else None, results=results)
 
@@ -83,7 +86,7 @@ def run_check(client: EtcdClient, hosts: list[str], *, nbytes: int, timeout_s: f
     try:
         client.put_json(request_key(client, request.id), request.to_dict(), lease=lease)
         log.info("cluster_check_requested", request=request.id, hosts=hosts)
-        deadline = time.monotonic() + timeout_s + 5
+        deadline = time.monotonic() + timeout_s + WAIT_MARGIN_S
         while True:
             report = collect(client, request)
             if finished(client, request) or time.monotonic() >= deadline:

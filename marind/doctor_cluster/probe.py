@@ -156,11 +156,14 @@ class Probe:
         return Group.from_dict(self.client.get_json(self.key("plan")) or mine.to_dict())
 
     def collective(self, group: Group) -> HostResult:
-        """Step 4: the process group, barrier, latency and bandwidth all-reduces."""
+        """Step 4: the process group, barrier, latency and bandwidth all-reduces.
+
+        On an error the group is not destroyed (that could block on the failed peer): the
+        process publishes the error and exits."""
         import torch
         import torch.distributed as dist
 
-        from marind.distributed import backend_for, device_for_local_rank
+        from marind.distributed import backend_for, device_for_local_rank, shutdown_distributed
         from marind.rendezvous.store import Etcd3Store
 
         self.rank, self.world = group.members.index(self.node), len(group.members)
@@ -176,36 +179,34 @@ class Probe:
         def sync() -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-        try:
-            self.phase = "barrier"
-            dist.barrier()
-            self.phase = "latency all-reduces"
-            small = torch.ones(1, device=device)
+        self.phase = "barrier"
+        dist.barrier()
+        self.phase = "latency all-reduces"
+        small = torch.ones(1, device=device)
+        dist.all_reduce(small)
+        sync()
+        if small.item() != self.world:
+            return self.result(f"all-reduce returned {small.item()}, expected {self.world}")
+        small.zero_()
+        times = []
+        for _ in range(LATENCY_ITERS):
+            tic = time.perf_counter()
             dist.all_reduce(small)
             sync()
-            if small.item() != self.world:
-                return self.result(f"all-reduce returned {small.item()}, expected {self.world}")
-            times = []
-            for _ in range(LATENCY_ITERS):
-                tic = time.perf_counter()
-                dist.all_reduce(small)
-                sync()
-                times.append(time.perf_counter() - tic)
-            self.phase = f"bandwidth all-reduces ({self.req.bytes} bytes)"
-            big = torch.ones(self.req.bytes // 4, dtype=torch.float32, device=device)
+            times.append(time.perf_counter() - tic)
+        self.phase = f"bandwidth all-reduces ({self.req.bytes} bytes)"
+        big = torch.ones(self.req.bytes // 4, dtype=torch.float32, device=device)
+        dist.all_reduce(big)
+        sync()
+        bw = []
+        for _ in range(BANDWIDTH_ITERS):
+            tic = time.perf_counter()
             dist.all_reduce(big)
             sync()
-            bw = []
-            for _ in range(BANDWIDTH_ITERS):
-                tic = time.perf_counter()
-                dist.all_reduce(big)
-                sync()
-                bw.append(time.perf_counter() - tic)
-            seconds = median(bw) or 0.0
-            return self.result(latency=median(times), busbw=bus_bandwidth(big.numel() * 4, seconds, self.world))
-        finally:
-            self.phase = "leaving the process group"
-            dist.destroy_process_group()
+            bw.append(time.perf_counter() - tic)
+        self.phase = "leaving the process group"
+        shutdown_distributed()      # barrier + destroy: no rank leaves while a peer still sends
+        return self.result(latency=median(times), busbw=bus_bandwidth(big.numel() * 4, median(bw) or 0.0, self.world))
 
     def run(self) -> HostResult:
         """The whole probe; its result (the error says which phase failed)."""

@@ -173,7 +173,7 @@ def host_error(node: str, *, reported: bool, plan: Group | None, result: HostRes
     return result.error
 
 
-def build_report(request_id: str, hosts: Sequence[str], nbytes: int, *, reported: set[str],
+def build_report(request_id: str, hosts: Sequence[str], nbytes: int, *, reported: Mapping[str, str],
                  reach: Mapping[str, Mapping[str, str]], plan: Group | None,
                  results: Mapping[str, HostResult]) -> Report:
     """The report of a check from what the probes wrote.
@@ -182,7 +182,7 @@ def build_report(request_id: str, hosts: Sequence[str], nbytes: int, *, reported
         request_id: the request.
         hosts: the request's hosts, in rank order.
         nbytes: the bandwidth all-reduce's size.
-        reported: hosts whose probe published a listener.
+        reported: hostname by node, for each host whose probe published a listener.
         reach: the reachability rows (``reach[src][dst]``).
         plan: the group (None when no probe wrote one).
         results: each host's result.
@@ -196,7 +196,7 @@ def build_report(request_id: str, hosts: Sequence[str], nbytes: int, *, reported
         res = results.get(node)
         err = host_error(node, reported=node in reported, plan=plan, result=res)
         peers = [o for o in hosts if o != node]
-        rows.append(Row(node=node, host=res.host if res else "", ok=err is None,
+        rows.append(Row(node=node, host=res.host if res else reported.get(node, ""), ok=err is None,
                         reachable_from=sum(not _failed(reach, o, node) for o in peers), peers=len(peers),
                         rank=res.rank if res else None, latency_s=res.latency_s if res else None,
                         bus_bandwidth=res.bus_bandwidth if res else None, error=err))

@@ -91,12 +91,13 @@ def test_report_names_the_failing_hosts_and_why():
     results = {"a": HostResult("a", "ha", 0, 2, "gloo", 1e-4, 5e8),
                "b": HostResult("b", "hb", 1, 2, "gloo", error="barrier failed: boom"),
                "c": HostResult("c", "hc", error=plan.excluded["c"])}
-    report = build_report("r", hosts, 1024, reported={"a", "b", "c"}, reach=reach, plan=plan, results=results)
+    del results["c"]                    # its probe's result is late: the row still says which host it is
+    report = build_report("r", hosts, 1024, reported={"a": "ha", "b": "hb", "c": "hc"}, reach=reach, plan=plan, results=results)
     rows = {r.node: r for r in report.rows}
     assert not report.ok and report.failing == ("b", "c", "d")
     assert rows["a"].ok and rows["a"].latency_s == 1e-4 and rows["a"].reachable_from == 1
     assert rows["b"].error == "barrier failed: boom"
-    assert rows["c"].error.startswith("not reachable from a (timeout), b (timeout)") and rows["c"].reachable_from == 0
+    assert rows["c"].host == "hc" and rows["c"].error.startswith("not reachable from a (timeout), b (timeout)") and rows["c"].reachable_from == 0
     assert "no probe reported" in rows["d"].error
     doc = report.to_dict()
     assert doc["schema_version"] == 1 and doc["backend"] == "gloo" and doc["world_size"] == 2
@@ -105,7 +106,7 @@ def test_report_names_the_failing_hosts_and_why():
 
 @pytest.mark.unit
 def test_a_member_without_a_result_fails():
-    report = build_report("r", ("a", "b"), 8, reported={"a", "b"}, reach=matrix(("a", "b")),
+    report = build_report("r", ("a", "b"), 8, reported={"a": "ha", "b": "hb"}, reach=matrix(("a", "b")),
                           plan=Group(("a", "b")), results={"a": HostResult("a", "ha", 0, 2, "gloo", 1e-4, 1e9)})
     assert report.failing == ("b",) and "no result within the timeout" in report.rows[1].error
 
@@ -143,7 +144,7 @@ def test_the_table_has_a_row_per_host_and_names_the_failing_one():
     results = {"host1": HostResult("host1", "host1", error=plan.excluded["host1"]),
                "host2": HostResult("host2", "host2", 0, 2, "gloo", 2.5e-4, 1.5e9),
                "host3": HostResult("host3", "host3", 1, 2, "gloo", 3e-4, 1.25e9)}
-    report = build_report("r", hosts, 1 << 20, reported=set(hosts), reach=reach, plan=plan, results=results)
+    report = build_report("r", hosts, 1 << 20, reported={h: h for h in hosts}, reach=reach, plan=plan, results=results)
     lines = cluster_table(report)
     assert lines[0].split() == ["NODE", "HOST", "REACHABLE", "LATENCY", "BUS", "BW", "RESULT"]
     assert lines[1].startswith("host1") and "0/2" in lines[1] and "FAIL: not reachable from host2 (timeout)" in lines[1]
