@@ -79,8 +79,10 @@ def choose_group(hosts: Sequence[str], reach: Mapping[str, Mapping[str, str]]) -
         worst = max(failures.values(), default=0)
         if worst == 0:
             break
-        for h in [h for h in members if failures[h] == worst]:
-            excluded[h] = describe_links(h, members, reach)
+        dropped = [h for h in members if failures[h] == worst]
+        tie = " (as many failed links as every other host: the check cannot tell which one is at fault)"
+        for h in dropped:
+            excluded[h] = describe_links(h, members, reach) + (tie if len(dropped) == len(members) else "")
         members = [h for h in members if failures[h] != worst]
     return Group(tuple(members), excluded)
 

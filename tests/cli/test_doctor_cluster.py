@@ -20,6 +20,7 @@ from marind.doctor_cluster.client import run_check
 from marind.doctor_cluster.keys import Phases, Request, requests_prefix
 from marind.doctor_cluster.verdict import Group, HostResult, build_report, bus_bandwidth, choose_group
 from marind.testing.procs import spawn
+from tests.agent.helpers import agent_log, node_registered, start_agent, wait_for
 
 H3 = ("host1", "host2", "host3")
 
@@ -56,6 +57,8 @@ def test_two_hosts_that_cannot_reach_each_other_both_fail():
     hosts = ("a", "b")
     group = choose_group(hosts, matrix(hosts, cut("a", hosts)))
     assert group.members == () and set(group.excluded) == {"a", "b"}
+    assert group.excluded["a"].startswith("not reachable from b (timeout); cannot reach b (timeout)")
+    assert "cannot tell which one is at fault" in group.excluded["b"]
 
 
 @pytest.mark.unit
@@ -181,3 +184,20 @@ def test_probes_on_loopback_measure_and_name_the_host_without_one(etcd, etcd_pre
         assert rows[node].ok and rows[node].rank == "abc".index(node), rows[node]
         assert rows[node].latency_s and rows[node].bus_bandwidth and rows[node].reachable_from == 2
     assert "no probe reported" in rows["d"].error
+
+
+def test_two_agents_on_loopback_pass_the_text_check(etcd, etcd_prefix, tmp_path, capsys, monkeypatch):
+    """The whole path without the bed: two real agents each start their probe; the table, exit 0."""
+    monkeypatch.setenv("MARIND_PREFIX", etcd_prefix)
+    for node in ("n1", "n2"):
+        start_agent(tmp_path, node, etcd.endpoint, etcd_prefix)
+    with EtcdClient(etcd.endpoint, prefix=etcd_prefix) as client:
+        wait_for(lambda: node_registered(client, "n1") and node_registered(client, "n2"), 60, "two agents",
+                 diag=lambda: agent_log(tmp_path, "n1") + agent_log(tmp_path, "n2"))
+    rc = main(["doctor", "--cluster", "--etcd", etcd.endpoint, "--bytes", str(1 << 20), "--timeout", "40"])
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0, "\n".join(lines)
+    assert [line.split()[0] for line in lines[1:3]] == ["n1", "n2"]
+    assert all(line.split()[2] == "1/1" and line.endswith("  ok") and "GB/s" in line for line in lines[1:3]), lines
+    assert lines[-2:] == [f"2 of 2 host(s) all-reduced {1 << 20} bytes (gloo).", "All 2 hosts passed."]
+    assert (tmp_path / "state-n1" / "doctor").is_dir()       # the probe's log, by its agent
