@@ -5,7 +5,8 @@
     {p}/doctor/runs/{id}/reach/{node}    whom that probe reached: {peer: outcome}
     {p}/doctor/runs/{id}/plan            the group: {members, excluded}; the first probe to decide writes it
     {p}/doctor/runs/{id}/result/{node}   that host's row (``verdict.HostResult``)
-    {p}/doctor/runs/{id}/pg/...          the process group's store (``Etcd3Store``)
+    {p}/doctor/runs/{id}/pg/jobs/doctor/rdzv/store/...   the process group's store (``Etcd3Store`` on a client
+                                         whose prefix is ``runs/{id}/pg``)
 
 Agents watch ``{p}/doctor/requests/``; the CLI deletes the request and the run's keys when done.
 """
