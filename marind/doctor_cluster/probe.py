@@ -259,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)
     except Exception as exc:  # noqa: BLE001 - reported as this host's error
         result = probe.result(f"{probe.phase} failed: {type(exc).__name__}: {exc}")
-    probe.publish(result)
+    try:
+        probe.publish(result)
+    except ControlPlaneUnavailable as exc:
+        log.error("probe_lost_etcd", request=args.request, error=str(exc), result=asdict(result))
+        os._exit(1)
     log.info("probe_done", request=args.request, node=args.node, result=asdict(result))
     sys.stdout.flush()
     os._exit(0)     # no waiting on gloo's or the watch's threads
