@@ -34,6 +34,7 @@ from marind.agent.decisions import (
     on_terminal_state,
     replica_group_lost,
 )
+from marind.agent.doctor_probe import DoctorProbes
 from marind.agent.ft_coordinator import FTCoordinator
 from marind.agent.job_records import JobView, job_nodes, list_job_ids, read_job
 from marind.agent.lifecycle import JobEvent
@@ -73,6 +74,7 @@ class Agent:
         self.finished: set[str] = set()      # jobs this agent is done with (terminal, or ran to an end here)
         self._warned: set[tuple[str, str]] = set()     # (what, job) logged once
         self.link: Link | None = None
+        self.doctor: DoctorProbes | None = None      # `marind doctor --cluster` probes
         self.etcd_server: LocalEtcd | None = None
         self.metrics_server: MetricsServer | None = None
         self.endpoint = config.etcd
@@ -144,6 +146,7 @@ class Agent:
     def _connect(self) -> bool:
         self.link = Link.open(self.config, self.endpoint, slots=self.slots, online=lambda: self.etcd_ok,
                               offline=self._offline, on_keepalive_failure=self._keepalive_failed)
+        self.doctor = DoctorProbes(self.link.client, self.config, self.endpoint)
         registry = self.link.registry
         last_log = 0.0
         while not self.stop_event.is_set():
@@ -187,6 +190,8 @@ class Agent:
                 link.outbox.leaving(job, run.members, "agent stopping")
                 link.outbox.event(job, "node_left", {"reason": "agent stopping"})
         self.runs.clear()
+        if self.doctor is not None:
+            self.doctor.stop()
         if link is not None:
             link.outbox.flush()
             link.watch.stop()
@@ -233,6 +238,8 @@ class Agent:
             self._supervise(run, now)
         if self.etcd_ok:
             link.outbox.flush()
+            if self.doctor is not None:
+                self.doctor.tick()
         self.metrics.set("marind_jobs", len(self.runs))
         if self._watchdog_every is not None and time.monotonic() - self._last_watchdog >= self._watchdog_every:
             self.notifier.watchdog()

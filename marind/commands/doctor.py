@@ -5,6 +5,11 @@ across 2 local processes, etcd reachability with a write test, the
 checkpoint store (fsspec) with a write/read/delete test, the etcd binary
 for the embedded default, and free disk in the state dir. Prints a
 pass/fail table with the fix for each failure; exit 1 if any fails.
+
+``--cluster`` runs the cluster check instead (``marind.doctor_cluster``):
+through the agents, one all-reduce across every registered host; a row
+per host (reachable from how many peers, latency, bus bandwidth, error),
+the failing hosts named; exit 1 if any fails.
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from marind.doctor_cluster.verdict import Report
 
 MIN_FREE_BYTES = 5 * 2**30
 
@@ -48,6 +57,10 @@ def register(sub) -> None:
     p.add_argument("--storage-options", help='JSON options for fsspec, e.g. \'{"client_kwargs": {"endpoint_url": "..."}}\'')
     p.add_argument("--state-dir", help="state dir to check for free disk")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--cluster", action="store_true",
+                   help="through the agents: one all-reduce across every registered host (a row per host)")
+    p.add_argument("--bytes", type=int, help="--cluster: the bandwidth all-reduce's size (default 32 MiB)")
+    p.add_argument("--timeout", type=float, help="--cluster: seconds the check may take (default 90)")
     p.set_defaults(handler=run)
 
 
@@ -161,7 +174,62 @@ def check_etcd_binary() -> Check:
                  "" if path else "apt-get install etcd-server, or configure [etcd] endpoints")
 
 
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value / 1e9:.2f} GB/s"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.2f} ms"
+
+
+def run_cluster(args) -> int:
+    """`marind doctor --cluster`: the cluster check; exit 1 if a host fails (or none is registered)."""
+    from marind.doctor_cluster.client import registered_hosts, run_check
+    from marind.doctor_cluster.keys import DEFAULT_BYTES, DEFAULT_TIMEOUT_S
+    from marind.jobs_client import connect
+    nbytes = DEFAULT_BYTES if args.bytes is None else args.bytes
+    timeout = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
+    if nbytes < 4 or timeout < 10:
+        raise ValueError("doctor --cluster: --bytes must be >= 4 and --timeout >= 10 (seconds)")
+    with connect(args.etcd, args.config) as client:
+        hosts = registered_hosts(client)
+        if not hosts:
+            if args.json:
+                print(json.dumps({"schema_version": 1, "ok": False, "request": None, "backend": "",
+                                  "bytes": nbytes, "world_size": 0, "failing": [], "hosts": []}))
+            else:
+                print("No nodes registered: start `marind agent` on each host first.")
+            return 1
+        report = run_check(client, hosts, nbytes=nbytes, timeout_s=timeout,
+                           by=f"{os.environ.get('USER', '?')}@{socket.gethostname()}")
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print("\n".join(cluster_table(report)))
+    return 0 if report.ok else 1
+
+
+def cluster_table(report: Report) -> list[str]:
+    """The text of ``doctor --cluster``: a row per host, a summary line, the verdict naming the failing hosts."""
+    head = ("NODE", "HOST", "REACHABLE", "LATENCY", "BUS BW", "RESULT")
+    cells = [(r.node, r.host or "-", f"{r.reachable_from}/{r.peers}", _ms(r.latency_s), _rate(r.bus_bandwidth),
+              "ok" if r.ok else f"FAIL: {r.error}") for r in report.rows]
+    widths = [max(len(row[i]) for row in [head, *cells]) for i in range(len(head) - 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]
+             for row in [head, *cells]]
+    lines.append("")
+    lines.append(f"{report.world_size} of {len(report.rows)} host(s) all-reduced {report.bytes} bytes "
+                 f"({report.backend or 'no collective ran'}).")
+    lines.append(f"All {len(report.rows)} hosts passed." if report.ok
+                 else f"FAILING: {', '.join(report.failing)}")
+    return lines
+
+
 def run(args) -> int:
+    if args.cluster:
+        return run_cluster(args)
+    if args.bytes is not None or args.timeout is not None:
+        raise ValueError("doctor: --bytes and --timeout belong to the cluster check: add --cluster")
     from marind.agent.config import default_state_dir
     state_dir = args.state_dir or os.environ.get("MARIND_STATE_DIR") or str(default_state_dir())
     checks = check_torch()
