@@ -316,14 +316,12 @@ class Agent:
         if not ready:
             return
         run = launch(view.id, spec, run_dir=run_dir, config=self.config, endpoint=self.endpoint, node=self.node,
-                     ft=ft, client=link.client, outbox=link.outbox, metrics=self.metrics)
+                     ft=ft, client=link.client, outbox=link.outbox, metrics=self.metrics,
+                     registration=link.registry.generation)
         self.runs[view.id] = run
-        fenced = self.fencing.rejoined(view.id)
-        if fenced is not None:
-            link.outbox.event(view.id, "node_rejoined", {"torchrun_pid": run.sup.pid, "slots": self.slots,
-                                                         "fenced_at": fenced["fenced_at"]})
-        else:
-            link.outbox.event(view.id, "node_joined", {"torchrun_pid": run.sup.pid, "slots": self.slots})
+        fenced = self.fencing.rejoined(view.id)    # back after a fence: the job grows back
+        kind, extra = ("node_rejoined", {"fenced_at": fenced["fenced_at"]}) if fenced else ("node_joined", {})
+        link.outbox.event(view.id, kind, {"torchrun_pid": run.sup.pid, "slots": self.slots, **extra})
         self._report(run, time.time(), force=True)
 
     def _end_run(self, run: RunMonitor, why: str) -> None:

@@ -1,7 +1,9 @@
 """Which nodes left a job, and how: one ``node_lost`` event per lost node, whoever notices.
 
 Each node of a job keeps ``{p}/jobs/{job}/nodes/{node}`` under its lease,
-with the pid of its agent (``agent_pid``): one incarnation of the node.
+with the pid of its agent (``agent_pid``): one incarnation of the node (an
+agent that registered anew after a fence writes ``incarnation``:
+``{agent_pid}.{registration}``, so a second loss is a new one).
 An agent that ends its part cleanly first writes
 ``{p}/jobs/{job}/departed/{node}/{agent_pid}`` (``how: "left"``), then
 deletes its record; an agent that dies just loses its record when its lease
@@ -42,12 +44,12 @@ def loss_cause(replaced: bool, registration: dict | None, incarnation: str) -> s
     Args:
         replaced: a record of another incarnation took its place.
         registration: the node's ``{p}/nodes/{node}`` now, or None.
-        incarnation: the vanished incarnation (its agent's pid).
+        incarnation: the vanished incarnation (its agent's pid, ``.{registration}`` after the first).
 
     Returns:
         ``LEASE_EXPIRED``, ``AGENT_RESTARTED`` or ``RECORD_DROPPED``.
     """
-    if replaced or (registration is not None and str(registration.get("pid")) != incarnation):
+    if replaced or (registration is not None and str(registration.get("pid")) != incarnation.split(".")[0]):
         return AGENT_RESTARTED
     return LEASE_EXPIRED if registration is None else RECORD_DROPPED
 
@@ -88,7 +90,7 @@ class Membership:
         prefix = self.client.key("jobs", self.job, "nodes") + "/"
         records = {key.rsplit("/", 1)[-1]: rec for key, rec in self.client.get_prefix_json(prefix).items()
                    if isinstance(rec, dict)}
-        now = {node: str(rec.get("agent_pid", "?")) for node, rec in records.items()}
+        now = {node: str(rec.get("incarnation", rec.get("agent_pid", "?"))) for node, rec in records.items()}
         losses = []
         for node, inc in vanished(self.known, now, self.node):
             departed = self.client.get_json(self._departed_key(node, inc))

@@ -225,6 +225,8 @@ class RunMonitor:
         record: dict[str, Any] = {"state": state, "torchrun_pid": self.sup.pid, "workers": workers, "restarts": self.restarts,
                   "step": self.step, "updated_at": now, "host": host,
                   "agent_pid": os.getpid(), "node": self.node, "round": self.generations}
+        if self.members is not None and self.members.incarnation != str(os.getpid()):
+            record["incarnation"] = self.members.incarnation      # registered anew after a fence
         if self.ft is not None:
             record["ft"] = self.ft.report()
         return record
@@ -328,7 +330,8 @@ class RunMonitor:
 
 
 def launch(job: str, spec: RunSpec, *, run_dir: Path, config: AgentConfig, endpoint: str, node: str,
-           ft: FTCoordinator | None, client: EtcdClient, outbox: Outbox, metrics: Metrics) -> RunMonitor:
+           ft: FTCoordinator | None, client: EtcdClient, outbox: Outbox, metrics: Metrics,
+           registration: int = 1) -> RunMonitor:
     """Start this node's torchrun of a job and the monitor that watches it.
 
     Args:
@@ -342,6 +345,8 @@ def launch(job: str, spec: RunSpec, *, run_dir: Path, config: AgentConfig, endpo
         client: the etcd client (the job's membership watch).
         outbox: where state changes and events go.
         metrics: the agent's metrics.
+        registration: the node's registration count (``NodeRegistry.generation``): after the
+            first, the node's incarnation in the job is ``{agent_pid}.{registration}``.
 
     Returns:
         The monitor of the started torchrun.
@@ -358,5 +363,6 @@ def launch(job: str, spec: RunSpec, *, run_dir: Path, config: AgentConfig, endpo
         ft.launched_slot = ft.slot
     sup = TorchrunSupervisor(job, run_dir, cmd, env)
     sup.start()
-    members = Membership(client, job, node, incarnation=str(os.getpid()))
+    incarnation = str(os.getpid()) if registration <= 1 else f"{os.getpid()}.{registration}"
+    members = Membership(client, job, node, incarnation=incarnation)
     return RunMonitor(job, spec, sup, node=node, outbox=outbox, metrics=metrics, members=members, ft=ft)
