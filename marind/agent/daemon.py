@@ -319,6 +319,7 @@ class Agent:
                      ft=ft, client=link.client, outbox=link.outbox, metrics=self.metrics,
                      registration=link.registry.generation)
         self.runs[view.id] = run
+        self.fencing.started(run)
         fenced = self.fencing.rejoined(view.id)    # back after a fence: the job grows back
         kind, extra = ("node_rejoined", {"fenced_at": fenced["fenced_at"]}) if fenced else ("node_joined", {})
         link.outbox.event(view.id, kind, {"torchrun_pid": run.sup.pid, "slots": self.slots, **extra})

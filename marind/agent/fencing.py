@@ -11,6 +11,10 @@ train on. Once etcd answers after an expiry, the node registers anew
 (``NodeRegistry.rejoin``: a new lease), writes ``host_fenced`` for each
 fenced job, and the agent starts the job again, a ``node_rejoined`` event:
 the node joins the job's next round.
+
+It also keeps each run's ``lease.json`` (``marind.core.lease_file``) at the
+lease's last renewal + TTL, so that a checkpoint commit can refuse to run
+for a world that may have been replaced.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from marind.agent.link import Link
 from marind.agent.run_monitor import RunMonitor
 from marind.agent.supervisor import TorchrunSupervisor
 from marind.core.errors import ControlPlaneUnavailable
+from marind.core.lease_file import write_lease
 from marind.core.log import get_logger
 
 
@@ -40,6 +45,8 @@ class Fencing:
         self.link = link
         self.fenced: dict[str, dict] = {}     # job -> what was fenced, until the job runs here again
         self._unreported: list[str] = []      # jobs whose host_fenced waits for the new registration
+        self._lease_written = 0.0
+        self.node = node
         self.log = get_logger(__name__, node=node)
 
     def tick(self, runs: dict[str, RunMonitor], now: float) -> bool:
@@ -53,6 +60,8 @@ class Fencing:
             False while the node waits to register anew (no job may start meanwhile).
         """
         reg = self.link.registry
+        if reg.last_renewal != self._lease_written:
+            self._write_lease_files(runs, reg.last_renewal, reg.ttl)
         for run in list(runs.values()):
             fence, why = fence_due(last_renewal=reg.last_renewal, ttl=reg.ttl, now=now,
                                    progress_at=run.progress_at, stall_s=stall_window(reg.ttl))
@@ -71,6 +80,23 @@ class Fencing:
         self._unreported.clear()
         self.link.watch.poke()
         return True
+
+    def _write_lease_files(self, runs: dict[str, RunMonitor], renewed_at: float, ttl: float) -> None:
+        """Each run's ``lease.json``: how long its workers may still commit (``marind.core.lease_file``)."""
+        for run in runs.values():
+            try:
+                write_lease(run.sup.run_dir, renewed_at=renewed_at, ttl=ttl, node=self.node)
+            except OSError as exc:
+                self.log.warning("lease_file_failed", job=run.job, error=str(exc))
+        self._lease_written = renewed_at if runs else 0.0
+
+    def started(self, run: RunMonitor) -> None:
+        """A run just started: its lease file now (the next renewal rewrites it)."""
+        reg = self.link.registry
+        try:
+            write_lease(run.sup.run_dir, renewed_at=reg.last_renewal, ttl=reg.ttl, node=self.node)
+        except OSError as exc:
+            self.log.warning("lease_file_failed", job=run.job, error=str(exc))
 
     def rejoined(self, job: str) -> dict | None:
         """The job starts here again: what was fenced of it (None: it was not)."""

@@ -15,10 +15,12 @@ and succeeds.
 from __future__ import annotations
 
 import signal
+import time
 
 import psutil
 
 from marind.cli import main
+from marind.core.lease_file import read_lease
 from tests.agent.helpers import agent_log, done_record, job_state, node_registered, start_agent, tiny_spec, wait_for
 
 # long keep-alive expiry and last call: torch alone would not drop the node or re-form quickly
@@ -74,6 +76,8 @@ def test_silent_loss_of_the_rank0_node_then_fence_and_rejoin(tmp_path, etcd, etc
                 return n, rec
         return None
     victim, record = wait_for(rank0_node, 30, "the node of global rank 0", diag=diag_job)
+    # every node's workers may commit while its lease lives (marind/core/lease_file.py)
+    assert all((read_lease(tmp_path / f"state-{n}" / "jobs" / job) or 0) > time.time() for n in NODES)
     frozen = _tree(agents[victim].pid)
     assert record["torchrun_pid"] in {p.pid for p in frozen}
     try:
