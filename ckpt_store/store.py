@@ -105,7 +105,8 @@ class CheckpointStore:
                  io_threads: int = 4, inner_chunk_bytes: int = 1 << 20,
                  io_rate_limit: float | None = None, writer: str = "auto", writer_nice: int = 0,
                  background_nice: int = BACKGROUND_NICE, direct_io: bool = True,
-                 gather_small_bytes: int = SMALL_ARRAY_BYTES):
+                 gather_small_bytes: int = SMALL_ARRAY_BYTES, fence_file: str | None = None,
+                 fence_margin_s: float = 2.0):
         """``io_rate_limit``: cap background writes at this many bytes/s (None: no cap).
         ``writer``: where uploads run: "process" (a writer process per store, the default
         for file:// and s3://), "thread" (in this process; memory:// needs it), or "auto".
@@ -116,7 +117,11 @@ class CheckpointStore:
         ``direct_io``: local disks: write chunk objects with O_DIRECT (no page cache; falls back
         by itself where the filesystem refuses it).
         ``gather_small_bytes``: sharded arrays of at most this many bytes are gathered and
-        written whole by one rank (one object instead of one per shard; 0: never)."""
+        written whole by one rank (one object instead of one per shard; 0: never).
+        ``fence_file``: a local JSON file ``{"valid_until": unix_seconds}`` (marind's run
+        ``lease.json``): rank 0 writes the manifest only while it leaves ``fence_margin_s``
+        seconds, else the save fails uncommitted: a world that may have been replaced never
+        commits. A missing or malformed file does not fence."""
         self.url = url
         keep_last = _count("keep_last", keep_last, minimum=0)
         keep_every = _count("keep_every", keep_every, minimum=1)
@@ -127,6 +132,7 @@ class CheckpointStore:
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.commit_timeout_s = commit_timeout_s
+        self.fence = [fence_file, float(fence_margin_s)] if fence_file else None
         self.background_nice = background_nice
         self.inner_chunk_bytes = inner_chunk_bytes
         self.gather_small_bytes = gather_small_bytes
@@ -186,7 +192,7 @@ class CheckpointStore:
         prepare_s = time.perf_counter() - t0
         job = {"step": step, "dir": step_dir(step), "rank": rank, "world": world, "fmt": FORMAT,
                "commit_timeout_s": self.commit_timeout_s, "keep_last": self.keep_last,
-               "keep_every": self.keep_every, "values": values,
+               "keep_every": self.keep_every, "values": values, "fence": self.fence,
                "background_nice": self.background_nice if async_ else 0, "background": async_,
                "saved_layout": {"world_size": world, "saved_at": _now()},
                "arrays": {p.spec.name: {**p.spec.to_json(), "layout": p.layout} for p in plans}}

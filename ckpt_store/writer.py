@@ -66,7 +66,7 @@ def run_save(st, job: dict, arena: memoryview, on_commit, handoff: SnapshotHando
     if rank == 0:
         commit(st, d, job["step"], job["world"], list(specs.values()),
                {n: m["layout"] for n, m in job["arrays"].items()}, job["saved_layout"],
-               timeout_s=job["commit_timeout_s"], fmt=job["fmt"])
+               timeout_s=job["commit_timeout_s"], fmt=job["fmt"], fence=job.get("fence"))
     else:
         wait_for_commit(st, d, timeout_s=job["commit_timeout_s"], background=job.get("background", False))
     timings["commit_s"] = time.perf_counter() - t0
@@ -153,10 +153,35 @@ def write_abort_marker(st, d: str, error: str) -> None:
         pass
 
 
+def check_fence(fence: list | None, now: float | None = None) -> None:
+    """Rank 0, right before the manifest: may this world still commit?
+
+    ``fence`` is ``[path, margin_s]`` (``CheckpointStore(fence_file=...)``) or None. The file's
+    ``valid_until`` (Unix seconds: marind's node lease, last renewal + TTL) must leave
+    ``margin_s``; past it, other nodes may have formed a new world without this one.
+
+    Raises:
+        CheckpointSaveFailed: the fence has passed (the save aborts uncommitted).
+    """
+    if not fence:
+        return
+    path, margin = fence
+    try:
+        with open(path) as fh:
+            valid_until = float(json.load(fh)["valid_until"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return                      # no fence file: nothing to fence against
+    now = time.time() if now is None else now
+    if valid_until - now < margin:
+        raise CheckpointSaveFailed(
+            f"not committing: this world may have been replaced ({path}: valid until {valid_until:.1f}, "
+            f"now {now:.1f}, margin {margin:g}s)")
+
+
 def commit(st, d: str, step: int, world: int, specs: list[ArraySpec], layouts: dict,
-           saved_layout: dict, timeout_s: float, fmt: int) -> dict:
+           saved_layout: dict, timeout_s: float, fmt: int, fence: list | None = None) -> dict:
     """Rank 0: wait for every rank's marker, write the group (and any missing array) metadata,
-    then manifest.json."""
+    then manifest.json (only while ``fence`` allows, ``check_fence``)."""
     try:
         objects = _collect(st, d, world, timeout_s)
         meta: dict[str, dict] = {}
@@ -181,6 +206,7 @@ def commit(st, d: str, step: int, world: int, specs: list[ArraySpec], layouts: d
         manifest = {"format": fmt, "step": step, "world": saved_layout, "created_at": saved_layout["saved_at"],
                     "arrays": {s.name: {**s.to_json(), "layout": layouts[s.name]} for s in specs},
                     "objects": objects}
+        check_fence(fence)
         st.write_json_atomic(f"{d}/manifest.json", manifest)
         return manifest
     except BaseException as exc:
