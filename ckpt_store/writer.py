@@ -158,7 +158,8 @@ def check_fence(fence: list | None, now: float | None = None) -> None:
 
     ``fence`` is ``[path, margin_s]`` (``CheckpointStore(fence_file=...)``) or None. The file's
     ``valid_until`` (Unix seconds: marind's node lease, last renewal + TTL) must leave
-    ``margin_s``; past it, other nodes may have formed a new world without this one.
+    ``margin_s`` (at most a quarter of the file's ``ttl``, when it gives one); past it, other
+    nodes may have formed a new world without this one.
 
     Raises:
         CheckpointSaveFailed: the fence has passed (the save aborts uncommitted).
@@ -168,8 +169,11 @@ def check_fence(fence: list | None, now: float | None = None) -> None:
     path, margin = fence
     try:
         with open(path) as fh:
-            valid_until = float(json.load(fh)["valid_until"])
-    except (OSError, ValueError, KeyError, TypeError):
+            doc = json.load(fh)
+        valid_until = float(doc["valid_until"])
+        if doc.get("ttl"):
+            margin = min(margin, float(doc["ttl"]) / 4)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return                      # no fence file: nothing to fence against
     now = time.time() if now is None else now
     if valid_until - now < margin:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from marind.core.jsonfile import read_json_object, write_json_atomic
 
-#: a commit needs at least this much lease left (the manifest write must end inside it)
+#: a commit needs at least this much lease left (the manifest write must end inside it);
+#: at most a quarter of the TTL (``commit_margin``), as renewals come every TTL/3
 COMMIT_MARGIN_S = 2.0
 
 
@@ -52,6 +53,11 @@ def read_lease(run_dir: str | Path) -> float | None:
         return None
 
 
+def commit_margin(ttl: float) -> float:
+    """The lease a commit must leave: ``COMMIT_MARGIN_S``, at most a quarter of the TTL (pure)."""
+    return min(COMMIT_MARGIN_S, ttl / 4)
+
+
 def commit_allowed(valid_until: float | None, now: float, margin: float = COMMIT_MARGIN_S) -> tuple[bool, str]:
     """May this world commit a checkpoint now? (pure)
 
@@ -67,6 +73,6 @@ def commit_allowed(valid_until: float | None, now: float, margin: float = COMMIT
         return True, "no lease file: not run by a marind agent"
     left = valid_until - now
     if left < margin:
-        return False, (f"the node's lease may have expired ({-left:.1f}s past its last renewal + TTL, margin "
-                       f"{margin:g}s): another world may have replaced this one")
+        return False, (f"the node's lease may expire before a commit ends ({left:.1f}s left of its last "
+                       f"renewal + TTL, margin {margin:g}s): another world may have replaced this one")
     return True, f"lease valid for {left:.1f}s more"

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from marind.core.lease_file import COMMIT_MARGIN_S, commit_allowed, lease_path, read_lease, write_lease
+from marind.core.lease_file import (
+    COMMIT_MARGIN_S,
+    commit_allowed,
+    commit_margin,
+    lease_path,
+    read_lease,
+    write_lease,
+)
 
 
 @pytest.mark.unit
@@ -31,3 +38,8 @@ def test_the_file_round_trips_and_a_bad_one_reads_as_absent(tmp_path):
     assert read_lease(tmp_path) is None
     lease_path(tmp_path).write_text("not json")
     assert read_lease(tmp_path) is None
+
+
+@pytest.mark.unit
+def test_the_margin_is_at_most_a_quarter_of_the_ttl():
+    assert commit_margin(10) == COMMIT_MARGIN_S and commit_margin(4) == 1.0 and commit_margin(2) == 0.5

@@ -180,9 +180,11 @@ def test_a_save_commits_only_while_its_fence_file_allows(tmp_path):
     store.save(1, {"w": torch.ones(3)}, async_=False)                   # no file yet: nothing to fence
     fence.write_text(json.dumps({"valid_until": time.time() + 60}))
     store.save(2, {"w": torch.ones(3)}, async_=False)
+    fence.write_text(json.dumps({"valid_until": time.time() + 1.5, "ttl": 4}))   # margin 2 s capped at ttl/4: 1 s
+    store.save(3, {"w": torch.ones(3)}, async_=False)
     fence.write_text(json.dumps({"valid_until": time.time() - 1}))     # the lease may have expired
     with pytest.raises(CheckpointSaveFailed, match="replaced"):
-        store.save(3, {"w": torch.ones(3)}, async_=False)
-    assert store.steps() == [1, 2]
-    assert not os.path.exists(tmp_path / "ckpt" / "step-000000003" / "manifest.json")
+        store.save(4, {"w": torch.ones(3)}, async_=False)
+    assert store.steps() == [1, 2, 3]
+    assert not os.path.exists(tmp_path / "ckpt" / "step-000000004" / "manifest.json")
     store.close()
