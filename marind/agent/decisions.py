@@ -302,7 +302,8 @@ def on_node_loss(*, in_round: bool, workers_running: bool, progress_at: float | 
     (its control network alone is cut): no restart; it keeps training with us.
 
     Args:
-        in_round: the lost node ran workers in the job's current round (its last record).
+        in_round: the lost node is a participant of the job's current rendezvous round
+            (``Membership.in_current_round``).
         workers_running: this node's workers of the current round are running.
         progress_at: when this node's workers last made progress (None: not seen yet).
         now: the current time.

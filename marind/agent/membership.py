@@ -112,18 +112,28 @@ class Membership:
                                   json.dumps({"how": "lost", "seen_by": self.node, "cause": loss.cause,
                                               "at": time.time(), **detail}))
 
-    def mark_lost(self, loss: Loss) -> str | None:
-        """Tell the rendezvous the node's torchrun is gone: ``rdzv/lost/{desc}`` (put; idempotent).
-
-        Returns:
-            The torchrun's rendezvous node descriptor, or None when it never published one.
-        """
+    def rdzv_desc(self, loss: Loss) -> str | None:
+        """The lost torchrun's rendezvous node descriptor, or None when it never published one."""
         member = self.client.get_json(self.client.key("jobs", self.job, "rdzv", "members", loss.node))
         if not isinstance(member, dict) or not member.get("desc"):
             return None
         if str(member.get("pid")) != str(loss.record.get("torchrun_pid", member.get("pid"))):
             return None      # a later torchrun of that node published since: not the lost one
-        desc = str(member["desc"])
-        self.client.put_json(self.client.key("jobs", self.job, "rdzv", "lost", desc),
-                             {"node": loss.node, "cause": loss.cause, "by": self.node, "at": time.time()})
-        return desc
+        return str(member["desc"])
+
+    def in_current_round(self, loss: Loss, desc: str | None) -> bool:
+        """Was the lost torchrun a participant of the job's last completed rendezvous round?
+
+        Read from ``rdzv/round`` (published by each round's rank 0); without it or without
+        the descriptor, from the node's last record (it ran workers).
+        """
+        current = self.client.get_json(self.client.key("jobs", self.job, "rdzv", "round"))
+        if desc is None or not isinstance(current, dict) or not isinstance(current.get("participants"), list):
+            return loss.in_round
+        return desc in current["participants"]
+
+    def mark_lost(self, loss: Loss, desc: str | None) -> None:
+        """Tell the rendezvous the node's torchrun is gone: ``rdzv/lost/{desc}`` (put; idempotent)."""
+        if desc is not None:
+            self.client.put_json(self.client.key("jobs", self.job, "rdzv", "lost", desc),
+                                 {"node": loss.node, "cause": loss.cause, "by": self.node, "at": time.time()})

@@ -283,7 +283,9 @@ class RunMonitor:
                 self.log.info("node_back", node=node, reason="its record is back: it was never gone")
                 del self.pending_losses[node]
                 continue
-            action, why = on_node_loss(in_round=loss.in_round, workers_running=bool(self.sup.worker_pids()),
+            desc = members.rdzv_desc(loss)
+            action, why = on_node_loss(in_round=members.in_current_round(loss, desc),
+                                       workers_running=bool(self.sup.worker_pids()),
                                        progress_at=self.progress_at, now=now, stall_s=stall_s,
                                        torchft=self.ft is not None)
             if action == LossAction.WAIT:
@@ -291,7 +293,7 @@ class RunMonitor:
                     self._waiting_logged.add(node)
                     self.log.warning("node_lost_waiting", node=node, cause=loss.cause, reason=why)
                 continue
-            desc = members.mark_lost(loss)
+            members.mark_lost(loss, desc)
             first = members.claim(loss, {"action": action.value})
             del self.pending_losses[node]
             self._waiting_logged.discard(node)

@@ -212,7 +212,7 @@ class Etcd3RendezvousHandler(DynamicRendezvousHandler):
         rank, world_size = super()._get_world()
         holder = self._state_holder
         if isinstance(holder, LossAwareStateHolder):
-            holder.last_world = frozenset(repr(n) for n in holder.state.participants)
+            holder.world_formed(rank)
         # torch rebuilds both (a new server on rank 0) when the cached info is None
         self._bootstrap_store_info = None
         self._shared_tcp_store_server = None

@@ -9,7 +9,9 @@ tell the rendezvous, without touching torch's serialised state themselves:
 
 * every torchrun started by an agent publishes its rendezvous node
   descriptor under its node's name: ``{p}/jobs/{run_id}/rdzv/members/{node}``
-  = ``{desc, pid, at}`` (``publish_member``);
+  = ``{desc, pid, at}`` (``publish_member``), and the rank 0 of each completed
+  round its number and participants, ``{p}/jobs/{run_id}/rdzv/round``
+  (``publish_round``): an agent tells whether a lost node was in the current round;
 * an agent that acts on a loss writes ``{p}/jobs/{run_id}/rdzv/lost/{desc}``
   (``marind.agent.membership.Membership.mark_lost``);
 * every handler reads those markers (``LostNodes``: an etcd watch says when
@@ -58,6 +60,24 @@ def lost_prefix(client: EtcdClient, run_id: str) -> str:
     return client.key("jobs", run_id, "rdzv", "lost") + "/"
 
 
+def round_key(client: EtcdClient, run_id: str) -> str:
+    """``{p}/jobs/{run_id}/rdzv/round``: the last completed round and its participants."""
+    return client.key("jobs", run_id, "rdzv", "round")
+
+
+def publish_round(client: EtcdClient, run_id: str, round_: int, participants: frozenset[str]) -> None:
+    """Rank 0 of a completed round: publish its number and participants' descriptors.
+
+    Args:
+        client: the rendezvous' etcd client.
+        run_id: the rendezvous (job) id.
+        round_: torch's round number.
+        participants: the descriptors of the round's nodes.
+    """
+    client.put_json(round_key(client, run_id), {"round": round_, "participants": sorted(participants),
+                                                "at": time.time()})
+
+
 def publish_member(client: EtcdClient, run_id: str, node: str, desc: object) -> None:
     """Publish this torchrun's rendezvous descriptor under its marind node's name.
 
@@ -99,6 +119,7 @@ class LostNodes:
 
     def __init__(self, client: EtcdClient, run_id: str) -> None:
         self._client = client
+        self.run_id = run_id
         self._prefix = lost_prefix(client, run_id)
         self._descs: frozenset[str] = frozenset()
         self._read_at = float("-inf")
@@ -125,6 +146,13 @@ class LostNodes:
             self._read_at = time.monotonic()
         return self._descs
 
+    def round_completed(self, round_: int, participants: frozenset[str]) -> None:
+        """Rank 0: publish the completed round (housekeeping: a failure is only logged)."""
+        try:
+            publish_round(self._client, self.run_id, round_, participants)
+        except ControlPlaneUnavailable as exc:
+            log.warning("rdzv_round_publish_failed", run_id=self.run_id, error=str(exc))
+
     def close(self) -> None:
         """Cancel the watch."""
         if self._watch is not None:
@@ -147,8 +175,14 @@ class LossAwareStateHolder(_BackendRendezvousStateHolder):
         super().__init__(backend, settings)
         self._lost = lost
         self._this_node = this_node
-        #: the descriptors of the last round this handler completed (set by the handler)
+        #: the descriptors of the last round this handler completed (``world_formed``)
         self.last_world: frozenset[str] = frozenset()
+
+    def world_formed(self, rank: int) -> None:
+        """A round completed with this node at ``rank``: remember it; rank 0 publishes it."""
+        self.last_world = frozenset(repr(n) for n in self._state.participants)
+        if rank == 0:
+            self._lost.round_completed(self._state.round, self.last_world)
 
     def sync(self) -> bool | None:
         """torch's sync; a write from a torchrun marked lost raises RendezvousClosedError."""

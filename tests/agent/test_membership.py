@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from marind.agent.membership import LEASE_EXPIRED, RECORD_DROPPED, Loss, Membership, vanished
-from marind.rendezvous.lost import LostNodes, lost_prefix, members_key, publish_member
+from marind.rendezvous.lost import LostNodes, lost_prefix, members_key, publish_member, publish_round
 
 
 @pytest.mark.unit
@@ -65,14 +65,22 @@ def test_mark_lost_names_the_lost_torchrun_for_the_rendezvous(etcd_client):
     job = "j3"
     a = Membership(etcd_client, job, "a", 1)
     loss = Loss("b", "2", LEASE_EXPIRED, {"torchrun_pid": 20, "workers": [{"rank": 1}]})
-    assert a.mark_lost(loss) is None                                     # b's torchrun never published
+    assert a.rdzv_desc(loss) is None                                     # b's torchrun never published
+    assert a.in_current_round(loss, None) is True                        # then: its record ran workers
     publish_member(etcd_client, job, "b", "hostb_20_0")
     etcd_client.put_json(members_key(etcd_client, job, "b"), {"desc": "hostb_20_0", "pid": 20})
-    assert a.mark_lost(loss) == "hostb_20_0"
+    desc = a.rdzv_desc(loss)
+    assert desc == "hostb_20_0"
+    assert a.in_current_round(loss, desc) is True                        # no round published yet
+    publish_round(etcd_client, job, 3, frozenset({"hosta_10_0"}))        # a round formed without it
+    assert a.in_current_round(loss, desc) is False
+    publish_round(etcd_client, job, 4, frozenset({"hosta_10_0", desc}))
+    assert a.in_current_round(loss, desc) is True
+    a.mark_lost(loss, desc)
     marker = etcd_client.get_json(lost_prefix(etcd_client, job) + "hostb_20_0")
     assert marker["node"] == "b" and marker["cause"] == LEASE_EXPIRED and marker["by"] == "a"
     etcd_client.put_json(members_key(etcd_client, job, "b"), {"desc": "hostb_21_0", "pid": 21})
-    assert a.mark_lost(loss) is None                                     # b runs a newer torchrun: not that one
+    assert a.rdzv_desc(loss) is None                                     # b runs a newer torchrun: not that one
     lost = LostNodes(etcd_client, job)
     try:
         assert lost.descs() == frozenset({"hostb_20_0"})
