@@ -446,4 +446,3 @@ class Agent:
         link = self._link()
         if not run.report(link.client, link.registry, now, records):
             self.etcd_ok = False
-
