@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import crc32c
 
 from ckpt_store.errors import CheckpointSaveFailed
+from ckpt_store.fence import check_fence
 from ckpt_store.save_job import SaveJob
 from ckpt_store.zarr_format import ArraySpec, array_metadata, group_metadata
 
@@ -69,9 +70,9 @@ def write_abort_marker(st: Storage, d: str, error: str) -> None:
 
 
 def commit(st: Storage, d: str, step: int, world: int, specs: list[ArraySpec], layouts: dict,
-           saved_layout: dict, timeout_s: float, fmt: int) -> dict:
+           saved_layout: dict, timeout_s: float, fmt: int, fence: tuple[str, float] | None = None) -> dict:
     """Rank 0: wait for every rank's marker, write the group (and any missing array) metadata,
-    then manifest.json."""
+    then manifest.json (only while ``fence`` allows: ``fence.check_fence``)."""
     try:
         objects = _collect(st, d, world, timeout_s)
         meta: dict[str, dict] = {}
@@ -96,6 +97,7 @@ def commit(st: Storage, d: str, step: int, world: int, specs: list[ArraySpec], l
         manifest = {"format": fmt, "step": step, "world": saved_layout, "created_at": saved_layout["saved_at"],
                     "arrays": {s.name: {**s.to_json(), "layout": layouts[s.name]} for s in specs},
                     "objects": objects}
+        check_fence(fence)
         st.write_json_atomic(f"{d}/manifest.json", manifest)
         return manifest
     except BaseException as exc:

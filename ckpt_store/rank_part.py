@@ -62,7 +62,7 @@ def run_save(st: Storage, job: SaveJob, arena: memoryview, on_commit, handoff: S
     timings = {"write_s": time.perf_counter() - t0}
     if rank == 0:
         commit(st, d, job.step, job.world, list(specs.values()), job.layouts(), job.saved_layout,
-               timeout_s=job.commit_timeout_s, fmt=job.fmt)
+               timeout_s=job.commit_timeout_s, fmt=job.fmt, fence=job.fence)
     else:
         wait_for_commit(st, d, timeout_s=job.commit_timeout_s, background=job.background)
     timings["commit_s"] = time.perf_counter() - t0

@@ -56,6 +56,7 @@ class SaveJob:
         background: an async save (nobody waits on its latency: poll an object store less).
         background_nice: niceness of the threads that encode and write (0: full priority).
         slots: the chunks this rank writes, in copy order; ``arena_size``: the arena's size.
+        fence: ``(fence file, margin_s)`` that rank 0 checks before the manifest, or None.
     """
 
     step: int
@@ -73,6 +74,7 @@ class SaveJob:
     background_nice: int = 0
     slots: tuple[Slot, ...] = ()
     arena_size: int = 0
+    fence: tuple[str, float] | None = None
 
     def with_slots(self, slots: list[Slot], arena_size: int) -> SaveJob:
         """This job with the arena laid out (``snapshot.reserve``)."""
@@ -97,7 +99,8 @@ class SaveJob:
                    keep_every=d.get("keep_every"), background=d.get("background", False),
                    background_nice=d.get("background_nice", 0),
                    slots=tuple(Slot.from_json(s) for s in d.get("slots", ())),
-                   arena_size=d.get("arena_size", 0))
+                   arena_size=d.get("arena_size", 0),
+                   fence=(str(d["fence"][0]), float(d["fence"][1])) if d.get("fence") else None)
 
 
 class SaveWriter(Protocol):

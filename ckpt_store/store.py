@@ -92,6 +92,12 @@ class CheckpointStore:
             by itself where the filesystem refuses it).
         gather_small_bytes: sharded arrays of at most this many bytes are gathered and
             written whole by one rank (one object instead of one per shard; 0: never).
+        fence_file: a local JSON file ``{"valid_until": unix_seconds}`` (marind's run
+            ``lease.json``): rank 0 writes the manifest only while it leaves
+            ``fence_margin_s`` seconds, else the save fails uncommitted, so a world that may
+            have been replaced never commits (``ckpt_store.fence``). A missing or malformed
+            file does not fence.
+        fence_margin_s: see ``fence_file``.
 
     Raises:
         ValueError, TypeError: a retention count, timeout or writer that makes no sense.
@@ -102,7 +108,8 @@ class CheckpointStore:
                  io_threads: int = 4, inner_chunk_bytes: int = 1 << 20,
                  io_rate_limit: float | None = None, writer: str = "auto", writer_nice: int = 0,
                  background_nice: int = BACKGROUND_NICE, direct_io: bool = True,
-                 gather_small_bytes: int = SMALL_ARRAY_BYTES):
+                 gather_small_bytes: int = SMALL_ARRAY_BYTES, fence_file: str | None = None,
+                 fence_margin_s: float = 2.0):
         self.url = url
         keep_last = retention_count("keep_last", keep_last, minimum=0)
         keep_every = retention_count("keep_every", keep_every, minimum=1)
@@ -113,6 +120,7 @@ class CheckpointStore:
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.commit_timeout_s = commit_timeout_s
+        self.fence = (str(fence_file), float(fence_margin_s)) if fence_file else None
         self.background_nice = background_nice
         self.inner_chunk_bytes = inner_chunk_bytes
         self.gather_small_bytes = gather_small_bytes
@@ -194,7 +202,7 @@ class CheckpointStore:
         prepare_s = time.perf_counter() - t0
         job = SaveJob(step=step, dir=step_dir(step), rank=rank, world=world, fmt=FORMAT,
                       commit_timeout_s=self.commit_timeout_s, keep_last=self.keep_last,
-                      keep_every=self.keep_every, values=values,
+                      keep_every=self.keep_every, values=values, fence=self.fence,
                       background_nice=self.background_nice if async_ else 0, background=async_,
                       saved_layout={"world_size": world, "saved_at": _now()},
                       arrays={p.spec.name: {**p.spec.to_json(), "layout": p.layout} for p in plans})

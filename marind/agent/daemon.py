@@ -13,6 +13,10 @@ while etcd is away: supervision goes on and state changes wait in the
 decides what a torchrun exit means (``decisions.after_exit``), and every
 ``report_interval`` writes the node's per-job record and, where global
 rank 0 lives, the job's progress.
+
+Node loss: each run acts on the loss of another node of its job
+(``RunMonitor.act_on_losses``); and first thing every tick, ``Fencing`` stops
+the runs whose node lease must have expired (``marind.agent.fencing``).
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ from marind.agent.decisions import (
     after_group_failure,
     on_terminal_state,
     replica_group_lost,
+    stall_window,
 )
 from marind.agent.doctor_probe import DoctorProbes
+from marind.agent.fencing import Fencing
 from marind.agent.ft_coordinator import FTCoordinator
 from marind.agent.job_records import JobView, job_nodes, list_job_ids, read_job
 from marind.agent.lifecycle import JobEvent
@@ -84,11 +90,19 @@ class Agent:
         self._last_watchdog = 0.0
         self._last_nodes_count = 0.0
         self._cp_restarts: dict[str, int] = {}
+        self._fencing: Fencing | None = None
 
     @property
     def jobs_dir(self) -> Path:
         """``{state_dir}/jobs``: the jobs' run dirs."""
         return Path(self.config.state_dir) / "jobs"
+
+    @property
+    def fencing(self) -> Fencing:
+        """Fencing of this node's runs after its lease lapsed (made with the link)."""
+        if self._fencing is None:
+            self._fencing = Fencing(self._link(), self.node)
+        return self._fencing
 
     def _link(self) -> Link:
         if self.link is None:
@@ -214,9 +228,11 @@ class Agent:
                 self.etcd_server.start()
             except Exception as exc:  # noqa: BLE001 - retried next tick
                 self.log.error("embedded_etcd_restart_failed", error=str(exc))
+        registered = self.fencing.tick(self.runs, now)
+        self.etcd_ok = self.etcd_ok and registered
         views = None
         try:
-            if not self.etcd_ok or link.watch.due():
+            if registered and (not self.etcd_ok or link.watch.due()):
                 link.watch.begin_read()
                 views = self._read_jobs(link.client)
                 self.etcd_ok = True
@@ -310,9 +326,13 @@ class Agent:
         if not ready:
             return
         run = launch(view.id, spec, run_dir=run_dir, config=self.config, endpoint=self.endpoint, node=self.node,
-                     ft=ft, client=link.client, outbox=link.outbox, metrics=self.metrics)
+                     ft=ft, client=link.client, outbox=link.outbox, metrics=self.metrics,
+                     registration=link.registry.generation)
         self.runs[view.id] = run
-        link.outbox.event(view.id, "node_joined", {"torchrun_pid": run.sup.pid, "slots": self.slots})
+        self.fencing.started(run)
+        fenced = self.fencing.rejoined(view.id)    # back after a fence: the job grows back
+        kind, extra = ("node_rejoined", {"fenced_at": fenced["fenced_at"]}) if fenced else ("node_joined", {})
+        link.outbox.event(view.id, kind, {"torchrun_pid": run.sup.pid, "slots": self.slots, **extra})
         self._report(run, time.time(), force=True)
 
     def _end_run(self, run: RunMonitor, why: str) -> None:
@@ -351,6 +371,11 @@ class Agent:
         records = run.supervise(now)
         if now - run.last_report >= self.config.report_interval:
             self._report(run, now, records=records)
+        if run.pending_losses and self.etcd_ok:
+            try:
+                run.act_on_losses(now, stall_window(self._link().registry.ttl))
+            except ControlPlaneUnavailable:
+                self.etcd_ok = False
 
     def _control_plane_down(self) -> bool:
         try:

@@ -16,6 +16,9 @@ pattern as ``hang.HangDetector`` and ``lifecycle.transition``.
   the job to the other replica groups?
 * ``on_hang``: dump the workers' stacks, wait for the dump, kill them.
 * ``replica_group_lost``: a torchft node's workers belong to a group the node left.
+* ``on_node_loss``: a node of the job lost its lease; restart this node's workers into a
+  new round now, only drop it from the rendezvous, or wait (training goes on)?
+* ``fence_due``: this node's lease must have expired; stop its workers (fence) or not?
 """
 
 from __future__ import annotations
@@ -285,3 +288,86 @@ def replica_group_lost(slot: int | None, launched_slot: int | None, *, stopping:
         return False, f"replica group {launched_slot} held"
     return True, (f"replica group slot {launched_slot} lost; "
                   f"now {slot if slot is not None else 'none'}")
+
+
+# ---------------------------------------------------------------- node loss and fencing
+
+def stall_window(lease_ttl: float) -> float:
+    """Seconds without progress that, with a lost lease, mean the collectives are stuck.
+
+    Half the lease TTL: a silent node is noticed at the earliest 2/3 TTL after it went
+    quiet (keep-alives every TTL/3), so its peers' workers have been stuck that long;
+    workers still stepping within it reach their peers (only the control network is gone).
+    """
+    return lease_ttl / 2
+
+
+class LossAction(str, Enum):
+    """``on_node_loss``'s verdict for one lost node."""
+
+    RESTART = "restart"      # drop it from the rendezvous and restart this node's workers now
+    MARK = "mark"            # drop it from the rendezvous; this node's workers are not in a round with it
+    WAIT = "wait"            # not yet: this node's workers still make progress
+
+
+def on_node_loss(*, in_round: bool, workers_running: bool, progress_at: float | None, now: float,
+                 stall_s: float, torchft: bool = False) -> tuple[LossAction, str]:
+    """A node of the job lost its lease (its record vanished): what does this node do?
+
+    A node in the current round whose lease expired while this node's workers stopped
+    making progress is gone from the data network too (power off, panic, a cut link):
+    waiting for ``hang_timeout`` and torch's keep-alive would only waste time, so the
+    workers restart into a new round at once. Workers that keep stepping still reach it
+    (its control network alone is cut): no restart; it keeps training with us.
+
+    Args:
+        in_round: the lost node is a participant of the job's current rendezvous round
+            (``Membership.in_current_round``).
+        workers_running: this node's workers of the current round are running.
+        progress_at: when this node's workers last made progress (None: not seen yet).
+        now: the current time.
+        stall_s: the stall that counts as stuck (``stall_window``).
+        torchft: a torchft job: its replica groups heal without restarting this node's.
+
+    Returns:
+        The action and why.
+    """
+    if torchft:
+        return LossAction.MARK, "torchft: the other replica groups go on without it"
+    if not in_round:
+        return LossAction.MARK, "it ran no workers: only the rendezvous forgets it"
+    if not workers_running:
+        return LossAction.MARK, "this node's workers are not running: the next round forms without it"
+    if progress_at is not None and now - progress_at < stall_s:
+        return LossAction.WAIT, (f"training goes on (progress {now - progress_at:.1f}s ago): "
+                                 "its control network alone is gone")
+    stalled = "no progress seen yet" if progress_at is None else f"no progress for {now - progress_at:.1f}s"
+    return LossAction.RESTART, f"lease expired and {stalled}: restart into a new round without it"
+
+
+def fence_due(*, last_renewal: float, ttl: float, now: float, progress_at: float | None,
+              stall_s: float) -> tuple[bool, str]:
+    """Must this node fence its run of a job (stop its workers, write nothing more for it)?
+
+    Once ``ttl`` has passed since the last successful renewal of the node's lease, the
+    lease may have expired and the other nodes may have restarted the job without this
+    one. Its workers are stopped then, unless they still make progress: then they still
+    reach their peers, no new world has formed (only etcd is away), and they train on.
+
+    Args:
+        last_renewal: when the lease was last renewed (the request's send time).
+        ttl: the lease's TTL.
+        now: the current time.
+        progress_at: when the run's workers last made progress (None: not seen yet).
+        stall_s: the stall that counts as stuck (``stall_window``).
+
+    Returns:
+        (fence, why).
+    """
+    since = now - last_renewal
+    if since < ttl:
+        return False, f"lease renewed {since:.1f}s ago (TTL {ttl:g}s)"
+    if progress_at is not None and now - progress_at < stall_s:
+        return False, (f"lease not renewed for {since:.1f}s but training goes on "
+                       f"(progress {now - progress_at:.1f}s ago): etcd alone is away")
+    return True, f"lease not renewed for {since:.1f}s (TTL {ttl:g}s) and the workers are not progressing"

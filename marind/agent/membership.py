@@ -1,28 +1,72 @@
 """Which nodes left a job, and how: one ``node_lost`` event per lost node, whoever notices.
 
 Each node of a job keeps ``{p}/jobs/{job}/nodes/{node}`` under its lease,
-with the pid of its agent (``agent_pid``): one incarnation of the node.
+with the pid of its agent (``agent_pid``): one incarnation of the node (an
+agent that registered anew after a fence writes ``incarnation``:
+``{agent_pid}.{registration}``, so a second loss is a new one).
 An agent that ends its part cleanly first writes
 ``{p}/jobs/{job}/departed/{node}/{agent_pid}`` (``how: "left"``), then
 deletes its record; an agent that dies just loses its record when its lease
 expires, or has it replaced by its next incarnation. Every agent of the job
-compares the incarnations it sees with the ones it saw before; for one that
-vanished it tries to *create* the departed key (``how: "lost"``). Only the
-agent whose create succeeds emits the event, so a loss is recorded once,
-even when the node of global rank 0 is the one that died.
+compares the incarnations it sees with the ones it saw before (``poll``):
+one that vanished without a clean leave is a ``Loss``, with its last record
+and the cause. The agent decides what the loss means for its workers
+(``decisions.on_node_loss``) and, when it acts on it, ``claim``\\ s it: it
+tries to *create* the departed key (``how: "lost"``); only the agent whose
+create succeeds emits the event, so a loss is recorded once, even when the
+node of global rank 0 is the one that died. ``mark_lost`` tells the
+rendezvous to drop the node's torchrun at once (``rdzv/lost/{desc}``, see
+``marind.rendezvous.handler``).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 
 from marind.core.etcd_client import EtcdClient
+
+#: ``Loss.cause`` values.
+LEASE_EXPIRED = "lease_expired"          # its node registration is gone too: silent, powered off, cut off
+AGENT_RESTARTED = "agent_restarted"      # a new incarnation of its agent replaced the record
+RECORD_DROPPED = "record_dropped"        # its job record went while the node stays registered
 
 
 def vanished(before: dict[str, str], now: dict[str, str], me: str) -> list[tuple[str, str]]:
     """(node, incarnation) seen before and gone or replaced now, except this node's (pure)."""
     return sorted((node, inc) for node, inc in before.items() if node != me and now.get(node) != inc)
+
+
+def loss_cause(replaced: bool, registration: dict | None, incarnation: str) -> str:
+    """Why a node's job record vanished (pure).
+
+    Args:
+        replaced: a record of another incarnation took its place.
+        registration: the node's ``{p}/nodes/{node}`` now, or None.
+        incarnation: the vanished incarnation (its agent's pid, ``.{registration}`` after the first).
+
+    Returns:
+        ``LEASE_EXPIRED``, ``AGENT_RESTARTED`` or ``RECORD_DROPPED``.
+    """
+    if replaced or (registration is not None and str(registration.get("pid")) != incarnation.split(".")[0]):
+        return AGENT_RESTARTED
+    return LEASE_EXPIRED if registration is None else RECORD_DROPPED
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A node's incarnation gone from the job without a clean leave."""
+
+    node: str
+    incarnation: str
+    cause: str
+    record: dict = field(default_factory=dict, compare=False)   # its last job record seen
+
+    @property
+    def in_round(self) -> bool:
+        """It ran workers when last seen."""
+        return bool(self.record.get("workers"))
 
 
 class Membership:
@@ -31,6 +75,7 @@ class Membership:
     def __init__(self, client: EtcdClient, job: str, node: str, incarnation: str):
         self.client, self.job, self.node, self.incarnation = client, job, node, str(incarnation)
         self.known: dict[str, str] = {}
+        self.records: dict[str, dict] = {}
 
     def _departed_key(self, node: str, incarnation: str) -> str:
         return self.client.key("jobs", self.job, "departed", node, incarnation)
@@ -40,15 +85,55 @@ class Membership:
         self.client.put(self._departed_key(self.node, self.incarnation),
                         json.dumps({"how": "left", "reason": why, "at": time.time()}))
 
-    def poll(self) -> list[str]:
-        """Nodes lost since the last poll that this agent is the first to notice."""
+    def poll(self) -> list[Loss]:
+        """Incarnations gone since the last poll without a clean leave (raises ControlPlaneUnavailable)."""
         prefix = self.client.key("jobs", self.job, "nodes") + "/"
-        now = {key.rsplit("/", 1)[-1]: str(rec.get("agent_pid", "?"))
-               for key, rec in self.client.get_prefix_json(prefix).items() if isinstance(rec, dict)}
-        lost = []
+        records = {key.rsplit("/", 1)[-1]: rec for key, rec in self.client.get_prefix_json(prefix).items()
+                   if isinstance(rec, dict)}
+        now = {node: str(rec.get("incarnation", rec.get("agent_pid", "?"))) for node, rec in records.items()}
+        losses = []
         for node, inc in vanished(self.known, now, self.node):
-            if self.client.create(self._departed_key(node, inc),
-                                  json.dumps({"how": "lost", "seen_by": self.node, "at": time.time()})):
-                lost.append(node)
-        self.known = now
-        return lost
+            departed = self.client.get_json(self._departed_key(node, inc))
+            if isinstance(departed, dict) and departed.get("how") == "left":
+                continue
+            registration = self.client.get_json(self.client.key("nodes", node))
+            cause = loss_cause(node in now, registration if isinstance(registration, dict) else None, inc)
+            losses.append(Loss(node, inc, cause, self.records.get(node, {})))
+        self.known, self.records = now, records
+        return losses
+
+    def present(self, loss: Loss) -> bool:
+        """The lost incarnation's record is back (as of the last poll): it was never gone for good."""
+        return self.known.get(loss.node) == loss.incarnation
+
+    def claim(self, loss: Loss, detail: dict) -> bool:
+        """Record the loss once: True for the one agent whose create of the departed key succeeds."""
+        return self.client.create(self._departed_key(loss.node, loss.incarnation),
+                                  json.dumps({"how": "lost", "seen_by": self.node, "cause": loss.cause,
+                                              "at": time.time(), **detail}))
+
+    def rdzv_desc(self, loss: Loss) -> str | None:
+        """The lost torchrun's rendezvous node descriptor, or None when it never published one."""
+        member = self.client.get_json(self.client.key("jobs", self.job, "rdzv", "members", loss.node))
+        if not isinstance(member, dict) or not member.get("desc"):
+            return None
+        if str(member.get("pid")) != str(loss.record.get("torchrun_pid", member.get("pid"))):
+            return None      # a later torchrun of that node published since: not the lost one
+        return str(member["desc"])
+
+    def in_current_round(self, loss: Loss, desc: str | None) -> bool:
+        """Was the lost torchrun a participant of the job's last completed rendezvous round?
+
+        Read from ``rdzv/round`` (published by each round's rank 0); without it or without
+        the descriptor, from the node's last record (it ran workers).
+        """
+        current = self.client.get_json(self.client.key("jobs", self.job, "rdzv", "round"))
+        if desc is None or not isinstance(current, dict) or not isinstance(current.get("participants"), list):
+            return loss.in_round
+        return desc in current["participants"]
+
+    def mark_lost(self, loss: Loss, desc: str | None) -> None:
+        """Tell the rendezvous the node's torchrun is gone: ``rdzv/lost/{desc}`` (put; idempotent)."""
+        if desc is not None:
+            self.client.put_json(self.client.key("jobs", self.job, "rdzv", "lost", desc),
+                                 {"node": loss.node, "cause": loss.cause, "by": self.node, "at": time.time()})

@@ -84,6 +84,12 @@ class Outbox:
         if members is not None:
             self.put(job, lambda: members.leaving(why))
 
+    def drop_job(self, job: str) -> int:
+        """Forget the queued writes about ``job`` (its run here was fenced); returns how many."""
+        before = len(self._queue)
+        self._queue = deque(item for item in self._queue if item[0] != job)
+        return before - len(self._queue)
+
     # -- the queue --------------------------------------------------------------------------
     def put(self, job: str, action: Callable[[], object]) -> None:
         """Queue one write; flush at once while etcd is reachable.

@@ -2,11 +2,14 @@
 
 The lease (TTL ``lease_ttl``) carries the node key and every per-job node
 record the agent writes, so they vanish when the agent dies. The
-keep-alive thread refreshes it every ``ttl/3`` seconds; when etcd is
-unreachable it counts the failure and retries, and when etcd comes back
-with the lease expired it takes a new lease, re-registers, and bumps
-``generation`` so the daemon rewrites its per-job records. Errors are
-recorded (``last_error``), never raised from the thread.
+keep-alive thread refreshes it every ``ttl/3`` seconds and notes when a
+renewal last succeeded (``last_renewal``: the request's send time, so the
+lease lives at least ``ttl`` past it); when etcd is unreachable it counts
+the failure and retries. When etcd answers that the lease expired, the
+thread only sets ``expired``: the agent first fences what ran under the old
+lease (``decisions.fence_due``), then calls ``rejoin`` for a new lease, so
+nothing is written under the new lease for a round the others replaced.
+Errors are recorded (``last_error``), never raised from the thread.
 
 A node name is unique: the node key is created only if absent; when it is
 held (its lease is live), ``may_take_over`` decides. A restarted agent on
@@ -89,6 +92,8 @@ class NodeRegistry:
                        "started_at": time.time(), "pid": os.getpid()}
         self.lease = None
         self.generation = 0          # bumped on every (re-)registration
+        self.last_renewal = 0.0      # time.time() when the last successful renewal was sent
+        self.expired = False         # etcd said the lease expired; ``rejoin`` takes a new one
         self.connected = False
         self.last_error: str | None = None
         self._on_failure = on_keepalive_failure
@@ -109,6 +114,7 @@ class NodeRegistry:
             ControlPlaneUnavailable: etcd is unreachable.
         """
         with self._lock:
+            sent = time.time()
             lease = self.client.lease(self.ttl)
             value = json.dumps(self.record, sort_keys=True)
             try:
@@ -117,6 +123,8 @@ class NodeRegistry:
                 self._revoke_quietly(lease)
                 raise
             self.lease = lease
+            self.last_renewal = sent
+            self.expired = False
             self.generation += 1
             self.connected = True
             self.last_error = None
@@ -159,11 +167,17 @@ class NodeRegistry:
                 if self.lease is None:
                     self.register()
                     continue
+                if self.expired:
+                    continue             # the agent fences, then rejoins
+                sent = time.time()
                 remaining = self.client.refresh_lease(self.lease)
                 if remaining <= 0:
-                    self.log.warning("lease_expired", lease=self.lease.id)
-                    self.register()
-                elif not self.connected:
+                    self.log.warning("lease_expired", lease=self.lease.id,
+                                     renewed_s_ago=round(sent - self.last_renewal, 1))
+                    self.expired = True
+                    continue
+                self.last_renewal = sent
+                if not self.connected:
                     self.connected = True
                     self.log.info("etcd_reachable_again")
             except ControlPlaneUnavailable as exc:
@@ -179,6 +193,23 @@ class NodeRegistry:
                 self.log.error("keepalive_error", error=self.last_error)
                 if self._on_failure:
                     self._on_failure()
+
+    def rejoin(self) -> bool:
+        """After an expiry: a new lease and registration (the agent has fenced its runs first).
+
+        Returns:
+            True when the node registered anew; False when its lease was still alive.
+
+        Raises:
+            ControlPlaneUnavailable: etcd is unreachable.
+        """
+        if not self.expired and self.lease is not None:
+            sent = time.time()
+            if self.client.refresh_lease(self.lease) > 0:
+                self.last_renewal = sent
+                return False
+        self.register()
+        return True
 
     def stop(self, revoke: bool = True) -> None:
         self._stop.set()

@@ -12,6 +12,11 @@ The agent keeps one ``RunMonitor`` per job it runs and calls
   and the job's ``last_error``;
 * reads the current round's progress records: the node's step, checkpoint
   commits (an event with their duration, and a metric) and the per-job metrics;
+* acts on the loss of another node of the job (``act_on_losses``): a node
+  whose lease expired while this node's workers stalled is marked lost for
+  the rendezvous, and the agent that records the loss restarts its workers
+  into a new round at once (``decisions.on_node_loss``); the others' torchruns
+  follow when it waits for them in the rendezvous;
 * detects hangs without blocking the tick: a hung round's workers get
   SIGUSR1 (faulthandler dumps their stacks into the log), and
   ``HANG_DUMP_WAIT_S`` later, on a later tick, SIGKILL; then the
@@ -39,15 +44,17 @@ from marind.agent.decisions import (
     HANG_DUMP_WAIT_S,
     Generation,
     HangAction,
+    LossAction,
     classify_workers,
     failure_restarts,
     on_hang,
+    on_node_loss,
     workers_running,
 )
 from marind.agent.ft_coordinator import FTCoordinator
 from marind.agent.hang import HangDetector
 from marind.agent.lifecycle import JobEvent
-from marind.agent.membership import Membership
+from marind.agent.membership import Loss, Membership
 from marind.agent.outbox import Outbox
 from marind.agent.registry import NodeRegistry
 from marind.agent.supervisor import TorchrunSupervisor, WorkerProc
@@ -110,6 +117,10 @@ class RunMonitor:
         self._unmatched_failures = 0         # restarts counted from the log whose round was not seen yet
         self._ckpt_baseline = False          # the first training record's checkpoint step is a restore
         self._step_seen_at: dict[int, float] = {}   # rank 0's steps: when its record first showed them
+        self.progress_at: float | None = None          # when the round's stall marker last changed
+        self._marker: object = None
+        self.pending_losses: dict[str, Loss] = {}       # lost nodes not acted on yet
+        self._waiting_logged: set[str] = set()
         self.log = get_logger(__name__, node=node, job=job)
 
     @property
@@ -144,6 +155,9 @@ class RunMonitor:
                 self.outbox.state(self.job, JobEvent.WORKERS_STARTED,
                                   reason=f"workers running (round {self.generations})")
         self._watch_checkpoints(records, now)
+        marker = prog.stall_marker(records)
+        if marker is not None and marker != self._marker:
+            self._marker, self.progress_at = marker, now
         self.step = prog.node_step(records) or self.step
         self._job_metrics(records)
         self._hang_tick(now, workers, records)
@@ -152,6 +166,7 @@ class RunMonitor:
     def _new_generation(self, now: float) -> None:
         self.generations += 1
         self.hang.reset()
+        self._marker, self.progress_at = None, None
         self.metrics.inc("marind_rendezvous_rounds_total")
         if self._unmatched_failures or self.generations == 1:
             # the round after the latest failure counted from the log (rounds between were missed)
@@ -303,6 +318,8 @@ class RunMonitor:
         record: dict[str, Any] = {"state": state, "torchrun_pid": self.sup.pid, "workers": workers, "restarts": self.restarts,
                   "step": self.step, "updated_at": now, "host": host,
                   "agent_pid": os.getpid(), "node": self.node, "round": self.generations}
+        if self.members is not None and self.members.incarnation != str(os.getpid()):
+            record["incarnation"] = self.members.incarnation      # registered anew after a fence
         if self.ft is not None:
             record["ft"] = self.ft.report()
         return record
@@ -328,12 +345,66 @@ class RunMonitor:
             summary = prog.job_summary(records or [])
             if summary is not None:
                 client.put_json(client.key("jobs", self.job, "progress"), summary)
-            for gone in self.members.poll() if self.members is not None else ():
-                self.log.warning("node_lost", lost=gone)
-                self.outbox.event(self.job, "node_lost", {"node": gone})
+            for loss in self.members.poll() if self.members is not None else ():
+                self.log.warning("node_gone", lost=loss.node, cause=loss.cause, in_round=loss.in_round)
+                self.pending_losses[loss.node] = loss
         except ControlPlaneUnavailable:
             return False
         return True
+
+    # -- other nodes lost ---------------------------------------------------------------------
+    def act_on_losses(self, now: float, stall_s: float) -> None:
+        """Decide on each lost node not acted on yet (``decisions.on_node_loss``) and act.
+
+        Acting: mark it lost for the rendezvous, record the loss once (``node_lost``, by the
+        agent whose claim wins) and, where that agent's decision is a restart, SIGKILL its
+        workers: torchrun restarts them into a new round without the lost node, and the
+        other nodes' torchruns follow when they see it waiting in the rendezvous.
+
+        Args:
+            now: the current time.
+            stall_s: the stall that counts as stuck (``decisions.stall_window``).
+
+        Raises:
+            ControlPlaneUnavailable: etcd unreachable (the rest waits for the next tick).
+        """
+        members = self.members
+        if members is None:
+            return
+        for node, loss in list(self.pending_losses.items()):
+            if members.present(loss):
+                self.log.info("node_back", node=node, reason="its record is back: it was never gone")
+                del self.pending_losses[node]
+                continue
+            desc = members.rdzv_desc(loss)
+            action, why = on_node_loss(in_round=members.in_current_round(loss, desc),
+                                       workers_running=bool(self.sup.worker_pids()),
+                                       progress_at=self.progress_at, now=now, stall_s=stall_s,
+                                       torchft=self.ft is not None)
+            if action == LossAction.WAIT:
+                if node not in self._waiting_logged:
+                    self._waiting_logged.add(node)
+                    self.log.warning("node_lost_waiting", node=node, cause=loss.cause, reason=why)
+                continue
+            members.mark_lost(loss, desc)
+            first = members.claim(loss, {"action": action.value})
+            del self.pending_losses[node]
+            self._waiting_logged.discard(node)
+            self.log.warning("node_lost", lost=node, cause=loss.cause, action=action.value, reason=why,
+                             recorded=first, rdzv_node=desc)
+            if not first:
+                continue
+            killed: list[int] = []
+            if action == LossAction.RESTART:
+                killed = self.kill_workers()
+            self.outbox.event(self.job, "node_lost", {"node": node, "cause": loss.cause, "action": action.value,
+                                                      "reason": why, "killed": killed})
+
+    def kill_workers(self) -> list[int]:
+        """SIGKILL this node's workers (and their zygote stubs): torchrun starts a new round."""
+        procs = self.sup.workers()
+        pids = {w.pid for w in procs} | {w.launched_by for w in procs}
+        return self.sup.signal_workers(signal.SIGKILL, sorted(pids))
 
     def final_progress(self) -> None:
         """Where global rank 0 ran: queue the job's progress with the last steps since the previous report.
@@ -354,7 +425,8 @@ class RunMonitor:
 
 
 def launch(job: str, spec: RunSpec, *, run_dir: Path, config: AgentConfig, endpoint: str, node: str,
-           ft: FTCoordinator | None, client: EtcdClient, outbox: Outbox, metrics: Metrics) -> RunMonitor:
+           ft: FTCoordinator | None, client: EtcdClient, outbox: Outbox, metrics: Metrics,
+           registration: int = 1) -> RunMonitor:
     """Start this node's torchrun of a job and the monitor that watches it.
 
     Args:
@@ -368,6 +440,8 @@ def launch(job: str, spec: RunSpec, *, run_dir: Path, config: AgentConfig, endpo
         client: the etcd client (the job's membership watch).
         outbox: where state changes and events go.
         metrics: the agent's metrics.
+        registration: the node's registration count (``NodeRegistry.generation``): after the
+            first, the node's incarnation in the job is ``{agent_pid}.{registration}``.
 
     Returns:
         The monitor of the started torchrun.
@@ -386,6 +460,7 @@ def launch(job: str, spec: RunSpec, *, run_dir: Path, config: AgentConfig, endpo
         ft.launched_slot = ft.slot
     sup = TorchrunSupervisor(job, run_dir, cmd, env)
     sup.start()
-    members = Membership(client, job, node, incarnation=str(os.getpid()))
+    incarnation = str(os.getpid()) if registration <= 1 else f"{os.getpid()}.{registration}"
+    members = Membership(client, job, node, incarnation=incarnation)
     return RunMonitor(job, spec, sup, node=node, outbox=outbox, metrics=metrics, members=members, ft=ft,
                       log_offset=log_offset)

@@ -37,13 +37,16 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
+    RendezvousSettings,
     RendezvousTimeout,
 )
 
+from marind.core import workerenv as WE
 from marind.core.errors import ControlPlaneUnavailable
 from marind.core.etcd_client import DEFAULT_PREFIX, EtcdClient, EtcdTLS
 from marind.core.log import get_logger
 from marind.rendezvous.backend import Etcd3RendezvousBackend
+from marind.rendezvous.lost import LossAwareStateHolder, LostNodes, publish_member
 from marind.rendezvous.store import Etcd3Store
 
 log = get_logger(__name__)
@@ -183,13 +186,33 @@ class Etcd3RendezvousHandler(DynamicRendezvousHandler):
     the current round. Rank 0 also drops the etcd store keys of rounds
     older than the previous one.
 
+    Its state holder applies the agents' lost markers (``marind.rendezvous.lost``):
+    a node the agents declared lost leaves the state at once, and a round
+    re-forming after a loss completes as soon as the survivors are in.
+
     Made by ``create_handler`` (through torch's ``from_backend``); its public
     methods are torch's ``RendezvousHandler`` API (``next_rendezvous``,
     ``is_closed``, ``set_closed``, ``num_nodes_waiting``, ``shutdown``, ...).
     """
 
+    @classmethod
+    def with_lost_nodes(cls, run_id: str, store: Etcd3Store, backend: Etcd3RendezvousBackend,
+                        client: EtcdClient, min_nodes: int, max_nodes: int, local_addr: str | None,
+                        timeout: RendezvousTimeout, keep_alive_interval: int,
+                        keep_alive_max_attempt: int) -> Etcd3RendezvousHandler:
+        """torch's ``from_backend``, with a ``LossAwareStateHolder`` (same arguments, plus the client)."""
+        node = cls._node_desc_generator.generate(local_addr)
+        settings = RendezvousSettings(run_id, min_nodes, max_nodes, timeout,
+                                      keep_alive_interval=timedelta(seconds=keep_alive_interval),
+                                      keep_alive_max_attempt=keep_alive_max_attempt)
+        holder = LossAwareStateHolder(backend, settings, LostNodes(client, run_id), repr(node))
+        return cls(node, settings, backend.name, store, holder)
+
     def _get_world(self) -> tuple[int, int]:
         rank, world_size = super()._get_world()
+        holder = self._state_holder
+        if isinstance(holder, LossAwareStateHolder):
+            holder.world_formed(rank)
         # torch rebuilds both (a new server on rank 0) when the cached info is None
         self._bootstrap_store_info = None
         self._shared_tcp_store_server = None
@@ -260,7 +283,13 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
                        grace=options.grace_timeout)
     log.info("rdzv_etcd3", run_id=params.run_id, endpoints=options.endpoints, key=backend.key,
              min_nodes=params.min_nodes, max_nodes=params.max_nodes)
-    return Etcd3RendezvousHandler.from_backend(
-        params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr,
-        timeout, keep_alive_interval=keep_alive_interval,
-        keep_alive_max_attempt=keep_alive_max_attempt)
+    handler = Etcd3RendezvousHandler.with_lost_nodes(
+        params.run_id, store, backend, client, params.min_nodes, params.max_nodes, params.local_addr,
+        timeout, keep_alive_interval, keep_alive_max_attempt)
+    node = os.environ.get(WE.NODE)
+    if node:   # started by a marind agent: say which torchrun is this node's (for mark_lost)
+        try:
+            publish_member(client, params.run_id, node, handler._this_node)
+        except ControlPlaneUnavailable as exc:
+            raise RendezvousConnectionError(f"etcd3 rendezvous '{params.run_id}': {exc}") from exc
+    return handler

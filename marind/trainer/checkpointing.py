@@ -25,6 +25,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ckpt_store import CheckpointSaveFailed, CheckpointStore, PendingSave
+from marind.core import workerenv as WE
+from marind.core.lease_file import lease_path
 from marind.core.log import get_logger
 from marind.core.spec import RunSpec
 
@@ -95,8 +97,10 @@ class Checkpointer:
         c = spec.checkpoint
         self.store: CheckpointStore | None = None
         if c.url:
+            run_dir = os.environ.get(WE.RUN_DIR)   # under an agent: never commit for a replaced world
             self.store = CheckpointStore(checkpoint_url(c.url), keep_last=c.keep_last or None,
-                                         keep_every=c.keep_every or None)
+                                         keep_every=c.keep_every or None,
+                                         fence_file=str(lease_path(run_dir)) if run_dir else None)
             if hasattr(optimizer, "register_step_pre_hook"):
                 self.store.protect(optimizer)   # async snapshots overlap the next forward/backward
         self.pending: PendingSave | None = None

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from marind.agent.membership import Membership, vanished
+from marind.agent.membership import LEASE_EXPIRED, RECORD_DROPPED, Loss, Membership, vanished
+from marind.rendezvous.lost import LostNodes, lost_prefix, members_key, publish_member, publish_round
 
 
 @pytest.mark.unit
@@ -17,22 +18,71 @@ def _record(client, job, node, pid):
     client.put_json(client.key("jobs", job, "nodes", node), {"node": node, "agent_pid": pid})
 
 
+def _lost(m):
+    return [loss.node for loss in m.poll() if m.claim(loss, {})]
+
+
 def test_a_lost_node_is_reported_once_and_a_clean_leave_never(etcd_client):
     job = "j1"
     a, b, c = (Membership(etcd_client, job, n, pid) for n, pid in (("a", 1), ("b", 2), ("c", 3)))
     for m in (a, b, c):
         _record(etcd_client, job, m.node, m.incarnation)
-    assert a.poll() == [] and b.poll() == [] and c.poll() == []
+    assert _lost(a) == [] and _lost(b) == [] and _lost(c) == []
 
     etcd_client.delete(etcd_client.key("jobs", job, "nodes", "c"))       # c's lease expired
-    assert a.poll() + b.poll() == ["c"], "exactly one survivor reports the loss"
-    assert a.poll() == [] and b.poll() == []
+    assert _lost(a) + _lost(b) == ["c"], "exactly one survivor reports the loss"
+    assert _lost(a) == [] and _lost(b) == []
 
     b.leaving("job done")                                                # b ends cleanly
     etcd_client.delete(etcd_client.key("jobs", job, "nodes", "b"))
     assert a.poll() == []
 
     _record(etcd_client, job, "c", 30)                                   # c is back ...
-    assert a.poll() == []
+    assert _lost(a) == []
     _record(etcd_client, job, "c", 31)                                   # ... dies, and is back before its lease expired
-    assert a.poll() == ["c"]
+    assert _lost(a) == ["c"]
+
+
+def test_a_loss_carries_its_cause_and_last_record_and_a_record_back_is_no_loss(etcd_client):
+    job = "j2"
+    a = Membership(etcd_client, job, "a", 1)
+    etcd_client.put_json(etcd_client.key("jobs", job, "nodes", "b"),
+                         {"node": "b", "agent_pid": 2, "torchrun_pid": 20, "workers": [{"rank": 1}]})
+    etcd_client.put_json(etcd_client.key("nodes", "b"), {"node": "b", "pid": 2})
+    assert a.poll() == []
+    etcd_client.delete(etcd_client.key("jobs", job, "nodes", "b"))       # its job record went, the node stays
+    [loss] = a.poll()
+    assert (loss.node, loss.incarnation, loss.cause, loss.in_round) == ("b", "2", RECORD_DROPPED, True)
+    assert loss.record["torchrun_pid"] == 20
+    etcd_client.delete(etcd_client.key("nodes", "b"))
+    _record(etcd_client, job, "b", 2)
+    assert a.poll() == [] and a.present(loss)                            # back: not lost after all
+    etcd_client.delete(etcd_client.key("jobs", job, "nodes", "b"))
+    assert [x.cause for x in a.poll()] == [LEASE_EXPIRED]
+
+
+def test_mark_lost_names_the_lost_torchrun_for_the_rendezvous(etcd_client):
+    job = "j3"
+    a = Membership(etcd_client, job, "a", 1)
+    loss = Loss("b", "2", LEASE_EXPIRED, {"torchrun_pid": 20, "workers": [{"rank": 1}]})
+    assert a.rdzv_desc(loss) is None                                     # b's torchrun never published
+    assert a.in_current_round(loss, None) is True                        # then: its record ran workers
+    publish_member(etcd_client, job, "b", "hostb_20_0")
+    etcd_client.put_json(members_key(etcd_client, job, "b"), {"desc": "hostb_20_0", "pid": 20})
+    desc = a.rdzv_desc(loss)
+    assert desc == "hostb_20_0"
+    assert a.in_current_round(loss, desc) is True                        # no round published yet
+    publish_round(etcd_client, job, 3, frozenset({"hosta_10_0"}))        # a round formed without it
+    assert a.in_current_round(loss, desc) is False
+    publish_round(etcd_client, job, 4, frozenset({"hosta_10_0", desc}))
+    assert a.in_current_round(loss, desc) is True
+    a.mark_lost(loss, desc)
+    marker = etcd_client.get_json(lost_prefix(etcd_client, job) + "hostb_20_0")
+    assert marker["node"] == "b" and marker["cause"] == LEASE_EXPIRED and marker["by"] == "a"
+    etcd_client.put_json(members_key(etcd_client, job, "b"), {"desc": "hostb_21_0", "pid": 21})
+    assert a.rdzv_desc(loss) is None                                     # b runs a newer torchrun: not that one
+    lost = LostNodes(etcd_client, job)
+    try:
+        assert lost.descs() == frozenset({"hostb_20_0"})
+    finally:
+        lost.close()

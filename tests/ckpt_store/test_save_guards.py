@@ -172,3 +172,21 @@ def test_ranks_that_disagree_on_what_they_save_all_refuse(tmp_path, mode, names)
     assert [r["raised"] for r in results] == ["CheckpointError"] * 2, results
     assert all(names in r["error"] for r in results), results
     assert CheckpointStore(f"file://{tmp_path}/ckpt").steps() == []
+
+
+def test_a_save_commits_only_while_its_fence_file_allows(tmp_path):
+    """A world that may have been replaced (its node lease lapsed) never commits (marind's lease.json)."""
+    import json
+    fence = tmp_path / "lease.json"
+    store = CheckpointStore(f"file://{tmp_path}/ckpt", commit_timeout_s=20, fence_file=str(fence))
+    store.save(1, {"w": torch.ones(3)}, async_=False)                   # no file yet: nothing to fence
+    fence.write_text(json.dumps({"valid_until": time.time() + 60}))
+    store.save(2, {"w": torch.ones(3)}, async_=False)
+    fence.write_text(json.dumps({"valid_until": time.time() + 1.5, "ttl": 4}))   # margin 2 s capped at ttl/4: 1 s
+    store.save(3, {"w": torch.ones(3)}, async_=False)
+    fence.write_text(json.dumps({"valid_until": time.time() - 1}))     # the lease may have expired
+    with pytest.raises(CheckpointSaveFailed, match="replaced"):
+        store.save(4, {"w": torch.ones(3)}, async_=False)
+    assert store.steps() == [1, 2, 3]
+    assert not os.path.exists(tmp_path / "ckpt" / "step-000000004" / "manifest.json")
+    store.close()

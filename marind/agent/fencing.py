@@ -1,0 +1,146 @@
+"""Fencing: a node whose lease lapsed stops what ran under it, then registers anew.
+
+First thing every tick the agent asks ``Fencing.tick``. A run whose node
+lease must have expired (``ttl`` after its last successful renewal) while
+its workers made no progress (``decisions.fence_due``) belongs to a world
+the other nodes have replaced: its torchrun and workers are SIGKILLed at
+once (no SIGTERM: nothing of that world may save a checkpoint), its queued
+writes are dropped from the outbox, and nothing more is written for that
+round. Workers that still step reach their peers (only etcd is away) and
+train on. Once etcd answers after an expiry, the node registers anew
+(``NodeRegistry.rejoin``: a new lease), writes ``host_fenced`` for each
+fenced job, and the agent starts the job again, a ``node_rejoined`` event:
+the node joins the job's next round.
+
+It also keeps each run's ``lease.json`` (``marind.core.lease_file``) at the
+lease's last renewal + TTL, so that a checkpoint commit can refuse to run
+for a world that may have been replaced.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import psutil
+
+from marind.agent.decisions import fence_due, stall_window
+from marind.agent.link import Link
+from marind.agent.run_monitor import RunMonitor
+from marind.agent.supervisor import TorchrunSupervisor
+from marind.core.errors import ControlPlaneUnavailable
+from marind.core.lease_file import write_lease
+from marind.core.log import get_logger
+
+
+class Fencing:
+    """This node's fenced runs, until it is registered again and runs each job anew.
+
+    Args:
+        link: the agent's link (registry, outbox, change watch).
+        node: this node's name.
+    """
+
+    def __init__(self, link: Link, node: str) -> None:
+        self.link = link
+        self.fenced: dict[str, dict] = {}     # job -> what was fenced, until the job runs here again
+        self._unreported: list[str] = []      # jobs whose host_fenced waits for the new registration
+        self._lease_written = 0.0
+        self.node = node
+        self.log = get_logger(__name__, node=node)
+
+    def tick(self, runs: dict[str, RunMonitor], now: float) -> bool:
+        """Fence the runs that must be; after an expiry, register anew.
+
+        Args:
+            runs: the agent's runs by job (fenced ones are removed).
+            now: the current time.
+
+        Returns:
+            False while the node waits to register anew (no job may start meanwhile).
+        """
+        reg = self.link.registry
+        if reg.last_renewal != self._lease_written:
+            self._write_lease_files(runs, reg.last_renewal, reg.ttl)
+        for run in list(runs.values()):
+            fence, why = fence_due(last_renewal=reg.last_renewal, ttl=reg.ttl, now=now,
+                                   progress_at=run.progress_at, stall_s=stall_window(reg.ttl))
+            if fence:
+                self._fence(run, why, now, reg.last_renewal)
+                runs.pop(run.job, None)
+        if not (reg.expired or self._unreported):
+            return True
+        try:
+            anew = reg.rejoin()
+        except ControlPlaneUnavailable:
+            return False
+        self.log.info("node_rejoined", new_lease=anew, fenced=sorted(self.fenced))
+        for job in self._unreported:
+            self.link.outbox.event(job, "host_fenced", {**self.fenced[job], "new_lease": anew})
+        self._unreported.clear()
+        self.link.watch.poke()
+        return True
+
+    def _write_lease_files(self, runs: dict[str, RunMonitor], renewed_at: float, ttl: float) -> None:
+        """Each run's ``lease.json``: how long its workers may still commit (``marind.core.lease_file``)."""
+        for run in runs.values():
+            try:
+                write_lease(run.sup.run_dir, renewed_at=renewed_at, ttl=ttl, node=self.node)
+            except OSError as exc:
+                self.log.warning("lease_file_failed", job=run.job, error=str(exc))
+        self._lease_written = renewed_at if runs else 0.0
+
+    def started(self, run: RunMonitor) -> None:
+        """A run just started: its lease file now (the next renewal rewrites it)."""
+        reg = self.link.registry
+        try:
+            write_lease(run.sup.run_dir, renewed_at=reg.last_renewal, ttl=reg.ttl, node=self.node)
+        except OSError as exc:
+            self.log.warning("lease_file_failed", job=run.job, error=str(exc))
+
+    def rejoined(self, job: str) -> dict | None:
+        """The job starts here again: what was fenced of it (None: it was not)."""
+        return self.fenced.pop(job, None)
+
+    def _fence(self, run: RunMonitor, why: str, now: float, last_renewal: float) -> None:
+        self.log.warning("host_fenced", job=run.job, reason=why, round=run.generations, step=run.step)
+        killed = kill_now(run.sup)
+        run.pending_kill = None
+        run.sup.stop(1)               # reap and clear pids.json: everything is dead already
+        if run.ft is not None:
+            run.ft.stop(release=False)
+        dropped = self.link.outbox.drop_job(run.job)
+        self.fenced[run.job] = {"reason": why, "fenced_at": now, "lease_renewed_at": last_renewal,
+                                "round": run.generations, "step": run.step, "killed": len(killed),
+                                "writes_dropped": dropped}
+        self._unreported.append(run.job)
+
+
+def kill_now(sup: TorchrunSupervisor) -> list[int]:
+    """SIGKILL torchrun's process group, every descendant and the known workers (no SIGTERM).
+
+    Args:
+        sup: the run's torchrun.
+
+    Returns:
+        The pids signalled.
+    """
+    pids: set[int] = set(sup.worker_pids())
+    if sup.pid is not None and sup.poll() is None:
+        try:
+            pids |= {p.pid for p in psutil.Process(sup.pid).children(recursive=True)}
+        except psutil.Error:
+            pass
+        try:
+            os.killpg(sup.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        pids.add(sup.pid)
+    killed = []
+    for pid in sorted(pids):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return killed

@@ -1,0 +1,78 @@
+"""The lease file: how long a node's workers may still act for their world (a commit's fence).
+
+``{run_dir}/lease.json`` (:func:`lease_path`) holds ``{"valid_until", "renewed_at", "ttl",
+"node"}``: the node's etcd lease was last renewed at ``renewed_at`` (the renewal request's
+send time, Unix seconds), so it lives at least until ``valid_until = renewed_at + ttl``.
+Past that, the other nodes may have found the lease expired and formed a new world without
+this node: whatever its workers do then belongs to a replaced world. The agent
+(``marind.agent.fencing``) rewrites it atomically after each renewal; a checkpoint commit
+asks :func:`commit_allowed` just before it writes its manifest, so a world that may have
+been replaced never commits (an etcd outage longer than the TTL only postpones commits:
+the saves fail until the lease is renewed again). A missing or malformed file allows
+(a run without an agent: nothing to fence against).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from marind.core.jsonfile import read_json_object, write_json_atomic
+
+#: a commit needs at least this much lease left (the manifest write must end inside it);
+#: at most a quarter of the TTL (``commit_margin``), as renewals come every TTL/3
+COMMIT_MARGIN_S = 2.0
+
+
+def lease_path(run_dir: str | Path) -> Path:
+    """The lease file of a run: ``{run_dir}/lease.json``."""
+    return Path(run_dir) / "lease.json"
+
+
+def write_lease(run_dir: str | Path, *, renewed_at: float, ttl: float, node: str) -> None:
+    """Atomically (re)write the run's lease file.
+
+    Args:
+        run_dir: the job's run directory on this node (it must exist).
+        renewed_at: when the node's lease was last renewed (the request's send time).
+        ttl: the lease's TTL in seconds.
+        node: the node's name (informational).
+
+    Raises:
+        OSError: the file could not be written.
+    """
+    write_json_atomic(lease_path(run_dir), {"valid_until": renewed_at + ttl, "renewed_at": renewed_at,
+                                            "ttl": ttl, "node": node})
+
+
+def read_lease(run_dir: str | Path) -> float | None:
+    """``valid_until`` of the run's lease file, or None when it is missing or malformed."""
+    doc = read_json_object(lease_path(run_dir))
+    try:
+        return None if doc is None else float(doc["valid_until"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def commit_margin(ttl: float) -> float:
+    """The lease a commit must leave: ``COMMIT_MARGIN_S``, at most a quarter of the TTL (pure)."""
+    return min(COMMIT_MARGIN_S, ttl / 4)
+
+
+def commit_allowed(valid_until: float | None, now: float, margin: float = COMMIT_MARGIN_S) -> tuple[bool, str]:
+    """May this world commit a checkpoint now? (pure)
+
+    Args:
+        valid_until: the lease file's ``valid_until`` (None: no lease file).
+        now: the current Unix time.
+        margin: lease time the commit must leave.
+
+    Returns:
+        (allowed, why).
+    """
+    if valid_until is None:
+        return True, "no lease file: not run by a marind agent"
+    left = valid_until - now
+    if left < margin:
+        return False, (f"the node's lease may expire before a commit ends ({left:.1f}s left of its last "
+                       f"renewal + TTL, margin {margin:g}s): another world may have replaced this one")
+    return True, f"lease valid for {left:.1f}s more"

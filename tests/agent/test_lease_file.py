@@ -1,0 +1,45 @@
+"""The lease file that fences a replaced world's checkpoint commit (marind/core/lease_file.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from marind.core.lease_file import (
+    COMMIT_MARGIN_S,
+    commit_allowed,
+    commit_margin,
+    lease_path,
+    read_lease,
+    write_lease,
+)
+
+
+@pytest.mark.unit
+def test_a_commit_needs_lease_time_left():
+    ok, why = commit_allowed(110.0, 100.0)
+    assert ok and "10.0s" in why
+    assert commit_allowed(100.0 + COMMIT_MARGIN_S, 100.0)[0] is True
+    ok, why = commit_allowed(100.0 + COMMIT_MARGIN_S - 0.01, 100.0)
+    assert not ok and "replaced" in why
+    assert commit_allowed(50.0, 100.0)[0] is False           # a stale world, back from a freeze
+
+
+@pytest.mark.unit
+def test_no_lease_file_allows_a_run_without_an_agent():
+    assert commit_allowed(None, 100.0) == (True, "no lease file: not run by a marind agent")
+
+
+@pytest.mark.unit
+def test_the_file_round_trips_and_a_bad_one_reads_as_absent(tmp_path):
+    assert read_lease(tmp_path) is None
+    write_lease(tmp_path, renewed_at=1000.0, ttl=10, node="a")
+    assert read_lease(tmp_path) == 1010.0
+    lease_path(tmp_path).write_text('{"valid_until": "soon"}')
+    assert read_lease(tmp_path) is None
+    lease_path(tmp_path).write_text("not json")
+    assert read_lease(tmp_path) is None
+
+
+@pytest.mark.unit
+def test_the_margin_is_at_most_a_quarter_of_the_ttl():
+    assert commit_margin(10) == COMMIT_MARGIN_S and commit_margin(4) == 1.0 and commit_margin(2) == 0.5
