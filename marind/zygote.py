@@ -224,16 +224,18 @@ class Zygote:
         self.sel.register(self.listener, selectors.EVENT_READ)
 
     def _spawn(self, conn: socket.socket) -> None:
-        if self.refusal is not None:
-            send_line(conn, {"error": self.refusal})   # the stub starts its worker cold, now
-            conn.close()
-            return
         try:
             request, fds = recv_request(conn)
-            if len(fds) != 4:
+            if self.refusal is None and len(fds) != 4:
                 raise ValueError(f"expected 4 fds (stdin, stdout, stderr, lifeline), got {len(fds)}")
         except (OSError, ValueError, ConnectionError) as exc:
             sys.stderr.write(f"marind.zygote: bad request: {exc}\n")
+            conn.close()
+            return
+        if self.refusal is not None:     # read the request first: the stub must not hit a closed socket
+            for fd in fds:
+                os.close(fd)
+            send_line(conn, {"error": self.refusal})   # the stub starts its worker cold, now
             conn.close()
             return
         pid = os.fork()
