@@ -47,7 +47,7 @@ from marind.core.schema import parse_nodes as parse_nodes  # re-exported: part o
 #: into the marind package) still means it.
 TRAINER_ENTRYPOINT = "marind.trainer"
 _ENTRYPOINT_ALIASES = {"trainer": TRAINER_ENTRYPOINT}
-_MODULE_RE = re.compile(r"[A-Za-z_][\w.]*")
+_MODULE_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -311,7 +311,7 @@ def validate_spec(spec: RunSpec) -> None:
     positive(j.nproc_per_node, "job.nproc_per_node")
     positive(j.max_restarts, "job.max_restarts", zero_ok=True)
     positive(j.hang_timeout, "job.hang_timeout")
-    if j.entrypoint and not _MODULE_RE.fullmatch(j.entrypoint):
+    if j.entrypoint and (not _MODULE_RE.fullmatch(j.entrypoint) or j.entrypoint.endswith(".py")):
         hint = (f"; to run a script use command = [\"python\", {j.entrypoint!r}]"
                 if j.entrypoint.endswith(".py") or "/" in j.entrypoint else "")
         raise SpecError(f"job.entrypoint = {j.entrypoint!r} must be a python module name like "
