@@ -89,14 +89,21 @@ def preload_names(listed: str) -> list[str]:
     return names + [n.strip() for n in listed.split(",") if n.strip() and n.strip() not in names]
 
 
+class PreloadFailed(Exception):
+    """A module of the preload list did not import (the message names it and why)."""
+
+
 def preload(names: list[str]) -> list[str]:
     """Import ``names`` in order; returns them.
 
     Raises:
-        Exception: whatever the first failing import raised.
+        PreloadFailed: the first module that did not import, with its error.
     """
     for name in names:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except Exception as exc:         # any import-time error of the user's module
+            raise PreloadFailed(f"{name}: {type(exc).__name__}: {exc}") from exc
     return names
 
 
@@ -319,8 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     names = preload_names(listed)
     try:
         preload(names)
-    except Exception as exc:  # noqa: BLE001 - stubs fall back to cold starts; say why, once and to each
-        refusal = f"the zygote could not preload {', '.join(names)}: {type(exc).__name__}: {exc}"
+    except PreloadFailed as exc:     # stubs fall back to cold starts; say why, once and to each
+        refusal = f"the zygote could not preload {exc}"
     else:
         refusal = fork_unsafe_reason()
     if refusal:
