@@ -68,10 +68,11 @@ def _steps_in(text: str) -> list[dict]:
 def run_trainer(root: Path, nproc: int, steps: int, data: str) -> dict:
     from marind.agent.supervisor import _PDEATHSIG_SHIM
     from marind.agent.torchrun_args import zygote_env
+    from marind.trainer import MARIND_PRELOAD
     spec = root / f"spec-{steps}.toml"
     spec.write_text(SPEC.format(nproc=nproc, data=data, steps=steps, ckpt=root / "ckpt"))
     env = dict(os.environ, PYTHONPATH=str(REPO), MARIND_LOG_JSON="1", OMP_NUM_THREADS="1",
-               **zygote_env("gpu-check", root, "marind.trainer"))
+               **zygote_env("gpu-check", root, MARIND_PRELOAD))
     t0 = time.time()
     res = subprocess.run([sys.executable, "-c", _PDEATHSIG_SHIM, str(os.getpid()),
                           sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -124,7 +125,8 @@ def main() -> int:
     result["backend"] = {"ok": dev.type == "cuda" and backend_for(dev) == "nccl", "device": str(dev),
                          "backend": backend_for(dev)}
     import marind.zygote as zygote
-    zygote.preload("trainer")
+    from marind.trainer import MARIND_PRELOAD
+    zygote.preload(zygote.preload_names(",".join(MARIND_PRELOAD)))
     result["zygote_cuda_clean"] = {"ok": zygote.fork_unsafe_reason() is None}
     root = Path(tempfile.mkdtemp(prefix="marind-gpu-check-"))
     from marind.trainer import corpus

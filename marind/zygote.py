@@ -4,9 +4,10 @@ A restart of a job is mostly spent importing: each new worker loads torch,
 torch.distributed and the trainer again (seconds of CPU per rank, paid by
 every rank of every node at once). With ``[job] warm_start = true`` (the
 default) each node's torchrun gets one *zygote* beside it: a process that
-imports the entrypoint's modules once and then forks a ready worker for
-each request. torchrun still launches and supervises ordinary processes:
-``python -m marind.zygote_stub MODULE ARGS`` (``marind/zygote_stub.py``),
+imports torch and the job's ``preload`` modules once and then forks a ready
+worker for each request. torchrun still launches and supervises ordinary
+processes: ``python -m marind.zygote_stub MODULE ARGS`` (or ``--command
+python SCRIPT ARGS``; ``marind/zygote_stub.py``),
 which hands its argv, environment, cwd and stdio to the zygote, forwards
 signals to the forked worker and exits with the worker's status, so
 torchrun's elastic restarts work exactly as with cold processes.
@@ -27,9 +28,18 @@ detection and the chaos injectors act on the real worker.
 
 Forking after ``import torch`` is what torch's own DataLoader does with
 the fork start method; the zygote never initialises CUDA or a process
-group, so each child starts clean. Modules to import up front are the
-entrypoint, torch.distributed and whatever the entrypoint package lists in
-``MARIND_PRELOAD``.
+group, so each child starts clean.
+
+What the zygote imports: torch, torch.distributed and the modules the job
+names in ``[job] preload`` (``$MARIND_ZYGOTE_PRELOAD``; for the reference
+trainer, ``marind.trainer.MARIND_PRELOAD``), from the job's working dir. It
+never imports the entrypoint or a script unless preload names it: a
+worker's module or script (``[job] command = ["python", "train.py"]``) runs
+afresh as ``__main__`` in the forked child (``runpy``), so a script without
+a main guard runs once per worker start, in the worker. A preload that
+fails (or an import that initialises CUDA) puts the zygote in refusing
+mode: it still listens, and answers every stub at once with the reason, so
+each worker starts cold without waiting ``$MARIND_ZYGOTE_WAIT``.
 """
 
 from __future__ import annotations
@@ -46,6 +56,8 @@ import sys
 import threading
 import traceback
 from pathlib import Path
+
+from marind.core.workerenv import WORKING_DIR
 
 PR_SET_PDEATHSIG = 1
 MAX_HEADER = 4 << 20
@@ -71,18 +83,36 @@ def read_pid_map(path: str | Path) -> dict[int, int]:
         return {}
 
 
-def preload(entrypoint: str) -> list[str]:
-    """Import what every worker of ``entrypoint`` will import; returns the module names."""
-    names = ["torch", "torch.distributed", entrypoint]
-    loaded = []
+def preload_names(listed: str) -> list[str]:
+    """torch, torch.distributed, then the comma-separated modules of ``[job] preload``."""
+    names = ["torch", "torch.distributed"]
+    return names + [n.strip() for n in listed.split(",") if n.strip() and n.strip() not in names]
+
+
+class PreloadFailed(Exception):
+    """A module of the preload list did not import (the message names it and why)."""
+
+
+def preload(names: list[str]) -> list[str]:
+    """Import ``names`` in order; returns them.
+
+    Raises:
+        PreloadFailed: the first module that did not import, with its error.
+    """
     for name in names:
-        module = importlib.import_module(name)
-        loaded.append(name)
-        if name == entrypoint:
-            for extra in getattr(module, "MARIND_PRELOAD", ()):
-                importlib.import_module(extra)
-                loaded.append(extra)
-    return loaded
+        try:
+            importlib.import_module(name)
+        except Exception as exc:         # any import-time error of the user's module
+            raise PreloadFailed(f"{name}: {type(exc).__name__}: {exc}") from exc
+    return names
+
+
+def enter_working_dir() -> None:
+    """Import from the job's working dir, as its workers do (their ``sys.path[0]``)."""
+    wd = os.environ.get(WORKING_DIR)
+    if wd and os.path.isdir(wd):
+        os.chdir(wd)
+        sys.path[0] = wd
 
 
 def fork_unsafe_reason() -> str | None:
@@ -153,9 +183,16 @@ def _run_worker(request: dict, fds: list[int]) -> None:
         import marind.core.log
         marind.core.log._configured = False          # log as the worker's environment says
         import runpy
-        sys.argv = [request["module"], *request["args"]]
-        sys.modules.pop(request["module"], None)   # preloaded as a module; it runs afresh as __main__
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        if "script" in request:                    # python SCRIPT ARGS: its top level runs here only
+            script = os.path.abspath(request["script"])
+            sys.argv = [request["script"], *request["args"]]
+            sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` would
+            runpy.run_path(script, run_name="__main__")
+        else:                                      # python -m MODULE ARGS
+            sys.argv = [request["module"], *request["args"]]
+            sys.path[0] = os.getcwd()              # as `python -m` would
+            sys.modules.pop(request["module"], None)   # if preloaded as a module: it runs afresh as __main__
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -175,8 +212,10 @@ def _run_worker(request: dict, fds: list[int]) -> None:
 
 # -- the server ---------------------------------------------------------------------------------------
 class Zygote:
-    def __init__(self, socket_name: str, pid_map: str, entrypoint: str):
-        self.name, self.pid_map, self.entrypoint = socket_name, Path(pid_map), entrypoint
+    """The fork server. ``refusal``: why it cannot fork (a failed preload); every stub is told at once."""
+
+    def __init__(self, socket_name: str, pid_map: str, refusal: str | None = None):
+        self.name, self.pid_map, self.refusal = socket_name, Path(pid_map), refusal
         self.sel = selectors.DefaultSelector()
         self.children: dict[int, tuple[socket.socket, int]] = {}     # worker pid -> (conn, stub pid)
         self.listener: socket.socket | None = None
@@ -194,10 +233,16 @@ class Zygote:
     def _spawn(self, conn: socket.socket) -> None:
         try:
             request, fds = recv_request(conn)
-            if len(fds) != 4:
+            if self.refusal is None and len(fds) != 4:
                 raise ValueError(f"expected 4 fds (stdin, stdout, stderr, lifeline), got {len(fds)}")
         except (OSError, ValueError, ConnectionError) as exc:
             sys.stderr.write(f"marind.zygote: bad request: {exc}\n")
+            conn.close()
+            return
+        if self.refusal is not None:     # read the request first: the stub must not hit a closed socket
+            for fd in fds:
+                os.close(fd)
+            send_line(conn, {"error": self.refusal})   # the stub starts its worker cold, now
             conn.close()
             return
         pid = os.fork()
@@ -262,31 +307,37 @@ class Zygote:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m marind.zygote SOCKET PID_MAP ENTRYPOINT PARENT_PID`` (started by the agent's shim)."""
+    """``python -m marind.zygote SOCKET PID_MAP PRELOAD PARENT_PID`` (started by the agent's shim).
+
+    ``PRELOAD`` is ``[job] preload``, comma-separated ("" imports torch only).
+    """
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 4:
-        sys.stderr.write("usage: python -m marind.zygote SOCKET PID_MAP ENTRYPOINT PARENT_PID\n")
+        sys.stderr.write("usage: python -m marind.zygote SOCKET PID_MAP PRELOAD PARENT_PID\n")
         return 2
-    name, pid_map, entrypoint, parent = argv[0], argv[1], argv[2], int(argv[3])
+    name, pid_map, listed, parent = argv[0], argv[1], argv[2], int(argv[3])
     _set_pdeathsig(signal.SIGTERM)
     if os.getppid() != parent:
         return 0                                  # torchrun is already gone
     stop_early = lambda *_: os._exit(0)
     signal.signal(signal.SIGTERM, stop_early)
+    enter_working_dir()
+    refusal = None
+    names = preload_names(listed)
     try:
-        preload(entrypoint)
-    except Exception as exc:  # noqa: BLE001 - stubs fall back to cold starts; say why once
-        sys.stderr.write(f"marind.zygote: preloading {entrypoint} failed ({type(exc).__name__}: {exc}); "
-                         f"workers start cold\n")
-        return 0
-    if fork_unsafe_reason():
-        sys.stderr.write(f"marind.zygote: {fork_unsafe_reason()}; workers start cold\n")
-        return 0
-    # What was preloaded lives as long as every worker: keep the workers' garbage collector
-    # from scanning it (and from touching, so copying, its shared pages) on every full pass.
-    gc.collect()
-    gc.freeze()
-    zygote = Zygote(name, pid_map, entrypoint)
+        preload(names)
+    except PreloadFailed as exc:     # stubs fall back to cold starts; say why, once and to each
+        refusal = f"the zygote could not preload {exc}"
+    else:
+        refusal = fork_unsafe_reason()
+    if refusal:
+        sys.stderr.write(f"marind.zygote: {refusal}; workers start cold\n")
+    else:
+        # What was preloaded lives as long as every worker: keep the workers' garbage collector
+        # from scanning it (and from touching, so copying, its shared pages) on every full pass.
+        gc.collect()
+        gc.freeze()
+    zygote = Zygote(name, pid_map, refusal)
 
     def stop(*_):
         zygote.stopping = True

@@ -1,12 +1,23 @@
-"""What torchrun runs for a warm-started worker: ``python -m marind.zygote_stub MODULE ARGS...``.
+"""What torchrun runs for each worker: ``python -m marind.zygote_stub MODULE ARGS...`` or
+``python -m marind.zygote_stub --command PROGRAM ARGS...`` (``[job] command``).
 
-It asks the job's zygote (``$MARIND_ZYGOTE_SOCKET``, see ``marind/zygote.py``)
-to fork ``python -m MODULE ARGS`` with this process's environment, working
-directory and stdio, forwards every signal it can catch to that worker, and
-exits as the worker did (by the same signal, or with the same code). If the
-zygote is not there within ``$MARIND_ZYGOTE_WAIT`` seconds (default 30),
-refuses, or goes away before the worker started, the stub becomes the worker
-itself (``exec python -m MODULE``): a cold start, never a failure.
+It changes into the job's working dir (``$MARIND_WORKING_DIR``; a missing one
+is one line on stderr and exit 2), then starts the worker:
+
+* warm (``$MARIND_ZYGOTE_SOCKET`` set, see ``marind/zygote.py``): it asks the
+  job's zygote to fork the worker with this process's environment, working
+  directory and stdio, forwards every signal it can catch to that worker,
+  and exits as the worker did (by the same signal, or with the same code);
+* cold: it becomes the worker itself (``exec python -m MODULE ARGS`` or
+  ``exec PROGRAM ARGS``), when there is no zygote, when the zygote is not
+  there within ``$MARIND_ZYGOTE_WAIT`` seconds (default 30), refuses (its
+  preload failed: it says so at once), or goes away before the worker
+  started, and for a command that is not a python script or module.
+
+A command is warm-startable when it is ``python SCRIPT ARGS`` or ``python -m
+MODULE ARGS`` (``python``/``python3`` mean the interpreter torchrun runs
+with; ``-u`` may come first): ``python_target`` decides. The zygote then runs
+the script's top level in the forked worker only (``runpy``), never in itself.
 
 Imports nothing heavy: it starts in tens of milliseconds.
 """
@@ -21,17 +32,63 @@ import sys
 import time
 from typing import NoReturn
 
-from marind.core.workerenv import ZYGOTE_PREFIX, ZYGOTE_SOCKET, ZYGOTE_WAIT
+from marind.core.workerenv import WORKING_DIR, ZYGOTE_PREFIX, ZYGOTE_SOCKET, ZYGOTE_WAIT
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2, signal.SIGCONT, signal.SIGWINCH)
+#: Words at the head of ``[job] command`` that mean "the interpreter torchrun runs with".
+PYTHON_WORDS = ("python", "python3")
+COMMAND_FLAG = "--command"
 
 
-def _cold(module: str, args: list[str], why: str) -> NoReturn:
+def is_python(word: str, interpreter: str) -> bool:
+    """Does a command's first word run ``interpreter`` (``python``, ``python3``, or its own path)?"""
+    return word in PYTHON_WORDS or word == interpreter
+
+
+def python_target(command: list[str], interpreter: str) -> tuple[tuple[str, str, list[str]] | None, str]:
+    """What a zygote could run for ``command``, and why (or why not).
+
+    Args:
+        command: ``[job] command``.
+        interpreter: the python that torchrun (and the zygote) runs.
+
+    Returns:
+        ``(("script", path, args) | ("module", name, args), why)`` when the command is
+        ``python [-u] SCRIPT ARGS`` or ``python [-u] -m MODULE ARGS``; ``(None, why not)``
+        otherwise (the worker then starts cold).
+    """
+    if not command or not is_python(command[0], interpreter):
+        return None, f"{command[0] if command else 'an empty command'} is not {interpreter}"
+    rest = command[1:]
+    if rest[:1] == ["-u"]:
+        rest = rest[1:]             # the worker's output is unbuffered anyway (PYTHONUNBUFFERED=1)
+    if len(rest) >= 2 and rest[0] == "-m":
+        return ("module", rest[1], rest[2:]), f"python -m {rest[1]}"
+    if rest and not rest[0].startswith("-"):
+        return ("script", rest[0], rest[1:]), f"python script {rest[0]}"
+    return None, "python options other than -u (or no script) need a fresh interpreter"
+
+
+def cold_argv(command: list[str], interpreter: str) -> list[str]:
+    """The argv a cold start execs for ``command`` (``python``/``python3`` become ``interpreter``)."""
+    return [interpreter if is_python(command[0], interpreter) else command[0], *command[1:]]
+
+
+def _cold(target: tuple[str, str, list[str]] | None, command: list[str], why: str) -> NoReturn:
     if why:
         sys.stderr.write(f"marind.zygote_stub: cold start ({why})\n")
         sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, "-u", "-m", module, *args])
+    if target is not None and target[0] == "module" and not command:
+        argv = [sys.executable, "-u", "-m", target[1], *target[2]]
+    else:
+        argv = cold_argv(command, sys.executable)
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as exc:
+        sys.stderr.write(f"marind.zygote_stub: cannot run {argv[0]}: {exc.strerror or exc}; "
+                         f"fix [job] command\n")
+        sys.exit(127)
 
 
 def _connect(name: str, wait: float) -> socket.socket | None:
@@ -63,17 +120,37 @@ def _read_line(sock: socket.socket, buf: bytearray) -> dict | None:
     return json.loads(line)
 
 
-def main() -> None:
-    if len(sys.argv) < 2:
-        sys.stderr.write("usage: python -m marind.zygote_stub MODULE [ARGS...]\n")
+def _enter_working_dir() -> None:
+    wd = os.environ.get(WORKING_DIR)
+    if not wd:
+        return
+    try:
+        os.chdir(wd)
+    except OSError as exc:
+        sys.stderr.write(f"marind: job.working_dir {wd}: {exc.strerror or exc} on this node; create it "
+                         f"(the same path on every node) or change [job] working_dir\n")
         sys.exit(2)
-    module, args = sys.argv[1], sys.argv[2:]
+
+
+def main() -> None:
+    usage = "usage: python -m marind.zygote_stub MODULE [ARGS...] | --command PROGRAM [ARGS...]\n"
+    argv = sys.argv[1:]
+    if not argv or (argv[0] == COMMAND_FLAG and len(argv) < 2):
+        sys.stderr.write(usage)
+        sys.exit(2)
+    _enter_working_dir()
+    command: list[str] = []
+    if argv[0] == COMMAND_FLAG:
+        command = argv[1:]
+        target, _ = python_target(command, sys.executable)
+    else:
+        target = ("module", argv[0], argv[1:])
     path = os.environ.get(ZYGOTE_SOCKET)
-    if not path:
-        _cold(module, args, "")
+    if not path or target is None:
+        _cold(target, command, "")
     sock = _connect(path, float(os.environ.get(ZYGOTE_WAIT, "30")))
     if sock is None:
-        _cold(module, args, f"no zygote at {path}")
+        _cold(target, command, f"no zygote at {path}")
     # From here a signal is this job's: one that lands before the worker exists is held and sent
     # to it once it does (torchrun may stop a worker the moment it starts).
     worker = 0
@@ -91,7 +168,8 @@ def main() -> None:
         signal.signal(sig, forward)
     lifeline_r, lifeline_w = os.pipe()
     env = {k: v for k, v in os.environ.items() if not k.startswith(ZYGOTE_PREFIX)}
-    header = json.dumps({"module": module, "args": args, "env": env, "cwd": os.getcwd(),
+    kind, name, args = target
+    header = json.dumps({kind: name, "args": args, "env": env, "cwd": os.getcwd(),
                          "stub_pid": os.getpid()}).encode() + b"\n"
     buf = bytearray()
     try:
@@ -101,7 +179,7 @@ def main() -> None:
     except OSError as exc:
         reply, why = None, str(exc)
     else:
-        why = "the zygote closed the connection"
+        why = (reply or {}).get("error") or "the zygote closed the connection"
     if not reply or "pid" not in reply:
         sock.close()
         os.close(lifeline_w)
@@ -109,7 +187,7 @@ def main() -> None:
             signal.signal(sig, signal.SIG_DFL)
         for held in pending:
             os.kill(os.getpid(), held)
-        _cold(module, args, why)
+        _cold(target, command, why)
     worker = int(reply["pid"])
     for held in pending:
         forward(held, None)

@@ -90,7 +90,7 @@ class JobView:
     def target_steps(self) -> int | None:
         """``train.steps``: where the job ends."""
         if self.run_spec is not None:
-            return self.run_spec.train.steps
+            return self.run_spec.target_steps
         steps = (self.spec.get("train") or {}).get("steps")
         return None if steps is None else int(steps)
 
@@ -107,7 +107,7 @@ def parse_stored_spec(doc: Any) -> tuple[RunSpec | None, str | None]:
     if not isinstance(doc, dict):
         return None, f"the stored spec is a {type(doc).__name__}, not a table"
     try:
-        return RunSpec.from_dict(doc, check_worlds=False), None
+        return RunSpec.from_dict(doc), None
     except (SpecError, TypeError, ValueError) as exc:
         return None, str(exc)
 

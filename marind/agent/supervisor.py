@@ -51,7 +51,7 @@ _PDEATHSIG_SHIM = (
     "    me = os.getpid()\n"
     "    if os.fork() == 0:\n"
     "        os.execv(sys.executable, [sys.executable, '-m', 'marind.zygote', z,\n"
-    f"                 os.environ['{WE.ZYGOTE_PIDS}'], os.environ['{WE.ZYGOTE_ENTRYPOINT}'], str(me)])\n"
+    f"                 os.environ['{WE.ZYGOTE_PIDS}'], os.environ['{WE.ZYGOTE_PRELOAD}'], str(me)])\n"
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
 

@@ -1,6 +1,8 @@
 """What a job's torchrun runs with on this node: run dir, run.toml, command line, environment.
 
-All of it from the job's typed spec (``marind.core.spec.RunSpec``); every ``MARIND_*``
+torchrun runs in the job's run dir (marind's files: logs, progress, run.toml); each worker
+starts through ``marind.zygote_stub``, which enters ``[job] working_dir`` first. All of it
+from the job's typed spec (``marind.core.spec.RunSpec``); every ``MARIND_*``
 variable by its name in ``marind.core.workerenv``. ``marind.agent.supervisor`` runs the
 command; ``marind.agent.run_monitor.launch`` puts the two together.
 """
@@ -8,6 +10,7 @@ command; ``marind.agent.run_monitor.launch`` puts the two together.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -15,23 +18,37 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from marind.core import workerenv as WE
-from marind.core.spec import RunSpec
+from marind.core.spec import JobSpec, RunSpec
+from marind.zygote_stub import COMMAND_FLAG
+
+
+def _toml_key(key: str) -> str:
+    return key if key and key.replace("_", "").replace("-", "").isalnum() and key.isascii() else json.dumps(key)
 
 
 def _toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, (int, float)):
+    if isinstance(value, int):
         return repr(value)
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else ("nan" if value != value else ("inf" if value > 0 else "-inf"))
     if isinstance(value, str):
-        return json.dumps(value)
+        return json.dumps(value)          # a JSON string is a TOML basic string
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_key(str(k))} = {_toml_value(v)}" for k, v in value.items()
+                               if v is not None) + "}"
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
 
 
 def spec_to_toml(spec: dict) -> str:
-    """The spec dict (``RunSpec.to_dict()``) as run.toml; None values are left out."""
+    """The spec dict (``RunSpec.to_dict()``) as run.toml; None values are left out.
+
+    A program's own sections round-trip too: nested tables become sub-tables, tables inside
+    arrays inline tables.
+    """
     lines: list[str] = []
 
     def table(name: str, data: dict) -> None:
@@ -41,16 +58,18 @@ def spec_to_toml(spec: dict) -> str:
             if value is None:
                 continue
             if isinstance(value, dict):
-                subtables.append((f"{name}.{key}", value))
+                subtables.append((f"{name}.{_toml_key(key)}", value))
             else:
-                lines.append(f"{json.dumps(key) if not key.replace('_', '').isalnum() else key} = "
-                             f"{_toml_value(value)}")
+                lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
         lines.append("")
         for sub_name, sub in subtables:
             table(sub_name, sub)
 
     for section, data in spec.items():
-        table(section, data)
+        if isinstance(data, dict):
+            table(_toml_key(section), data)
+        elif data is not None:           # a top-level key outside any section
+            lines.insert(0, f"{_toml_key(section)} = {_toml_value(data)}")
     return "\n".join(lines)
 
 
@@ -90,11 +109,21 @@ def torchrun_command(*, python: str, job: str, spec: RunSpec, endpoint: str, pre
     endpoint = ",".join(e.split("://", 1)[-1] for e in endpoint.split(","))
     rdzv = [f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
             f"--rdzv-conf={','.join(conf)}", f"--nnodes={nodes}"]
+    # Every worker starts through the launcher (marind/zygote_stub.py): it enters job.working_dir,
+    # then asks the zygote for a warm fork or execs the worker cold.
+    worker = [COMMAND_FLAG, *j.command] if j.command else [j.entrypoint, str(run_toml)]
     return [python, "-m", "torch.distributed.run", *rdzv,
             f"--nproc-per-node={j.nproc_per_node}",
             f"--max-restarts={j.max_restarts}", "--monitor-interval=0.5",
-            *(["-m", "marind.zygote_stub"] if j.warm_start else ["-m"]),
-            j.entrypoint, str(run_toml)]
+            "-m", "marind.zygote_stub", *worker]
+
+
+def warm_start_applies(job: JobSpec) -> bool:
+    """Does this job get a zygote? ``warm_start``, and an entrypoint or a command run by python
+    (the launcher decides per worker: ``marind.zygote_stub.python_target``)."""
+    if not job.warm_start:
+        return False
+    return not job.command or os.path.basename(job.command[0]).startswith("python")
 
 
 def worker_env(base: Mapping[str, str], *, job: str, node: str, run_dir: Path, spec: RunSpec,
@@ -118,33 +147,40 @@ def worker_env(base: Mapping[str, str], *, job: str, node: str, run_dir: Path, s
     env.pop("WATCHDOG_USEC", None)
     env.pop("WATCHDOG_PID", None)
     env.setdefault("OMP_NUM_THREADS", "1")
-    env.update({WE.RUN_DIR: str(run_dir), WE.JOB_ID: job, WE.NODE: node,
+    env.update({WE.RUN_DIR: str(run_dir), WE.RUN_TOML: str(run_toml_path(run_dir)), WE.JOB_ID: job, WE.NODE: node,
                 "PYTHONUNBUFFERED": "1", "TORCHELASTIC_ERROR_FILE": str(run_dir / "logs" / "error.json")})
+    if spec.job.working_dir:
+        env[WE.WORKING_DIR] = spec.job.working_dir
     if etcd_user:
         env[WE.ETCD_USER] = etcd_user
     if etcd_password:
         env[WE.ETCD_PASSWORD] = etcd_password
-    if spec.job.warm_start:
-        env.update(zygote_env(job, run_dir, spec.job.entrypoint))
+    if warm_start_applies(spec.job):
+        env.update(zygote_env(job, run_dir, spec.job.preload))
     for key, value in spec.job.env:
         env[key] = value
     return env
 
 
-def zygote_env(job: str, run_dir: Path, entrypoint: str) -> dict[str, str]:
+def zygote_env(job: str, run_dir: Path, preload: tuple[str, ...] | list[str]) -> dict[str, str]:
     """Where torchrun's zygote listens (an abstract socket of this agent and job) and what it loads.
 
     Args:
         job: the job's id.
         run_dir: the job's run dir (the zygote's pid map goes there).
-        entrypoint: the module the zygote preloads.
+        preload: ``[job] preload``: the modules the zygote imports besides torch.
 
     Returns:
         The ``MARIND_ZYGOTE_*`` variables.
     """
     return {WE.ZYGOTE_SOCKET: f"@marind-zygote-{os.getpid()}-{job}",
             WE.ZYGOTE_PIDS: str(run_dir / "zygote.pids.json"),
-            WE.ZYGOTE_ENTRYPOINT: entrypoint}
+            WE.ZYGOTE_PRELOAD: ",".join(preload)}
+
+
+def run_toml_path(run_dir: Path) -> Path:
+    """The stored run.toml in a job's run dir (``MARIND_RUN_TOML``)."""
+    return run_dir / "run.toml"
 
 
 def prepare_run_dir(run_dir: Path, spec: RunSpec) -> Path:
@@ -160,7 +196,7 @@ def prepare_run_dir(run_dir: Path, spec: RunSpec) -> Path:
     shutil.rmtree(run_dir / "progress", ignore_errors=True)
     (run_dir / "progress").mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    path = run_dir / "run.toml"
+    path = run_toml_path(run_dir)
     path.write_text(spec_to_toml(spec.to_dict()))
     return path
 

@@ -69,11 +69,41 @@ def _client(args):
     return JobsClient(connect(args.etcd, args.config, args.state_dir))
 
 
+def checked_spec(path: str):
+    """The spec ``marind submit`` stores: parsed, paths made absolute, checked on this machine.
+
+    A trainer job (``entrypoint = "marind.trainer"``) also gets the trainer's validation
+    (sections, presets, batch arithmetic at every world size) and its data path checked;
+    any other program's sections are its own and pass through.
+
+    Args:
+        path: the run.toml.
+
+    Returns:
+        The core spec to store (a trainer job's sections fully resolved).
+
+    Raises:
+        SpecError: an invalid spec, or a working dir / data path missing here (one line; exit 2).
+    """
+    from marind.core.errors import SpecError
+    from marind.core.spec import load_spec, missing_paths
+
+    spec = load_spec(path)               # relative paths resolve against the run.toml's directory
+    problem = missing_paths(spec)
+    if spec.runs_trainer and problem is None:
+        from marind.trainer.config import missing_data, trainer_spec
+        typed = trainer_spec(spec)
+        problem = missing_data(typed)
+        spec = typed.core()
+    if problem:
+        raise SpecError(problem)
+    return spec
+
+
 def submit(args) -> int:
     from marind.core.errors import JobFailed
-    from marind.core.spec import load_spec
 
-    spec = load_spec(args.spec)          # validates before anything touches etcd (exit 2)
+    spec = checked_spec(args.spec)       # validates before anything touches etcd (exit 2)
     jc = _client(args)
     job = jc.submit(spec.to_dict(), spec.job.name, args.id)
     if not args.wait:

@@ -8,6 +8,7 @@ back (``export``):
 
 * ``int``, ``int?`` (None allowed), ``float`` (an integer is accepted),
   ``str``, ``bool``: checked, never coerced from another type;
+* ``strs``: an array of strings, held as a tuple, exported as a list;
 * ``duration``, ``duration?``: ``"120s"``, ``"5m"``, ``"250ms"`` or seconds
   (``parse_duration``), held as float seconds;
 * ``nodes``: ``"MIN:MAX"`` or ``N`` (``parse_nodes``), held as ``(min, max)``,
@@ -30,7 +31,7 @@ from typing import Any
 
 from marind.core.errors import SpecError
 
-KINDS = ("int", "int?", "float", "str", "bool", "duration", "duration?", "nodes", "env")
+KINDS = ("int", "int?", "float", "str", "strs", "bool", "duration", "duration?", "nodes", "env")
 
 
 def spec_field(default: Any, kind: str, key: str | None = None, **kw) -> Any:
@@ -170,6 +171,10 @@ def convert(kind: str, value: Any, path: str) -> Any:
         if isinstance(value, str):
             return value
         raise SpecError(f"{path} must be a string, got {type_name(value)} {value!r}")
+    if kind == "strs":
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise SpecError(f"{path} must be an array of strings, got {type_name(value)} {value!r}")
     if kind == "bool":
         if isinstance(value, bool):
             return value
@@ -195,6 +200,8 @@ def export(kind: str, value: Any) -> Any:
         return f"{lo}:{hi}"
     if kind == "env":
         return dict(value)
+    if kind == "strs":
+        return list(value)
     return value
 
 

@@ -1,29 +1,36 @@
 """The run spec: ``run.toml`` parsed into frozen dataclasses (docs/design.md §3).
 
 One loader for everybody: ``marind submit`` validates with it before
-anything reaches etcd, and the trainer reads its job's spec through it.
+anything reaches etcd, the agent reads the stored spec with it, and a
+program reads its own sections from the stored run.toml.
 
-* ``load_spec(path_or_text)`` parses and validates; every problem is a
-  ``SpecError`` with one line naming the key path and the fix (TOML syntax
-  errors carry the line, unknown keys a did-you-mean).
+* ``load_spec(path_or_text)`` parses and validates marind's own sections:
+  ``[job]`` (what runs, where, how many), ``[checkpoint]`` and ``[fault]``.
+  Every other section is kept raw (``RunSpec.sections``): the program's
+  own config, passed through untouched. Every problem is a ``SpecError``
+  with one line naming the key path and the fix.
+* ``[job]`` runs either ``entrypoint = "pkg.module"`` (``python -m``) or
+  ``command = ["python", "train.py", ...]`` (any executable), never both;
+  neither means the reference trainer (``marind.trainer``).
+* ``resolve_paths(spec, base_dir)``: ``job.working_dir`` (default: the
+  run.toml's directory) becomes absolute, and a local ``checkpoint.url``
+  resolves against it. ``load_spec`` of a file does this against the
+  file's directory; ``marind submit`` stores the result.
 * ``RunSpec.to_dict()`` / ``RunSpec.from_dict(d)`` round-trip through
   JSON (durations become seconds, ``nodes`` stays ``"min:max"``).
-* ``resolve_mesh(spec, world_size)`` gives ``(dp_replicate, dp_shard, tp)``
-  for a world size; ``validate_for_world`` checks the batch arithmetic.
-  Without a world size, ``load_spec`` checks every world size the job can
-  run at (each node count in ``job.nodes`` x ``job.nproc_per_node``).
+
+The reference trainer's sections (``model parallel data optim train``),
+its presets and its batch arithmetic live in ``marind.trainer.config``;
+this module knows the trainer only by its module name.
 
 Field kinds, durations, node ranges and did-you-mean come from the schema
 engine in ``marind.core.schema`` (the agent's config reads with it too).
-
-Model presets live here (not in the trainer) because validation needs the
-head count: ``tp`` must divide ``n_heads`` and the MLP width.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import datetime
 import os
 import re
 from collections.abc import Mapping
@@ -36,32 +43,12 @@ from marind.core.schema import did_you_mean, load_toml, parse_table, spec_field,
 from marind.core.schema import parse_duration as parse_duration  # re-exported: part of the spec's API
 from marind.core.schema import parse_nodes as parse_nodes  # re-exported: part of the spec's API
 
-# ---------------------------------------------------------------- presets
-
-def swiglu_hidden(dim: int) -> int:
-    """MLP width for a model width: 8/3 x dim rounded up to a multiple of 64."""
-    return int(math.ceil(8 * dim / 3 / 64) * 64)
-
-
-#: name -> (dim, n_layers, n_heads). vocab_size comes from the data unless set.
-PRESETS: dict[str, tuple[int, int, int]] = {
-    "tiny": (64, 2, 4),
-    "small": (256, 4, 4),
-    "125m": (768, 12, 12),
-    "350m": (1024, 24, 16),
-    "760m": (1536, 24, 16),
-    "1.3b": (2048, 24, 16),
-    "2.7b": (2560, 32, 32),
-    "6.7b": (4096, 32, 32),
-    "13b": (5120, 40, 40),
-}
-
-# ---------------------------------------------------------------- sections
-
 #: The reference trainer's module. ``entrypoint = "trainer"`` (its name before it moved
 #: into the marind package) still means it.
 TRAINER_ENTRYPOINT = "marind.trainer"
 _ENTRYPOINT_ALIASES = {"trainer": TRAINER_ENTRYPOINT}
+_MODULE_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
 
 @dataclass(frozen=True, kw_only=True)
 class JobSpec:
@@ -70,61 +57,12 @@ class JobSpec:
     nproc_per_node: int = spec_field(1, "int")
     max_restarts: int = spec_field(3, "int")
     hang_timeout: float = spec_field(300.0, "duration")
-    entrypoint: str = spec_field(TRAINER_ENTRYPOINT, "str")
+    entrypoint: str = spec_field(TRAINER_ENTRYPOINT, "str")   # "" when ``command`` runs instead
+    command: tuple[str, ...] = spec_field((), "strs")         # any executable and its arguments
+    working_dir: str = spec_field("", "str")      # the workers' cwd; "" = the run.toml's dir at submit
+    preload: tuple[str, ...] = spec_field((), "strs")         # modules the zygote imports (besides torch)
     warm_start: bool = spec_field(True, "bool")       # fork workers from a zygote with torch loaded (marind/zygote.py)
     env: tuple[tuple[str, str], ...] = spec_field((), "env")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelSpec:
-    preset: str = spec_field("tiny", "str")
-    dim: int = spec_field(0, "int")
-    n_layers: int = spec_field(0, "int")
-    n_heads: int = spec_field(0, "int")
-    ffn_dim: int = spec_field(0, "int")
-    vocab_size: int | None = spec_field(None, "int?")   # None: from the prepared data
-    tie_embeddings: bool = spec_field(True, "bool")
-    norm_eps: float = spec_field(1e-5, "float")
-    rope_theta: float = spec_field(10000.0, "float")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParallelSpec:
-    dp_replicate: int = spec_field(1, "int")
-    dp_shard: int = spec_field(-1, "int")
-    tp: int = spec_field(1, "int")
-    mixed_precision: str = spec_field("fp32", "str")        # "fp32" | "bf16"
-    activation_checkpointing: bool = spec_field(False, "bool")
-    compile: bool = spec_field(False, "bool")
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataSpec:
-    path: str = spec_field("", "str")
-    seq_len: int = spec_field(256, "int")
-    global_batch: int = spec_field(32, "int")
-    micro_batch: int = spec_field(4, "int")
-
-
-@dataclass(frozen=True, kw_only=True)
-class OptimSpec:
-    lr: float = spec_field(3e-4, "float")
-    min_lr: float = spec_field(3e-5, "float")
-    warmup_steps: int = spec_field(20, "int")
-    weight_decay: float = spec_field(0.1, "float")
-    beta1: float = spec_field(0.9, "float")
-    beta2: float = spec_field(0.95, "float")
-    eps: float = spec_field(1e-8, "float")
-    grad_clip: float = spec_field(1.0, "float")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainSpec:
-    steps: int = spec_field(200, "int")
-    seed: int = spec_field(1234, "int")
-    log_every: int = spec_field(1, "int")
-    max_bad_steps: int = spec_field(3, "int")     # non-finite steps in a row before a rollback
-    tensorboard_dir: str = spec_field("", "str")  # "" = off (also off when tensorboard is missing)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,30 +101,49 @@ class FaultSpec:
     heartbeat_timeout: float = spec_field(5.0, "duration")  # lighthouse: a silent group is dead after this
 
 
-_SECTIONS: dict[str, type] = {
-    "job": JobSpec, "model": ModelSpec, "parallel": ParallelSpec, "data": DataSpec,
-    "optim": OptimSpec, "train": TrainSpec, "checkpoint": CheckpointSpec, "fault": FaultSpec,
-}
+#: marind's own sections; every other one is the program's (``RunSpec.sections``).
+CORE_SECTIONS: dict[str, type] = {"job": JobSpec, "checkpoint": CheckpointSpec, "fault": FaultSpec}
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
+    """A job's spec: marind's sections typed, the program's own sections raw (never mutate them)."""
+
     job: JobSpec = field(default_factory=JobSpec)
-    model: ModelSpec = field(default_factory=ModelSpec)
-    parallel: ParallelSpec = field(default_factory=ParallelSpec)
-    data: DataSpec = field(default_factory=DataSpec)
-    optim: OptimSpec = field(default_factory=OptimSpec)
-    train: TrainSpec = field(default_factory=TrainSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     fault: FaultSpec = field(default_factory=FaultSpec)
+    sections: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """JSON-able form with the TOML key names; ``from_dict`` reads it back."""
-        return {name: table_of(getattr(self, name)) for name in _SECTIONS}
+        out: dict[str, Any] = {name: section_table(getattr(self, name)) for name in CORE_SECTIONS}
+        out.update(self.sections)
+        return out
 
     @classmethod
-    def from_dict(cls, data: Mapping, *, check_worlds: bool = True) -> RunSpec:
-        return _build(data, source="spec", check_worlds=check_worlds)
+    def from_dict(cls, data: Mapping) -> RunSpec:
+        """A spec from its ``to_dict`` form (or parsed TOML): validated, paths left as they are.
+
+        Raises:
+            SpecError: the spec is not valid.
+        """
+        return _build(data, source="spec")
+
+    @property
+    def runs_trainer(self) -> bool:
+        """Does this job run the reference trainer (whose sections ``marind.trainer.config`` checks)?"""
+        return not self.job.command and self.job.entrypoint == TRAINER_ENTRYPOINT
+
+    def section(self, name: str) -> dict[str, Any]:
+        """A program's own section, raw (``{}`` when the spec has none)."""
+        value = self.sections.get(name)
+        return value if isinstance(value, dict) else {}
+
+    @property
+    def target_steps(self) -> int | None:
+        """``train.steps`` when the spec sets it (the trainer's always does): where the job ends."""
+        steps = self.section("train").get("steps")
+        return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
     def world_sizes(self) -> list[int]:
         """Every world size this job may run at (node counts x procs per node).
@@ -202,13 +159,32 @@ class RunSpec:
         return dataclasses.replace(self, **sections)
 
 
+def section_table(section: Any) -> dict[str, Any]:
+    """A typed section as its TOML table; ``[job]`` keeps only the one of entrypoint/command it runs."""
+    table = table_of(section)
+    if isinstance(section, JobSpec):
+        table.pop("command" if not section.command else "entrypoint")
+    return table
+
+
 # ---------------------------------------------------------------- loading
 
-def load_spec(src: str | os.PathLike, *, check_worlds: bool = True) -> RunSpec:
+def load_spec(src: str | os.PathLike, *, base_dir: str | os.PathLike | None = None) -> RunSpec:
     """Parse and validate a run spec from a file path or from TOML text.
 
     A ``str`` without a newline that names an existing file (or ends in
     ``.toml``) is a path; any other ``str`` is TOML text.
+
+    Args:
+        src: the run.toml's path, or its text.
+        base_dir: what relative paths resolve against (``resolve_paths``); default: the
+            file's directory, and for text nothing is resolved.
+
+    Returns:
+        The spec.
+
+    Raises:
+        SpecError: unreadable file, bad TOML, or an invalid spec (one line).
     """
     if isinstance(src, os.PathLike) or (isinstance(src, str) and "\n" not in src
                                         and (src.endswith(".toml") or os.path.isfile(src))):
@@ -218,131 +194,140 @@ def load_spec(src: str | os.PathLike, *, check_worlds: bool = True) -> RunSpec:
         except OSError as exc:
             raise SpecError(f"cannot read run spec {path}: {exc.strerror or exc}; check the path") from exc
         source = str(path)
+        base_dir = path.resolve().parent if base_dir is None else base_dir
     else:
         text, source = str(src), "run.toml"
     data = load_toml(text, source, fix="; fix the syntax at that line")
-    return _build(data, source=source, check_worlds=check_worlds)
+    spec = _build(data, source=source)
+    return resolve_paths(spec, base_dir) if base_dir is not None else spec
 
 
-def _build(data: Mapping, *, source: str, check_worlds: bool) -> RunSpec:
+def _build(data: Mapping, *, source: str) -> RunSpec:
     if not isinstance(data, Mapping):
         raise SpecError(f"{source}: a run spec must be a table of sections")
-    sections: dict[str, Any] = {}
-    given_model: set[str] = set()
-    for name, raw in data.items():
-        if name not in _SECTIONS:
-            raise SpecError(f"unknown section [{name}]{did_you_mean(name, _SECTIONS)}; remove or rename it")
-        sections[name], given = parse_table(_SECTIONS[name], raw, name)
-        if name == "model":
-            given_model = given
-    if "data" not in sections or not sections["data"].path:
-        raise SpecError("data.path is required: the prefix of a prepared .bin/.idx pair "
-                        "(make one with `marind data prepare`)")
-    sections["model"] = _resolve_model(sections.get("model", ModelSpec()), given_model)
-    job = sections.get("job", JobSpec())
-    if job.entrypoint in _ENTRYPOINT_ALIASES:
-        sections["job"] = dataclasses.replace(job, entrypoint=_ENTRYPOINT_ALIASES[job.entrypoint])
-    spec = RunSpec(**sections)
-    validate_spec(spec, check_worlds=check_worlds)
+    typed: dict[str, Any] = {}
+    raw: dict[str, Any] = {}
+    given_job: set[str] = set()
+    for name, value in data.items():
+        if name in CORE_SECTIONS:
+            typed[name], given = parse_table(CORE_SECTIONS[name], value, name)
+            if name == "job":
+                given_job = given
+        else:
+            _check_plain(value, name)
+            raw[name] = value
+    typed["job"] = _resolve_program(typed.get("job", JobSpec()), given_job)
+    spec = RunSpec(**typed, sections=raw)
+    validate_spec(spec)
     return spec
 
 
-def _resolve_model(model: ModelSpec, given: set[str]) -> ModelSpec:
-    """Fill the dims the user did not set from the preset."""
-    if model.preset == "custom":
-        missing = [k for k in ("dim", "n_layers", "n_heads") if k not in given]
-        if missing:
-            raise SpecError(f"model.preset = \"custom\" needs model.{missing[0]}; set it or pick a preset")
-        dim, n_layers, n_heads = model.dim, model.n_layers, model.n_heads
-    elif model.preset in PRESETS:
-        dim, n_layers, n_heads = PRESETS[model.preset]
-    else:
-        raise SpecError(f"model.preset = {model.preset!r} is unknown"
-                        f"{did_you_mean(model.preset, [*PRESETS, 'custom'])}")
-    dim = model.dim if "dim" in given else dim
-    n_layers = model.n_layers if "n_layers" in given else n_layers
-    n_heads = model.n_heads if "n_heads" in given else n_heads
-    ffn_dim = model.ffn_dim if "ffn_dim" in given else swiglu_hidden(dim)
-    return dataclasses.replace(model, dim=dim, n_layers=n_layers, n_heads=n_heads, ffn_dim=ffn_dim)
+def _resolve_program(job: JobSpec, given: set[str]) -> JobSpec:
+    """Exactly one of ``entrypoint`` and ``command``; neither means the reference trainer."""
+    entrypoint = job.entrypoint if "entrypoint" in given else ""
+    if job.command:
+        if entrypoint:
+            raise SpecError("[job] sets both entrypoint and command; keep one (entrypoint = \"pkg.module\" "
+                            "runs `python -m pkg.module run.toml`, command = [...] runs any program)")
+        return dataclasses.replace(job, entrypoint="")
+    if "command" in given:
+        raise SpecError("job.command is empty; name the program, e.g. command = [\"python\", \"train.py\"]")
+    if "entrypoint" in given and not entrypoint:
+        raise SpecError("job.entrypoint is empty; name a module (\"marind.trainer\") or set job.command instead")
+    entrypoint = entrypoint or TRAINER_ENTRYPOINT
+    return dataclasses.replace(job, entrypoint=_ENTRYPOINT_ALIASES.get(entrypoint, entrypoint))
+
+
+def _check_plain(value: Any, path: str) -> None:
+    """A program's section must survive JSON (etcd) and TOML (the stored run.toml) unchanged."""
+    if isinstance(value, (datetime.date, datetime.time)):
+        raise SpecError(f"{path} is a TOML date/time, which a stored spec cannot hold; write it as a string")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_plain(item, f"{path}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_plain(item, f"{path}[{i}]")
+
+
+def _is_local_path(url: str) -> bool:
+    return bool(url) and "://" not in url
+
+
+def resolve_paths(spec: RunSpec, base_dir: str | os.PathLike) -> RunSpec:
+    """Relative paths of marind's sections made absolute, as ``marind submit`` stores them.
+
+    ``job.working_dir`` resolves against ``base_dir`` ("" is ``base_dir`` itself); a
+    ``checkpoint.url`` that is a local path (no ``scheme://``) resolves against the working dir.
+    A program's own sections are left alone: its workers run in the working dir.
+
+    Args:
+        spec: the spec as parsed.
+        base_dir: the run.toml's directory (``marind submit``).
+
+    Returns:
+        The spec with absolute paths.
+    """
+    base = Path(base_dir).expanduser().resolve()
+    working = (base / Path(spec.job.working_dir).expanduser()).resolve() if spec.job.working_dir else base
+    url = spec.checkpoint.url
+    if _is_local_path(url) and not os.path.isabs(os.path.expanduser(url)):
+        url = str(working / url)
+    return spec.replace(job=dataclasses.replace(spec.job, working_dir=str(working)),
+                        checkpoint=dataclasses.replace(spec.checkpoint, url=url))
+
+
+def missing_paths(spec: RunSpec) -> str | None:
+    """What ``marind submit`` can see is missing on this machine (the working dir), if anything.
+
+    Returns:
+        One line naming the path and the fix, or None.
+    """
+    wd = spec.job.working_dir
+    if wd and not os.path.isdir(wd):
+        return (f"job.working_dir {wd} is not a directory; create it, or set [job] working_dir "
+                f"(relative to the run.toml's directory)")
+    return None
 
 
 # ---------------------------------------------------------------- validation
 
-def _positive(value: int | float, path: str, zero_ok: bool = False) -> None:
+def positive(value: int | float, path: str, zero_ok: bool = False) -> None:
+    """Raise ``SpecError`` naming ``path`` unless ``value > 0`` (``>= 0`` with ``zero_ok``)."""
     if value < 0 or (value == 0 and not zero_ok):
         bound = ">= 0" if zero_ok else "> 0"
         raise SpecError(f"{path} must be {bound}, got {value!r}")
 
 
-def validate_spec(spec: RunSpec, *, check_worlds: bool = True) -> None:
-    """Everything that can be checked without knowing the world size."""
-    j, m, p, d, o, t, c = (spec.job, spec.model, spec.parallel, spec.data, spec.optim,
-                           spec.train, spec.checkpoint)
+def validate_spec(spec: RunSpec) -> None:
+    """Check marind's sections (the program's own are the program's to check).
+
+    Raises:
+        SpecError: the first problem, in one line.
+    """
+    j, c = spec.job, spec.checkpoint
     if not j.name or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", j.name):
         raise SpecError(f"job.name = {j.name!r}: use 1-63 letters, digits, '.', '_' or '-'")
-    _positive(j.nproc_per_node, "job.nproc_per_node")
-    _positive(j.max_restarts, "job.max_restarts", zero_ok=True)
-    _positive(j.hang_timeout, "job.hang_timeout")
-    if not re.fullmatch(r"[A-Za-z_][\w.]*", j.entrypoint):
-        raise SpecError(f"job.entrypoint = {j.entrypoint!r} must be a python module name like \"marind.trainer\"")
-    for key in ("dim", "n_layers", "n_heads", "ffn_dim"):
-        _positive(getattr(m, key), f"model.{key}")
-    if m.vocab_size is not None:
-        _positive(m.vocab_size, "model.vocab_size")
-    _positive(m.norm_eps, "model.norm_eps")
-    if m.dim % m.n_heads:
-        raise SpecError(f"model.n_heads = {m.n_heads} must divide model.dim = {m.dim}")
-    if (m.dim // m.n_heads) % 2:
-        raise SpecError(f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (rotary embeddings)")
-    if p.dp_replicate == 0 or p.dp_replicate < -1:
-        raise SpecError(f"parallel.dp_replicate must be >= 1, or -1 to fill the world, got {p.dp_replicate}")
-    if p.dp_shard == 0 or p.dp_shard < -1:
-        raise SpecError(f"parallel.dp_shard must be >= 1, or -1 to fill the world, got {p.dp_shard}")
-    if p.dp_replicate == -1 and p.dp_shard == -1:
-        raise SpecError("parallel.dp_replicate and parallel.dp_shard are both -1; fix one of them "
-                        "(e.g. dp_shard = GPUs per node for HSDP)")
-    if p.tp < 1:
-        raise SpecError(f"parallel.tp must be >= 1, got {p.tp}")
-    if m.n_heads % p.tp:
-        raise SpecError(f"parallel.tp = {p.tp} must divide model.n_heads = {m.n_heads}; pick a divisor of {m.n_heads}")
-    if m.ffn_dim % p.tp:
-        raise SpecError(f"parallel.tp = {p.tp} must divide model.ffn_dim = {m.ffn_dim}")
-    if p.mixed_precision not in ("fp32", "bf16"):
-        raise SpecError(f"parallel.mixed_precision = {p.mixed_precision!r}: use \"fp32\" or \"bf16\"")
-    for key in ("seq_len", "global_batch", "micro_batch"):
-        _positive(getattr(d, key), f"data.{key}")
-    if d.global_batch % d.micro_batch:
-        raise SpecError(f"data.global_batch = {d.global_batch} is not divisible by data.micro_batch = "
-                        f"{d.micro_batch}; make it a multiple")
-    _positive(o.lr, "optim.lr")
-    _positive(o.min_lr, "optim.min_lr", zero_ok=True)
-    if o.min_lr > o.lr:
-        raise SpecError(f"optim.min_lr = {o.min_lr} must not exceed optim.lr = {o.lr}")
-    _positive(o.warmup_steps, "optim.warmup_steps", zero_ok=True)
-    _positive(o.weight_decay, "optim.weight_decay", zero_ok=True)
-    for key in ("beta1", "beta2"):
-        if not 0 <= getattr(o, key) < 1:
-            raise SpecError(f"optim.{key} must be in [0, 1), got {getattr(o, key)}")
-    _positive(o.eps, "optim.eps")
-    _positive(o.grad_clip, "optim.grad_clip", zero_ok=True)
-    _positive(t.steps, "train.steps")
-    _positive(t.log_every, "train.log_every")
-    _positive(t.max_bad_steps, "train.max_bad_steps")
-    _positive(c.every_steps, "checkpoint.every_steps", zero_ok=True)
+    positive(j.nproc_per_node, "job.nproc_per_node")
+    positive(j.max_restarts, "job.max_restarts", zero_ok=True)
+    positive(j.hang_timeout, "job.hang_timeout")
+    if j.entrypoint and (not _MODULE_RE.fullmatch(j.entrypoint) or j.entrypoint.endswith(".py")):
+        hint = (f"; to run a script use command = [\"python\", {j.entrypoint!r}]"
+                if j.entrypoint.endswith(".py") or "/" in j.entrypoint else "")
+        raise SpecError(f"job.entrypoint = {j.entrypoint!r} must be a python module name like "
+                        f"\"marind.trainer\"{hint}")
+    if any(not word for word in j.command):
+        raise SpecError(f"job.command = {list(j.command)!r} has an empty string; remove it")
+    for module in j.preload:
+        if not _MODULE_RE.fullmatch(module):
+            raise SpecError(f"job.preload: {module!r} is not a python module name like \"pkg.module\"")
+    positive(c.every_steps, "checkpoint.every_steps", zero_ok=True)
     if c.every_seconds is not None:
-        _positive(c.every_seconds, "checkpoint.every_seconds")
-    _positive(c.keep_last, "checkpoint.keep_last", zero_ok=True)
-    _positive(c.keep_every, "checkpoint.keep_every", zero_ok=True)
-    _positive(spec.fault.nan_at_step, "fault.nan_at_step", zero_ok=True)
+        positive(c.every_seconds, "checkpoint.every_seconds")
+    positive(c.keep_last, "checkpoint.keep_last", zero_ok=True)
+    positive(c.keep_every, "checkpoint.keep_every", zero_ok=True)
+    positive(spec.fault.nan_at_step, "fault.nan_at_step", zero_ok=True)
     _validate_fault(spec)
-    if check_worlds:
-        for world in spec.world_sizes():
-            nodes = world // j.nproc_per_node
-            try:
-                validate_for_world(spec, world)
-            except SpecError as exc:
-                raise SpecError(f"{exc} (at {nodes} node(s) x {j.nproc_per_node} procs of "
-                                f"job.nodes = \"{j.nodes[0]}:{j.nodes[1]}\")") from None
 
 
 def _validate_fault(spec: RunSpec) -> None:
@@ -351,9 +336,9 @@ def _validate_fault(spec: RunSpec) -> None:
         raise SpecError(f"fault.mode = {f.mode!r}{did_you_mean(f.mode, FAULT_MODES)}")
     if f.mode != "torchft":
         return
-    _positive(f.replica_groups, "fault.replica_groups")
-    _positive(f.min_replicas, "fault.min_replicas")
-    _positive(f.nodes_per_group, "fault.nodes_per_group")
+    positive(f.replica_groups, "fault.replica_groups")
+    positive(f.min_replicas, "fault.min_replicas")
+    positive(f.nodes_per_group, "fault.nodes_per_group")
     if f.min_replicas > f.replica_groups:
         raise SpecError(f"fault.min_replicas = {f.min_replicas} exceeds fault.replica_groups = "
                         f"{f.replica_groups}; lower it")
@@ -363,45 +348,4 @@ def _validate_fault(spec: RunSpec) -> None:
                         f"at most fault.replica_groups x fault.nodes_per_group = {most} nodes take part; "
                         f"lower job.nodes or raise fault.replica_groups")
     for key in ("timeout", "quorum_timeout", "join_timeout", "heartbeat_timeout"):
-        _positive(getattr(f, key), f"fault.{key}")
-
-
-def resolve_mesh(spec: RunSpec, world_size: int) -> tuple[int, int, int]:
-    """(dp_replicate, dp_shard, tp) for ``world_size``; the one size set to -1 fills the rest."""
-    p = spec.parallel
-    if world_size < 1:
-        raise SpecError(f"world size must be >= 1, got {world_size}")
-    if p.dp_replicate == -1:
-        fixed = p.dp_shard * p.tp
-        if world_size % fixed:
-            raise SpecError(f"parallel.dp_shard x parallel.tp = {fixed} does not divide the world size "
-                            f"{world_size}; change them or the number of processes")
-        return world_size // fixed, p.dp_shard, p.tp
-    fixed = p.dp_replicate * p.tp
-    if p.dp_shard == -1:
-        if world_size % fixed:
-            raise SpecError(f"parallel.dp_replicate x parallel.tp = {fixed} does not divide the world size "
-                            f"{world_size}; change them or the number of processes")
-        return p.dp_replicate, world_size // fixed, p.tp
-    if fixed * p.dp_shard != world_size:
-        raise SpecError(f"parallel mesh dp_replicate x dp_shard x tp = {p.dp_replicate}x{p.dp_shard}x{p.tp} = "
-                        f"{fixed * p.dp_shard} does not match the world size {world_size}; "
-                        f"set parallel.dp_shard = -1 to fill it")
-    return p.dp_replicate, p.dp_shard, p.tp
-
-
-def grad_accum_steps(spec: RunSpec, dp_size: int) -> int:
-    """Micro-batches per rank per optimizer step: global_batch / (micro_batch x dp)."""
-    d = spec.data
-    per_step = d.micro_batch * dp_size
-    if d.global_batch % per_step:
-        raise SpecError(f"data.global_batch = {d.global_batch} is not divisible by data.micro_batch x dp = "
-                        f"{d.micro_batch}x{dp_size} = {per_step}; pick a global_batch that is a multiple of it")
-    return d.global_batch // per_step
-
-
-def validate_for_world(spec: RunSpec, world_size: int) -> tuple[int, int, int]:
-    """Check the mesh and batch arithmetic for ``world_size``; returns the mesh sizes."""
-    mesh = resolve_mesh(spec, world_size)
-    grad_accum_steps(spec, mesh[0] * mesh[1])
-    return mesh
+        positive(getattr(f, key), f"fault.{key}")

@@ -16,6 +16,11 @@ from pathlib import Path
 
 #: The job's run directory on this node (progress records, logs, the stored run.toml).
 RUN_DIR = "MARIND_RUN_DIR"
+#: The stored run.toml of the job on this node (``$MARIND_RUN_DIR/run.toml``): every section,
+#: the program's own included, with paths made absolute at submit.
+RUN_TOML = "MARIND_RUN_TOML"
+#: ``[job] working_dir``: the workers' current directory (the launcher changes into it).
+WORKING_DIR = "MARIND_WORKING_DIR"
 #: The job's name, for log context and torchft's replica ids.
 JOB_ID = "MARIND_JOB_ID"
 #: The node name of the agent that started this worker.
@@ -28,10 +33,11 @@ REPLICA_GROUP = "MARIND_REPLICA_GROUP"
 #: torchft's own variable: the lighthouse's address when the worker starts.
 TORCHFT_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
 #: Warm starts (``marind.zygote``): the fork server's abstract socket, the file in which it
-#: records forked pids, the module it preloads, and how long a stub waits for it.
+#: records forked pids, the modules it preloads (``[job] preload``, comma-separated), and how
+#: long a stub waits for it.
 ZYGOTE_SOCKET = "MARIND_ZYGOTE_SOCKET"
 ZYGOTE_PIDS = "MARIND_ZYGOTE_PIDS"
-ZYGOTE_ENTRYPOINT = "MARIND_ZYGOTE_ENTRYPOINT"
+ZYGOTE_PRELOAD = "MARIND_ZYGOTE_PRELOAD"
 ZYGOTE_WAIT = "MARIND_ZYGOTE_WAIT"
 ZYGOTE_PREFIX = "MARIND_ZYGOTE_"
 #: Peak dense FLOP/s of one rank's device, for MFU when the device is not in the table.

@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from marind.core.log import get_logger
 from marind.core.progress import ProgressWriter
-from marind.core.spec import RunSpec, grad_accum_steps
 from marind.core.workerenv import WorkerEnv
 from marind.trainer.checkpointing import Checkpointer
+from marind.trainer.config import TrainerSpec, grad_accum_steps
 from marind.trainer.data import Sampler, TokenDataset
 from marind.trainer.model import GPT, ModelConfig
 from marind.trainer.parallel import Layout, build_mesh, parallelize
@@ -42,7 +42,7 @@ class Built:
     world: int
 
 
-def build(spec: RunSpec, device: torch.device) -> Built:
+def build(spec: TrainerSpec, device: torch.device) -> Built:
     """Model, layout, optimizer and sampler of this rank (collective: every rank calls it).
 
     Args:
@@ -94,7 +94,7 @@ class Run:
         params: the model's parameters, in order.
     """
 
-    spec: RunSpec
+    spec: TrainerSpec
     device: torch.device
     env: WorkerEnv
     model: GPT
@@ -112,7 +112,7 @@ class Run:
     params: list[torch.nn.Parameter]
 
 
-def setup_run(spec: RunSpec, device: torch.device, env: WorkerEnv, mode: TrainMode) -> Run:
+def setup_run(spec: TrainerSpec, device: torch.device, env: WorkerEnv, mode: TrainMode) -> Run:
     """Build this rank's run: :func:`build`, ``mode.prepare``, logging context, progress, checkpointer.
 
     Args:

@@ -28,7 +28,7 @@ from ckpt_store import CheckpointSaveFailed, CheckpointStore, PendingSave
 from marind.core import workerenv as WE
 from marind.core.lease_file import lease_path
 from marind.core.log import get_logger
-from marind.core.spec import RunSpec
+from marind.trainer.config import TrainerSpec
 
 log = get_logger(__name__)
 
@@ -90,7 +90,7 @@ class Checkpointer:
         layout: the mesh sizes, recorded in each checkpoint.
     """
 
-    def __init__(self, spec: RunSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, rank: int,
+    def __init__(self, spec: TrainerSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, rank: int,
                  world_size: int, layout: dict[str, int]) -> None:
         self.spec, self.model, self.optimizer = spec, model, optimizer
         self.rank, self.world_size, self.layout = rank, world_size, layout

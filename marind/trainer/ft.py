@@ -50,10 +50,10 @@ from typing import Any
 
 import torch
 
-from marind.core.spec import RunSpec
 from marind.core.workerenv import REPLICA_GROUP, WorkerEnv
 from marind.trainer.build import Run, setup_run
 from marind.trainer.checkpointing import init_optimizer_state
+from marind.trainer.config import TrainerSpec
 from marind.trainer.data import rank_sample_indices
 from marind.trainer.ft_group import (
     MAX_QUORUM_FAILURES,
@@ -66,7 +66,7 @@ from marind.trainer.ft_group import (
 from marind.trainer.loop import Finish, LoopState, Result, StepReport, StopFlag, TrainMode, log_due, run_loop
 
 
-def sample_indices(step: int, *, micro_step: int, spec: RunSpec, group: int, groups: int,
+def sample_indices(step: int, *, micro_step: int, spec: TrainerSpec, group: int, groups: int,
                    dp_rank: int, dp_size: int) -> range:
     """Global sample indices of one micro-batch: every group slot owns a fixed slice of each step.
 
@@ -244,7 +244,7 @@ class TorchftMode(TrainMode):
         return Finish(log_fields={"rebuilds": self.ft.rebuilds}, record_fields={"param_digest": param_digest(run.model)})
 
 
-def train_ft(spec: RunSpec, device: torch.device, *, stop: StopFlag | None = None,
+def train_ft(spec: TrainerSpec, device: torch.device, *, stop: StopFlag | None = None,
              env: WorkerEnv | None = None) -> tuple[Result, torch.nn.Module, torch.optim.Optimizer]:
     """Train in torchft mode: this torch world is one replica group (collective within the group).
 

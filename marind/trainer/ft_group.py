@@ -24,8 +24,8 @@ import torch.distributed as dist
 from marind.core import workerenv
 from marind.core.lighthouse_file import read_lighthouse
 from marind.core.log import get_logger
-from marind.core.spec import RunSpec
 from marind.core.workerenv import WorkerEnv
+from marind.trainer.config import TrainerSpec
 from marind.trainer.loop import StopFlag
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ class FTGroup:
         RuntimeError: no lighthouse is known at all (see ``LighthouseSource.read``).
     """
 
-    def __init__(self, spec: RunSpec, live: LiveState, rank: int, world: int, group: int, job: str,
+    def __init__(self, spec: TrainerSpec, live: LiveState, rank: int, world: int, group: int, job: str,
                  stop: StopFlag | None = None, lighthouse: LighthouseSource | None = None) -> None:
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 

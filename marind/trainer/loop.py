@@ -44,8 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from marind.core.spec import RunSpec
 from marind.trainer.build import Run
+from marind.trainer.config import TrainerSpec
 from marind.trainer.model import lm_loss
 from marind.trainer.parallel import clip_grad_norm
 from marind.trainer.schedule import lr_at
@@ -135,7 +135,7 @@ class Finish:
     record_fields: dict[str, Any] = field(default_factory=dict)
 
 
-def log_due(step: int, spec: RunSpec) -> bool:
+def log_due(step: int, spec: TrainerSpec) -> bool:
     """Whether ``step`` gets a ``step`` log line: every ``train.log_every`` steps and the last one."""
     return step % spec.train.log_every == 0 or step == spec.train.steps
 

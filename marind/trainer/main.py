@@ -9,7 +9,6 @@ bad spec, 1 for anything else.
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import signal
 import sys
@@ -17,12 +16,12 @@ import sys
 from marind.core.errors import SpecError
 from marind.core.log import get_logger
 from marind.core.netutil import free_port
-from marind.core.spec import RunSpec, load_spec
+from marind.trainer.config import TrainerSpec, load_trainer_spec
 
 USAGE = "usage: python -m marind.trainer RUN.toml|SPEC.json  (under torchrun, or alone)"
 
 
-def read_spec(path: str) -> RunSpec:
+def read_spec(path: str) -> TrainerSpec:
     """The run's spec from a run.toml, or from the JSON the agent stores (``.json``).
 
     Args:
@@ -36,10 +35,7 @@ def read_spec(path: str) -> RunSpec:
         OSError: the file cannot be read.
         ValueError: the JSON is malformed.
     """
-    if path.endswith(".json"):
-        with open(path) as fh:
-            return RunSpec.from_dict(json.load(fh), check_worlds=False)
-    return load_spec(path, check_worlds=False)
+    return load_trainer_spec(path, check_worlds=False)
 
 
 def _standalone_env() -> None:
@@ -74,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"Error: {str(exc).splitlines()[0]}\n")
         return 2
 
-    from marind.core.spec import validate_for_world
     from marind.distributed import init_distributed, shutdown_distributed
+    from marind.trainer.config import validate_for_world
     from marind.trainer.loop import STOP_EXIT_CODE, StopFlag
     from marind.trainer.train import train
 

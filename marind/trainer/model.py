@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from marind.core.spec import ModelSpec
+from marind.trainer.config import ModelSpec
 
 
 @dataclass(frozen=True)

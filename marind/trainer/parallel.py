@@ -20,7 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from marind.core.spec import RunSpec, validate_for_world
+from marind.trainer.config import TrainerSpec, validate_for_world
 from marind.trainer.model import GPT
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
@@ -45,7 +45,7 @@ class Layout:
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
 
 
-def build_mesh(spec: RunSpec, world_size: int, device_type: str) -> tuple[DeviceMesh, Layout]:
+def build_mesh(spec: TrainerSpec, world_size: int, device_type: str) -> tuple[DeviceMesh, Layout]:
     """The (dp_replicate, dp_shard, tp) device mesh of this world and this rank's place in it.
 
     Args:
@@ -76,7 +76,7 @@ def tp_plan() -> dict[str, ParallelStyle]:
     }
 
 
-def parallelize(model: GPT, mesh: DeviceMesh, spec: RunSpec) -> GPT:
+def parallelize(model: GPT, mesh: DeviceMesh, spec: TrainerSpec) -> GPT:
     """Apply TP, activation checkpointing, ``torch.compile`` and FSDP2 to ``model`` in place.
 
     Args:

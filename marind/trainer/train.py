@@ -24,9 +24,9 @@ import psutil
 import torch
 
 from marind.core.log import get_logger
-from marind.core.spec import RunSpec
 from marind.core.workerenv import WorkerEnv
 from marind.trainer.build import Run, setup_run
+from marind.trainer.config import TrainerSpec
 from marind.trainer.data import rank_sample_indices
 from marind.trainer.loop import Finish, LoopState, Result, StepReport, StopFlag, TrainMode, log_due, run_loop
 from marind.trainer.model import flops_per_token, param_count
@@ -37,7 +37,7 @@ class TrainingDiverged(RuntimeError):
     """Too many non-finite steps in a row and no checkpoint to roll back to."""
 
 
-def nan_steps(spec: RunSpec, env: WorkerEnv) -> set[int]:
+def nan_steps(spec: TrainerSpec, env: WorkerEnv) -> set[int]:
     """Steps whose gradient the NaN test hook poisons: ``[fault] nan_at_step`` and ``MARIND_TEST_NAN_AT_STEP``."""
     steps = {spec.fault.nan_at_step} if spec.fault.nan_at_step else set()
     return steps | set(env.test_nan_at_steps)
@@ -152,7 +152,7 @@ class ElasticMode(TrainMode):
         return Finish(log_fields={"last_checkpoint_step": run.ckpt.last_step})
 
 
-def train(spec: RunSpec, device: torch.device, *, stop: StopFlag | None = None,
+def train(spec: TrainerSpec, device: torch.device, *, stop: StopFlag | None = None,
           env: WorkerEnv | None = None) -> tuple[Result, torch.nn.Module, torch.optim.Optimizer]:
     """Train in elastic mode to ``train.steps`` or a stop (collective: every rank of the world calls it).
 
@@ -191,7 +191,7 @@ def _rollback(run: Run, state: LoopState) -> int:
     return restored[0]
 
 
-def _tensorboard(spec: RunSpec, rank: int) -> Any:
+def _tensorboard(spec: TrainerSpec, rank: int) -> Any:
     if rank != 0 or not spec.train.tensorboard_dir:
         return None
     try:

@@ -154,11 +154,24 @@ def test_run_toml_round_trip_and_command(tmp_path):
     assert "--rdzv-conf=prefix=/p,last_call_timeout=1" in cmd
     assert cmd[-4:] == ["-m", "marind.zygote_stub", "marind.trainer", "/r/run.toml"]     # warm_start (default)
     cold = spec.replace(job=dataclasses.replace(spec.job, warm_start=False))
-    assert torchrun_command(python="py", job="j1", spec=cold, endpoint="h:1", prefix="/p",
-                            run_toml=Path("/r/run.toml"))[-3:] == ["-m", "marind.trainer", "/r/run.toml"]
+    assert torchrun_command(python="py", job="j1", spec=cold, endpoint="h:1", prefix="/p",       # the launcher
+                            run_toml=Path("/r/run.toml"))[-4:] == ["-m", "marind.zygote_stub", "marind.trainer",
+                                                                   "/r/run.toml"]            # enters working_dir
+    script = spec.replace(job=dataclasses.replace(spec.job, entrypoint="", command=("python", "t.py", "--lr", "1")))
+    assert torchrun_command(python="py", job="j1", spec=script, endpoint="h:1", prefix="/p",
+                            run_toml=Path("/r/run.toml"))[-7:] == ["-m", "marind.zygote_stub", "--command",
+                                                                   "python", "t.py", "--lr", "1"]
     env = worker_env({"NOTIFY_SOCKET": "/run/x", "WATCHDOG_USEC": "1", "PATH": "/bin"}, job="j1", node="n",
                      run_dir=tmp_path, spec=spec)
     assert "NOTIFY_SOCKET" not in env and "WATCHDOG_USEC" not in env
-    assert env["MARIND_ZYGOTE_SOCKET"].startswith("@marind-zygote-") and env["MARIND_ZYGOTE_ENTRYPOINT"] == "marind.trainer"
+    assert env["MARIND_ZYGOTE_SOCKET"].startswith("@marind-zygote-") and env["MARIND_ZYGOTE_PRELOAD"] == ""
+    assert env["MARIND_RUN_TOML"] == str(tmp_path / "run.toml") and "MARIND_WORKING_DIR" not in env
     assert "MARIND_ZYGOTE_SOCKET" not in worker_env({}, job="j1", node="n", run_dir=tmp_path, spec=cold)
+    shell = script.replace(job=dataclasses.replace(script.job, command=("bash", "run.sh"), preload=("a.b",),
+                                                   working_dir="/w"))
+    env = worker_env({}, job="j1", node="n", run_dir=tmp_path, spec=shell)
+    assert "MARIND_ZYGOTE_SOCKET" not in env and env["MARIND_WORKING_DIR"] == "/w"    # no python: no zygote
+    env = worker_env({}, job="j1", node="n", run_dir=tmp_path, spec=script.replace(job=dataclasses.replace(
+        script.job, preload=("a.b", "c"))))
+    assert env["MARIND_ZYGOTE_PRELOAD"] == "a.b,c"
     assert env["MARIND_RUN_DIR"] == str(tmp_path) and env["MARIND_JOB_ID"] == "j1" and env["FOO"] == "bar baz"

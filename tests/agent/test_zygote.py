@@ -116,3 +116,60 @@ def _listening(name: str) -> bool:
     """Is an abstract unix socket ``@name`` bound (``/proc/net/unix`` lists it with its '@')?"""
     with open("/proc/net/unix") as f:
         return any(line.rstrip().endswith(" " + name) for line in f)
+
+
+# A script without a main guard: its top level is the program. The zygote must never run it.
+UNGUARDED = """
+import os, sys
+with open(sys.argv[1], "a") as fh:
+    fh.write(f"{os.getpid()} {os.getcwd()}\\n")
+print(f"pid={os.getpid()} argv={sys.argv[1:]}", flush=True)
+sys.exit(int(sys.argv[2]))
+"""
+
+
+def test_a_script_without_a_main_guard_runs_once_per_worker_and_never_in_the_zygote(zygote, tmp_path):
+    proc, env, pids = zygote
+    (tmp_path / "prog.py").write_text(UNGUARDED)
+    starts = tmp_path / "starts.log"
+    workers = []
+    for code in ("0", "3"):
+        stub = spawn([sys.executable, "-m", "marind.zygote_stub", "--command", "python", "prog.py", str(starts), code],
+                     env={**env, "MARIND_WORKING_DIR": str(tmp_path)}, stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True)
+        out, err = stub.communicate(timeout=120)
+        assert stub.returncode == int(code) and "cold start" not in err, err
+        worker = _pid_of(out.splitlines()[0])
+        assert worker != stub.pid and f"argv=['{starts}', '{code}']" in out
+        assert psutil.Process(proc.pid).is_running()
+        workers.append(worker)
+    lines = starts.read_text().splitlines()
+    assert lines == [f"{w} {tmp_path}" for w in workers], "exactly one top-level run per start, in the worker"
+
+
+def test_a_missing_working_dir_is_one_line_and_exit_2(tmp_path):
+    env = base_env({"MARIND_WORKING_DIR": str(tmp_path / "gone")})
+    stub = _stub(env, "exit", "0")
+    _, err = stub.communicate(timeout=120)
+    assert stub.returncode == 2 and err.count("\n") == 1 and f"job.working_dir {tmp_path / 'gone'}" in err
+
+
+def test_a_failed_preload_sends_every_stub_to_a_cold_start_at_once(tmp_path):
+    name = f"@marind-zygote-test-{uuid.uuid4().hex[:8]}"
+    proc = subprocess.Popen([sys.executable, "-m", "marind.zygote", name, str(tmp_path / "p.json"),
+                             "tests.agent,no_such_module_xyz", str(os.getpid())], env=base_env(),
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        # a stub that waited out MARIND_ZYGOTE_WAIT would sit here for an hour: it is told instead
+        env = base_env({"MARIND_ZYGOTE_SOCKET": name, "MARIND_ZYGOTE_WAIT": "3600", "RANK": "1"})
+        for _ in range(2):
+            stub = _stub(env, "exit", "4")
+            out, err = stub.communicate(timeout=120)
+            assert stub.returncode == 4, err
+            assert "cold start (the zygote could not preload" in err and "no_such_module_xyz" in err, err
+            assert _pid_of(out.splitlines()[0]) == stub.pid, "cold: the stub execs into the worker"
+        assert proc.poll() is None, "a refusing zygote keeps answering"
+    finally:
+        proc.kill()
+        _, zerr = proc.communicate(timeout=10)
+    assert "no_such_module_xyz" in zerr and "workers start cold" in zerr

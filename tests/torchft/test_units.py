@@ -68,8 +68,9 @@ def test_elastic_default_unchanged():
 
 def test_group_slices_are_disjoint_and_cover_each_step():
     pytest.importorskip("torch")      # trainer.ft imports torch
+    from marind.trainer.config import trainer_spec
     from marind.trainer.ft import sample_indices
-    s = spec(groups=3, nodes=3)           # global_batch 8 per group, micro 2, 2 ranks -> accum 2
+    s = trainer_spec(spec(groups=3, nodes=3))           # global_batch 8 per group, micro 2, 2 ranks -> accum 2
     for step in (0, 1, 7):
         seen = []
         for group in range(3):

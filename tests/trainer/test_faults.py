@@ -11,9 +11,9 @@ import time
 import pytest
 
 from ckpt_store import CheckpointStore
-from marind.core.spec import load_spec
 from marind.testing.procs import kill_group, run_torch_workers, spawn
 from marind.trainer import corpus
+from marind.trainer.config import load_trainer_spec
 
 SPEC = """
 [job]
@@ -45,7 +45,7 @@ def data(tmp_path_factory):
 
 
 def test_nan_gradient_is_skipped_then_rolled_back(data, tmp_path):
-    spec = load_spec(SPEC.format(data=data, ckpt=tmp_path / "ckpt", steps=8, every=2), check_worlds=False)
+    spec = load_trainer_spec(SPEC.format(data=data, ckpt=tmp_path / "ckpt", steps=8, every=2), check_worlds=False)
     res = run_torch_workers("tests.trainer.workers:train_and_digest", 1, timeout=120,
                             env={"MARIND_TEST_NAN_AT_STEP": "3,5,6"}, spec=spec.to_dict())[0]
     # step 3 skipped alone; 5 and 6 in a row hit max_bad_steps=2 -> back to step 4, then 5..8 again

@@ -6,21 +6,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from marind.core.spec import RunSpec
 from marind.core.workerenv import WorkerEnv
+from marind.trainer.config import TrainerSpec
 from marind.trainer.loop import LoopState, Result, TrainMode, log_due, stop_here
 from marind.trainer.train import ElasticMode, nan_steps
 
 pytestmark = pytest.mark.unit
 
 
-def _spec(**sections) -> RunSpec:
+def _spec(**sections) -> TrainerSpec:
     data = {"job": {"name": "j", "nodes": "1", "nproc_per_node": 1},
             "data": {"path": "d", "seq_len": 8, "global_batch": 4, "micro_batch": 2},
             "train": {"steps": 25, "log_every": 10}}
     for name, values in sections.items():
         data.setdefault(name, {}).update(values)
-    return RunSpec.from_dict(data, check_worlds=False)
+    return TrainerSpec.from_dict(data, check_worlds=False)
 
 
 def test_log_due_every_n_steps_and_the_last():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from marind.core.spec import PRESETS, swiglu_hidden
+from marind.trainer.config import PRESETS, swiglu_hidden
 from marind.trainer.model import GPT, ModelConfig, flops_per_token, param_count
 
 pytestmark = pytest.mark.unit  # no process, no server

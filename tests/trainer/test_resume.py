@@ -6,16 +6,16 @@ import shutil
 
 import pytest
 
-from marind.core.spec import load_spec
 from marind.testing.procs import run_torch_workers
 from marind.trainer import corpus
+from marind.trainer.config import load_trainer_spec
 
 STEPS = 12
 GLOBAL_BATCH = 8
 
 
 def _spec(data: str, ckpt: str, *, dp_shard: int = -1, tp: int = 1, every: int = 4) -> dict:
-    return load_spec(f"""
+    return load_trainer_spec(f"""
 [job]
 name = "resume-test"
 [model]

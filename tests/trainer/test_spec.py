@@ -7,15 +7,9 @@ import json
 import pytest
 
 from marind.core.errors import SpecError
-from marind.core.spec import (
-    RunSpec,
-    grad_accum_steps,
-    load_spec,
-    parse_duration,
-    parse_nodes,
-    resolve_mesh,
-    validate_for_world,
-)
+from marind.core.spec import parse_duration, parse_nodes
+from marind.trainer.config import TrainerSpec, grad_accum_steps, resolve_mesh, validate_for_world
+from marind.trainer.config import load_trainer_spec as load_spec
 
 pytestmark = pytest.mark.unit  # parsing only: no process, no server
 
@@ -77,11 +71,14 @@ def test_design_example_parses():
 
 def test_round_trip_json(tmp_path):
     spec = load_spec(BASE)
-    again = RunSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+    again = TrainerSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
     assert again == spec
     path = tmp_path / "run.toml"
     path.write_text(BASE)
-    assert load_spec(path) == spec and load_spec(str(path)) == spec
+    from_file = load_spec(path)          # relative paths resolve against the file's directory
+    assert from_file == load_spec(str(path)) and from_file.job.working_dir == str(tmp_path.resolve())
+    assert from_file.data.path == str(tmp_path.resolve() / "data/shakespeare")
+    assert from_file.replace(job=spec.job, data=spec.data) == spec
 
 
 def test_preset_override():

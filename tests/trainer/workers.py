@@ -7,8 +7,8 @@ import hashlib
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from marind.core.spec import RunSpec
 from marind.distributed import device_for_local_rank
+from marind.trainer.config import TrainerSpec
 from marind.trainer.train import train
 
 
@@ -18,7 +18,7 @@ def _digest(t: torch.Tensor) -> str:
 
 def train_and_digest(spec: dict) -> dict:
     """Train; return the result plus a digest of every full parameter and optimizer tensor."""
-    result, model, optimizer = train(RunSpec.from_dict(spec, check_worlds=False), device_for_local_rank())
+    result, model, optimizer = train(TrainerSpec.from_dict(spec, check_worlds=False), device_for_local_rank())
     model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
     digests = {f"model/{k}": _digest(v) for k, v in model_sd.items()}
     for fqn, st in optim_sd["state"].items():
