@@ -34,18 +34,18 @@ from marind.agent.decisions import (
     ExitAction,
     admit,
     after_exit,
-    after_group_failure,
     on_terminal_state,
     replica_group_lost,
     stall_window,
 )
 from marind.agent.doctor_probe import DoctorProbes
 from marind.agent.fencing import Fencing
-from marind.agent.ft_coordinator import FTCoordinator
-from marind.agent.job_records import JobView, job_nodes, list_job_ids, read_job
+from marind.agent.ft_exits import group_failure_leaves, leave_replica_group
+from marind.agent.job_records import JobView, list_job_ids, read_job
+from marind.agent.launch import launch
 from marind.agent.lifecycle import JobEvent
 from marind.agent.link import Link
-from marind.agent.run_monitor import RunMonitor, launch
+from marind.agent.run_monitor import RunMonitor
 from marind.agent.supervisor import reap_leftovers
 from marind.core.errors import ControlPlaneUnavailable
 from marind.core.etcd_client import EtcdClient
@@ -361,7 +361,7 @@ class Agent:
                 self.log.error("ft_tick_failed", job=run.job, error=f"{type(exc).__name__}: {exc}")
             lost, why = replica_group_lost(run.ft.slot, run.ft.launched_slot, stopping=run.sup.stopping)
             if lost:
-                self._leave_replica_group(run, run.ft, why)
+                leave_replica_group(run, run.ft, why, link=self._link(), runs=self.runs, stop_timeout=self.config.stop_timeout, log=self.log)
                 return
         rc = run.sup.poll()
         if rc is not None and not run.sup.stopping:
@@ -385,19 +385,6 @@ class Agent:
             self.etcd_ok = False
             return True
 
-    def _leave_replica_group(self, run: RunMonitor, ft: FTCoordinator, why: str) -> None:
-        """Our replica-group slot went (the lease lapsed while etcd was away, and another node took
-        it): the workers belong to a group we are no longer in. Stop them; the job starts again
-        here once the coordinator holds a slot (it keeps running for the lighthouse meanwhile)."""
-        link = self._link()
-        self.log.warning("ft_group_changed", job=run.job, was=ft.launched_slot, now=ft.slot)
-        run.settle_hang(time.time())
-        run.sup.stop(self.config.stop_timeout)
-        self.runs.pop(run.job, None)
-        link.ft_pending.park(run.job, ft)
-        link.watch.poke()
-        link.outbox.event(run.job, "restart", {"reason": why})
-
     def _torchrun_exited(self, run: RunMonitor, rc: int) -> None:
         link = self._link()
         self.runs.pop(run.job, None)
@@ -418,7 +405,7 @@ class Agent:
                                                    "restarts": run.restarts})
             return
         self.finished.add(run.job)
-        if decision.action == ExitAction.FAIL and run.ft is not None and self._ft_others_train_on(run, run.ft, rc):
+        if decision.action == ExitAction.FAIL and run.ft is not None and group_failure_leaves(run, run.ft, rc, link=self._link(), node=self.node, log=self.log):
             return
         event, kind = ((JobEvent.SUCCEEDED, "succeeded") if decision.action == ExitAction.SUCCEED
                        else (JobEvent.FAILED, "failed"))
@@ -431,29 +418,6 @@ class Agent:
         link.outbox.state(run.job, event, reason=decision.reason, restarts=run.restarts, step=run.step or None)
         link.outbox.leaving(run.job, run.members, f"torchrun exited {rc}")
         link.outbox.drop_node_record(run.job)
-
-    def _ft_others_train_on(self, run: RunMonitor, ft: FTCoordinator, rc: int) -> bool:
-        """A torchft replica group on this node gave up (restarts exhausted): this node leaves the
-        job, and the job fails only if no other node is still in it. Our record goes first, then
-        we count the others, so of several groups failing at once the last to leave sees none."""
-        link = self._link()
-        key = link.client.key("jobs", run.job, "nodes", self.node)
-        others: list[str] | None
-        try:
-            link.client.delete(key)
-            others = sorted(n for n in job_nodes(link.client, run.job) if n != self.node)
-        except ControlPlaneUnavailable:
-            others = None
-        leave, _ = after_group_failure(others)
-        if not leave:
-            return False
-        self.log.warning("ft_group_failed", job=run.job, rc=rc, replica_group=ft.launched_slot,
-                         others=others, action="this node leaves the job; the other groups train on")
-        run.final_progress()
-        link.outbox.event(run.job, "group_failed", {"rc": rc, "replica_group": ft.launched_slot, "step": run.step,
-                                                    "remaining_nodes": others})
-        link.outbox.leaving(run.job, run.members, f"torchrun exited {rc}: replica group failed")
-        return True
 
     def _report(self, run: RunMonitor, now: float, records: list[prog.ProgressRecord] | None = None,
                 force: bool = False) -> None:

@@ -4,7 +4,7 @@ torchrun runs in the job's run dir (marind's files: logs, progress, run.toml); e
 starts through ``marind.zygote_stub``, which enters ``[job] working_dir`` first. All of it
 from the job's typed spec (``marind.core.spec.RunSpec``); every ``MARIND_*``
 variable by its name in ``marind.core.workerenv``. ``marind.agent.supervisor`` runs the
-command; ``marind.agent.run_monitor.launch`` puts the two together.
+command; ``marind.agent.launch.launch`` puts the two together.
 """
 
 from __future__ import annotations
