@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from marind.core import workerenv as WE
 from marind.core.progress import ProgressRecord, ProgressWriter
 
@@ -85,7 +87,7 @@ class Reporter(ProgressWriter):
         """Start the rate's clock now (e.g. after a restore, so it is not counted as training time)."""
         self._mark = self._clock()
 
-    def report(self, step: int, loss: float | None = None, tokens: float | None = None,
+    def report(self, step: int, loss: float | torch.Tensor | None = None, tokens: float | None = None,
                metrics: Mapping[str, Any] | None = None, **fields: Any) -> ProgressRecord:
         """Record ``step`` (phase ``training``) and rewrite the file.
 
@@ -106,9 +108,7 @@ class Reporter(ProgressWriter):
         now = self._clock()
         rate = tokens_per_s(tokens, now - self._mark)
         self._mark = now
-        if hasattr(loss, "detach"):
-            loss = loss.detach()
-        value = None if loss is None else float(loss)
+        value = None if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         if value is not None and not math.isfinite(value):
             value = None
         if metrics is not None:
@@ -154,7 +154,7 @@ def default_reporter() -> Reporter | None:
         return _default
 
 
-def report(step: int, loss: float | None = None, tokens: float | None = None, **metrics: Any) -> None:
+def report(step: int, loss: float | torch.Tensor | None = None, tokens: float | None = None, **metrics: Any) -> None:
     """Report this rank's progress after an optimizer step (call it on every rank, every step).
 
     Args:

@@ -20,7 +20,7 @@ fails the load with ``ckpt_store.CheckpointMismatch`` naming the keys.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -55,8 +55,9 @@ def state_tree(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: i
         The tree, its tensors those of the model and optimizer (no copies).
     """
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+    param_groups = cast(list[dict[str, Any]], optim_sd.get("param_groups", []))
     groups = [{k: _plain(v) for k, v in g.items() if k != "params"} | {"params": list(g["params"])}
-              for g in optim_sd.get("param_groups", [])]
+              for g in param_groups]
     return {"model": model_sd, "optim": optim_sd.get("state", {}),
             "extra": {"step": step, "param_groups": groups, "user": extra if extra is not None else {}}}
 
