@@ -5,6 +5,8 @@ Any program torchrun can run works under marind; this API is what makes marind s
 * :func:`report` (``step, loss=None, tokens=None, **metrics``): this rank's progress record,
   read by the agent's hang detection, ``marind status`` and the per-job metrics. Call it
   after every optimizer step. A no-op outside marind.
+* :func:`finish`: this rank is done training (phase ``done``): what follows (evaluation,
+  teardown) is not taken for a hang.
 * :func:`should_stop`: True once SIGTERM/SIGINT (a cancel, a drain, a resize) reached any
   rank, agreed across ranks (collective: every rank calls it at the same points).
   :func:`install` arms the handler early (otherwise the first call does).
@@ -44,6 +46,7 @@ A complete program (``train.py``, run with ``[job] command = ["python", "train.p
             if mw.should_stop():                 # every rank, every step, same place
                 mw.save_training_state(step, model, opt, extra)
                 break
+        mw.finish()                              # done: what follows is not a hang
         dist.destroy_process_group()
 
     if __name__ == "__main__":
@@ -67,9 +70,9 @@ The environment each rank gets is listed in ``marind.core.workerenv`` (``MARIND_
 from __future__ import annotations
 
 from marind.worker.checkpoints import NoCheckpoints, checkpoints
-from marind.worker.report import report, set_phase
+from marind.worker.report import finish, report, set_phase
 from marind.worker.stop import install, should_stop
 from marind.worker.training_state import load_training_state, save_training_state
 
-__all__ = ["NoCheckpoints", "checkpoints", "install", "load_training_state", "report", "save_training_state",
+__all__ = ["NoCheckpoints", "checkpoints", "finish", "install", "load_training_state", "report", "save_training_state",
            "set_phase", "should_stop"]

@@ -14,6 +14,7 @@ the previous report; the rate divides it by the time since the previous report (
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import threading
@@ -151,7 +152,18 @@ def default_reporter() -> Reporter | None:
         _off = not run_dir
         _default = None if _off else Reporter(_rank_env("RANK", 0), _rank_env("LOCAL_RANK", 0),
                                                _rank_env("WORLD_SIZE", 1), run_dir)
+        if _default is not None:
+            atexit.register(_finish_at_exit, _default)
         return _default
+
+
+def _finish_at_exit(reporter: Reporter) -> None:
+    """A clean interpreter exit ends the record in phase ``done`` (if :func:`finish` did not)."""
+    if reporter.record.phase != "done" and reporter.record.pid == os.getpid():
+        try:
+            reporter.update(phase="done")
+        except OSError:
+            pass   # the run dir went away: nobody is watching any more
 
 
 def report(step: int, loss: float | torch.Tensor | None = None, tokens: float | None = None, **metrics: Any) -> None:
@@ -188,3 +200,16 @@ def set_phase(phase: str, **fields: Any) -> None:
     reporter = default_reporter()
     if reporter is not None:
         reporter.update(phase=phase, **fields)
+
+
+def finish() -> None:
+    """Mark this rank done (phase ``done``): training is over, the agent stops watching it for hangs.
+
+    Call it after the training loop, before slow work that reports no steps (evaluation,
+    export, teardown), which hang detection would otherwise take for a hang. A clean exit
+    does it too, but only at the very end. A no-op outside marind.
+
+    Raises:
+        OSError: the record could not be written.
+    """
+    set_phase("done")

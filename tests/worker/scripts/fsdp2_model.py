@@ -69,6 +69,7 @@ def main() -> None:
             mw.save_training_state(step, model, opt)
             break
         after_step(args.out, rank, step)
+    mw.finish()
     write_digest(args.out, rank, step, model, opt)
     dist.destroy_process_group()
 

@@ -49,6 +49,7 @@ def main() -> None:
             mw.save_training_state(step, model, opt, extra)
             break
         after_step(args.out, rank, step)
+    mw.finish()
     write_digest(args.out, rank, step, model, opt)
     dist.destroy_process_group()
 
