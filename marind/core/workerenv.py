@@ -17,7 +17,7 @@ from pathlib import Path
 #: The job's run directory on this node (progress records, logs, the stored run.toml).
 RUN_DIR = "MARIND_RUN_DIR"
 #: The job's stored spec (``{run_dir}/run.toml``): a program's own config, ``[checkpoint]`` for
-#: ``marind.worker.checkpoints``.
+#: ``marind.worker.job_store``.
 RUN_TOML = "MARIND_RUN_TOML"
 #: The job's name, for log context and torchft's replica ids.
 JOB_ID = "MARIND_JOB_ID"

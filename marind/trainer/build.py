@@ -23,7 +23,7 @@ from marind.trainer.checkpointing import Checkpointer
 from marind.trainer.data import Sampler, TokenDataset
 from marind.trainer.model import GPT, ModelConfig
 from marind.trainer.parallel import Layout, build_mesh, parallelize
-from marind.worker.report import Reporter
+from marind.worker.reporting import Reporter
 
 if TYPE_CHECKING:
     from marind.trainer.loop import TrainMode
@@ -88,7 +88,7 @@ class Run:
         model, optimizer, cfg, layout, sampler, rank, world: as :func:`build` made them.
         local_rank: rank on this node (torchrun's ``LOCAL_RANK``).
         log: the trainer's logger, with ``rank`` (and the mode's context) bound.
-        progress: this rank's progress record (``marind.worker.report.Reporter``).
+        progress: this rank's progress record (``marind.worker.reporting.Reporter``).
         ckpt: durable checkpoints through ckpt_store.
         accum: micro-batches per step on this rank.
         params: the model's parameters, in order.

@@ -250,7 +250,7 @@ def run_loop(run: Run, mode: TrainMode, stop: StopFlag) -> Result:
     state = LoopState()
     mode.start(run, state)
     state.t_mark = time.perf_counter()  # step time runs end to end, so checkpoint stalls count
-    run.progress.mark()                 # the same for the record's tokens/s (marind.worker.report)
+    run.progress.mark()                 # the same for the record's tokens/s (marind.worker.reporting)
     while mode.next_step(run, state):
         attempted = state.step + 1
         lr = lr_at(state.step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, total_steps=t.steps)

@@ -69,8 +69,8 @@ The environment each rank gets is listed in ``marind.core.workerenv`` (``MARIND_
 
 from __future__ import annotations
 
-from marind.worker.checkpoints import NoCheckpoints, checkpoints
-from marind.worker.report import finish, report, set_phase
+from marind.worker.job_store import NoCheckpoints, checkpoints
+from marind.worker.reporting import finish, report, set_phase
 from marind.worker.stop import install, should_stop
 from marind.worker.training_state import load_training_state, save_training_state
 

@@ -25,8 +25,8 @@ from typing import Any, cast
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from marind.worker.checkpoints import checkpoints
-from marind.worker.report import default_reporter, set_phase
+from marind.worker.job_store import checkpoints
+from marind.worker.reporting import default_reporter, set_phase
 from marind.worker.stop import agree
 
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
