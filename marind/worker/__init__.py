@@ -23,31 +23,34 @@ A complete program (``train.py``, run with ``[job] command = ["python", "train.p
 
     import marind.worker as mw
 
+
     def main():
-        dist.init_process_group("gloo")          # torchrun set RANK, WORLD_SIZE, MASTER_ADDR
+        dist.init_process_group("gloo")          # "nccl" on GPUs; torchrun set RANK, WORLD_SIZE, MASTER_ADDR
         mw.install()                             # SIGTERM from now on means "stop at the next step"
+        rank, world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(0)
         model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         extra = {"data_position": 0}
         step = mw.load_training_state(model, opt, extra) or 0    # None on a first start
         while step < 1000:
-            g = torch.Generator().manual_seed(step * dist.get_world_size() + dist.get_rank())
+            g = torch.Generator().manual_seed(step * world + rank)
             x = torch.randn(32, 16, generator=g)
             loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
             step += 1
-            extra["data_position"] += 32 * dist.get_world_size()
-            mw.report(step, loss=loss.item(), tokens=32 * dist.get_world_size(), lr=1e-3)
+            extra["data_position"] += 32 * world
+            mw.report(step, loss=loss.item(), tokens=32 * world, lr=1e-3)
             if step % 100 == 0:
                 mw.save_training_state(step, model, opt, extra)
             if mw.should_stop():                 # every rank, every step, same place
                 mw.save_training_state(step, model, opt, extra)
                 break
-        mw.finish()                              # done: what follows is not a hang
+        mw.finish()
         dist.destroy_process_group()
+
 
     if __name__ == "__main__":
         main()
