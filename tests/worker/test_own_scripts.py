@@ -76,3 +76,30 @@ def test_killed_worker_resumes_bit_identical(tmp_path, script):
     records = read_records(faulted.parent / "run")
     assert sorted(r.rank for r in records) == [0, 1]
     assert all(r.step == STEPS and r.last_checkpoint_step == STEPS and r.tokens_per_s for r in records)
+
+
+def readme_example() -> str:
+    """The ``train.py`` of README's "Run your own training script", as printed there."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = text.index("A complete `train.py`:")
+    body = text.index("```python\n", start) + len("```python\n")
+    return text[body:text.index("```\n", body)]
+
+
+@pytest.mark.timeout(600)
+def test_readme_example_runs_as_written(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(readme_example())
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run.toml").write_text(f'[job]\nname = "mlp"\n\n[checkpoint]\nurl = "{tmp_path / "ckpt"}"\n'
+                                       f'keep_last = 2\n')
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    with open(tmp_path / "torchrun.log", "wb") as log:
+        proc = spawn(cmd, env={"MARIND_RUN_DIR": str(tmp_path / "run"), "MARIND_RUN_TOML": str(tmp_path / "run.toml")},
+                     cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    assert proc.wait(500) == 0, (tmp_path / "torchrun.log").read_text(errors="replace")[-4000:]
+    records = read_records(tmp_path / "run")
+    assert [(r.rank, r.step, r.phase, r.last_checkpoint_step) for r in records] == [(0, 1000, "done", 1000),
+                                                                                   (1, 1000, "done", 1000)]
+    assert records[0].metrics == {"lr": 1e-3} and records[0].loss is not None
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == ["step-0000000900", "step-0000001000"]
