@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +114,7 @@ class ProgressRecord:
     lighthouse_epoch: int | None = None
     manager_rebuilds: int | None = None
     param_digest: str | None = None
-    metrics: dict[str, float] | None = None
+    metrics: dict[str, float] | None = field(default=None, hash=False)   # records stay hashable
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object on disk (torchft keys only where set; see the module docstring).
