@@ -107,9 +107,13 @@ class _Child:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, env.get("PYTHONPATH")]))
         try:
+            # a session of its own: a signal to the caller's process group (torchrun stops its
+            # workers with killpg(SIGTERM)) must not kill the writer of the save the caller makes
+            # on that signal; it still dies with the caller (PDEATHSIG, stdin closed)
             self.proc = subprocess.Popen([sys.executable, "-m", "ckpt_store.writer_proc"],
                                          stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                         pass_fds=(self._arena_fd, w), env=env, close_fds=True)
+                                         pass_fds=(self._arena_fd, w), env=env, close_fds=True,
+                                         start_new_session=True)
             cfg = {**self._config, "parent": os.getpid(), "arena_fd": self._arena_fd, "reply_fd": w}
             self.proc.stdin.write((json.dumps(cfg) + "\n").encode())
             self.proc.stdin.flush()
