@@ -19,6 +19,7 @@ fails the load with ``ckpt_store.CheckpointMismatch`` naming the keys.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -30,6 +31,14 @@ from marind.worker.reporting import default_reporter, set_phase
 from marind.worker.stop import agree
 
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
+
+#: (pid, store URL, step) of the step this process last saved or loaded: saving it again is a no-op.
+_held: tuple[int, str, int] | None = None
+
+
+def _note_held(url: str, step: int) -> None:
+    global _held
+    _held = (os.getpid(), url, step)
 
 
 def _plain(value: Any) -> Any:
@@ -125,7 +134,9 @@ def save_training_state(step: int, model: torch.nn.Module, optimizer: torch.opti
     """Save ``step``'s model and optimizer state (and ``extra``) to the job's store; returns once committed.
 
     Collective: every rank calls it at the same step. The progress record shows phase
-    ``checkpointing`` meanwhile and the step as ``last_checkpoint_step`` after.
+    ``checkpointing`` meanwhile and the step as ``last_checkpoint_step`` after. Saving the
+    step this process last saved or loaded again is a no-op (a periodic save and a save on
+    stop may fall on one step).
 
     Args:
         step: the step the state is of (what :func:`load_training_state` returns).
@@ -140,9 +151,12 @@ def save_training_state(step: int, model: torch.nn.Module, optimizer: torch.opti
         ValueError: ``extra`` holds something neither a tensor nor JSON-able.
     """
     store = checkpoints()
+    if _held == (os.getpid(), store.url, step):
+        return
     set_phase("checkpointing")
     pending = store.save(step, state_tree(model, optimizer, step, extra), async_=False)
     pending.wait()
+    _note_held(store.url, step)
     set_phase("training", last_checkpoint_step=step)
 
 
@@ -202,6 +216,7 @@ def load_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict={"state": state["optim"], "param_groups": state["extra"]["param_groups"]},
                    options=_OPTIONS)
+    _note_held(store.url, step)
     set_phase("training", step=step, last_checkpoint_step=step)
     reporter = default_reporter()
     if reporter is not None:

@@ -23,30 +23,34 @@ SCRIPTS = Path(__file__).parent / "scripts"
 STEPS, SAVE_EVERY, KILL_AT = 8, 2, 5
 
 
-def run_script(tmp: Path, script: str, name: str, env: dict | None = None, timeout: float = 400) -> Path:
-    """Run ``script`` under torchrun with its own run dir and checkpoint store; returns its output dir."""
+def start_script(tmp: Path, script: str, name: str, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
+    """Start ``script`` under torchrun with its own run dir and checkpoint store (kept across starts)."""
     base = tmp / name
-    (base / "run").mkdir(parents=True)
+    (base / "run").mkdir(parents=True, exist_ok=True)
     (base / "run.toml").write_text(f'[job]\nname = "{name}"\n\n[checkpoint]\nurl = "{base / "ckpt"}"\n')
-    out = base / "out"
-    log_path = base / "torchrun.log"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "--max-restarts=1", "--monitor-interval=0.5", str(SCRIPTS / script),
-           "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--out", str(out)]
-    with open(log_path, "wb") as log:
+           "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--out", str(base / "out")]
+    with open(base / "torchrun.log", "ab") as log:
         # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: torchrun's c10d/standalone rendezvous otherwise hands the
         # workers its own TCPStore across restarts without a per-attempt prefix, and restarted gloo
         # ranks read the dead ranks' addresses from it (torch 2.13); a store per attempt avoids that.
         proc = spawn(cmd, env={"MARIND_RUN_DIR": str(base / "run"), "MARIND_RUN_TOML": str(base / "run.toml"),
                                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})},
                      cwd=SCRIPTS, stdout=log, stderr=subprocess.STDOUT)
+    return proc, base
+
+
+def run_script(tmp: Path, script: str, name: str, env: dict | None = None, timeout: float = 400) -> Path:
+    """Run ``script`` to its end (exit 0 required); returns its output dir."""
+    proc, base = start_script(tmp, script, name, env)
     try:
         rc = proc.wait(timeout)
     except subprocess.TimeoutExpired:
         rc = None
-    tail = log_path.read_text(errors="replace")[-5000:]
+    tail = (base / "torchrun.log").read_text(errors="replace")[-5000:]
     assert rc == 0, f"{script} ({name}) ended with {rc}\n{tail}"
-    return out
+    return base / "out"
 
 
 def digests(out: Path) -> dict[int, dict]:

@@ -35,3 +35,32 @@ def test_ranks_agree_on_the_step_to_stop_at():
                                 signal_rank=1, signal_at=3, steps=50)
     assert [r["stopped_at"] for r in results] == [3, 3]   # rank 0 got no signal, and stops with rank 1
     assert all(r["again"] for r in results)
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_to_torchrun_saves_at_an_agreed_step_and_resumes_exactly(tmp_path):
+    """SIGTERM to torchrun (what a cancel does): both ranks leave at one step, save it, and a new
+    start resumes there and ends bit-identical to a run that was never stopped."""
+    import subprocess
+
+    from marind.core.progress import read_records
+    from tests.agent.helpers import wait_for
+    from tests.worker.test_own_scripts import STEPS, digests, run_script, start_script, starts
+
+    proc, base = start_script(tmp_path, "mlp_ddp.py", "stopped", env={"WORKER_TEST_STEP_SLEEP": "0.5"})
+    log = lambda: (base / "torchrun.log").read_text(errors="replace")[-4000:]
+    wait_for(lambda: len(recs := read_records(base / "run")) == 2 and min(r.step for r in recs) >= 2, 120,
+             "both ranks past step 2", diag=log)
+    os.kill(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"torchrun did not stop\n{log()}") from None
+    stopped = digests(base / "out")
+    step = stopped[0]["step"]
+    assert stopped[1]["step"] == step and 2 <= step < STEPS, log()
+    assert [(r.step, r.phase, r.last_checkpoint_step) for r in read_records(base / "run")] == [(step, "done", step)] * 2
+
+    resumed = run_script(tmp_path, "mlp_ddp.py", "stopped")          # the same job started again
+    assert [s["loaded"] for s in starts(resumed)[2:]] == [step, step]
+    assert digests(resumed) == digests(run_script(tmp_path, "mlp_ddp.py", "clean"))

@@ -83,3 +83,15 @@ def test_mismatched_model_names_the_keys(job):
     other = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     with pytest.raises(CheckpointMismatch, match=r"model/2.weight: shape \[2, 8\] != saved \[1, 8\]"):
         mw.load_training_state(other, torch.optim.Adam(other.parameters()))
+
+
+def test_saving_the_held_step_again_is_a_noop(job):
+    net = _net()
+    opt = torch.optim.Adam(net.parameters())
+    _train(net, opt, range(2))
+    mw.save_training_state(2, net, opt)
+    mw.save_training_state(2, net, opt)          # periodic save and save-on-stop on one step
+    assert ck.checkpoints().steps() == [2]
+    assert mw.load_training_state(net, opt) == 2
+    mw.save_training_state(2, net, opt)          # stopped right after resuming: nothing to write
+    assert ck.checkpoints().steps() == [2]

@@ -7,6 +7,7 @@ torchrun and under ``marind agent``:
 * ``WORKER_TEST_KILL_AT_STEP=N``: rank 1 SIGKILLs itself once, after step N (a marker file
   in the output dir makes it once per output dir).
 * ``WORKER_TEST_HANG_AT_STEP=N``: rank 0 sleeps forever once, after step N.
+* ``WORKER_TEST_STEP_SLEEP=S``: every rank sleeps S seconds after each step (time to signal it).
 
 Outputs, under ``--out``: ``starts.jsonl`` (one line per rank start: rank, pid, step
 loaded) and ``digest-rank{r}.json`` at the end (sha256 over the rank's model and optimizer
@@ -59,6 +60,7 @@ def after_step(out: str, rank: int, step: int) -> None:
     kill_at = int(os.environ.get("WORKER_TEST_KILL_AT_STEP", "0"))
     if kill_at and step == kill_at and rank == 1 and _once(out, "killed-once"):
         os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(float(os.environ.get("WORKER_TEST_STEP_SLEEP", "0")))
     hang_at = int(os.environ.get("WORKER_TEST_HANG_AT_STEP", "0"))
     if hang_at and step == hang_at and rank == 0 and _once(out, "hung-once"):
         while True:
