@@ -128,6 +128,36 @@ def _check(name: str, t: torch.Tensor, arrays: dict) -> str | None:
     return f"{name}: {', '.join(problems)}" if problems else None
 
 
+def _tables(state: dict, prefix: str = "") -> set[str]:
+    """The names of the target's tables (dicts) below the root, e.g. ``{"optim", "optim/w"}``."""
+    out = set()
+    for key, value in state.items():
+        if isinstance(value, dict):
+            name = f"{prefix}{key}"
+            out.add(name)
+            out |= _tables(value, name + "/")
+    return out
+
+
+def dropped_arrays(arrays: dict, state: dict, tensors: dict) -> list[str]:
+    """Saved arrays that a load into ``state`` would silently leave behind, one problem line each.
+
+    A table the target has (say ``optim``, or a plain ``optimizer.state_dict()``'s ``state``,
+    empty in a fresh Adam) is loaded whole: a saved array under it without a tensor in the
+    target would be dropped. Arrays under tables the target does not name at all are not
+    asked for (loading only ``model`` is fine).
+    """
+    tables = _tables(state)
+    out = []
+    for name in sorted(arrays):
+        parts = name.split("/")
+        if name in tensors or not any("/".join(parts[:i]) in tables for i in range(1, len(parts))):
+            continue
+        out.append(f"{name}: saved, but the target has no tensor for it (it would be dropped); "
+                   f"give the target every saved entry, e.g. initialise the optimizer's state first")
+    return out
+
+
 def _obj(manifest: dict, d: str, key: str) -> dict:
     obj = manifest["objects"].get(key)
     if obj is None:
@@ -141,6 +171,8 @@ def load_step(st: Storage, d: str, state: dict, rank: int, values: bool = True) 
     step = manifest.get("step", -1)
     tensors, _ = flatten(state)
     problems = [p for p in (_check(n, t, manifest["arrays"]) for n, t in sorted(tensors.items())) if p]
+    if values:      # a whole load (not load_arrays' pick of single arrays): nothing saved is left out
+        problems += dropped_arrays(manifest["arrays"], state, tensors)
     if problems:
         raise CheckpointMismatch(step, problems)
     stats = {"bytes_read": 0, "bytes_needed": 0, "objects": 0}

@@ -71,9 +71,13 @@ class _Child:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, env.get("PYTHONPATH")]))
         try:
             arena_fd = self._arena.fileno()
+            # a session of its own: a signal to the caller's process group (torchrun stops its
+            # workers with killpg(SIGTERM)) must not kill the writer of the save the caller makes
+            # on that signal; it still dies with the caller (PDEATHSIG, stdin closed)
             proc = self.proc = subprocess.Popen([sys.executable, "-m", "ckpt_store.writer_process"],
                                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                                pass_fds=(arena_fd, w), env=env, close_fds=True)
+                                                pass_fds=(arena_fd, w), env=env, close_fds=True,
+                                                start_new_session=True)
             cfg = {**self._config, "parent": os.getpid(), "arena_fd": arena_fd, "reply_fd": w}
             stdin = cast(IO[bytes], proc.stdin)    # stdin=PIPE: never None
             stdin.write((json.dumps(cfg) + "\n").encode())

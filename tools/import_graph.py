@@ -99,6 +99,8 @@ RULES = [
     ("marind.trainer", "marind.commands", "the trainer uses the public worker and checkpoint APIs only"),
     ("marind.trainer", "marind.rendezvous", "the trainer uses the public worker and checkpoint APIs only"),
     ("marind.agent", "marind.trainer", "the agent runs any program, not the trainer's code"),
+    ("marind.worker", "marind.trainer", "the worker API serves any program; the trainer builds on it"),
+    ("marind.worker", "marind.agent", "the worker API talks to its agent through files only"),
     ("marind.rendezvous", "marind.trainer", "the rendezvous knows nothing of the trainer"),
     ("marind.", "bench", "shipped code never imports benchmarks"),
     ("marind.", "chaos", "shipped code never imports chaos scripts"),

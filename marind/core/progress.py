@@ -15,6 +15,8 @@ plus, in torchft mode only (``[fault] mode = "torchft"``), keys that are absent 
 ``replica_group`` once the worker knows its group; ``participants``, ``replica_rank``,
 ``quorum_id``, ``lighthouse_epoch``, ``manager_rebuilds`` together once it has been through
 a quorum; ``param_digest`` in its final record. :class:`ProgressRecord` documents each field.
+``metrics`` (an object of name -> number: a program's own metrics, ``marind.worker.report``'s
+keyword arguments) comes last when set and is absent otherwise.
 
 Reading is tolerant: a missing, half-written or foreign file is skipped, absent optional
 keys take their defaults, and ``phase`` is not checked (only the writer checks it).
@@ -25,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,17 @@ def _opt_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
+def _metrics(value: Any) -> dict[str, float] | None:
+    """A record's ``metrics`` as read: a non-object, or an entry that is not a number, is dropped."""
+    if not isinstance(value, dict):
+        return None
+    out = {}
+    for name, v in value.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[str(name)] = float(v)
+    return out
+
+
 @dataclass(frozen=True)
 class ProgressRecord:
     """One rank's progress, as written to its record file.
@@ -79,6 +92,9 @@ class ProgressRecord:
         manager_rebuilds: torchft: times the worker rebuilt its Manager after a failed quorum.
         param_digest: torchft, final record only: sha256 over this rank's local parameter shards
             (equal across groups iff they hold the same parameters).
+        metrics: the program's own metrics of its last report (name -> number), None if it
+            gave none (``marind.worker.report(step, lr=..., grad_norm=...)``). A reader that
+            predates the field ignores it; a malformed entry is dropped on reading.
     """
 
     rank: int
@@ -98,6 +114,7 @@ class ProgressRecord:
     lighthouse_epoch: int | None = None
     manager_rebuilds: int | None = None
     param_digest: str | None = None
+    metrics: dict[str, float] | None = field(default=None, hash=False)   # records stay hashable
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object on disk (torchft keys only where set; see the module docstring).
@@ -113,6 +130,8 @@ class ProgressRecord:
                 del out[key]
         if self.param_digest is None:
             del out["param_digest"]
+        if self.metrics is None:
+            del out["metrics"]
         return out
 
     @classmethod
@@ -141,7 +160,8 @@ class ProgressRecord:
                    quorum_id=_opt_int(d.get("quorum_id")),
                    lighthouse_epoch=_opt_int(d.get("lighthouse_epoch")),
                    manager_rebuilds=_opt_int(d.get("manager_rebuilds")),
-                   param_digest=None if d.get("param_digest") is None else str(d["param_digest"]))
+                   param_digest=None if d.get("param_digest") is None else str(d["param_digest"]),
+                   metrics=_metrics(d.get("metrics")))
 
 
 def write_record(path: Path, record: ProgressRecord) -> None:

@@ -17,7 +17,8 @@ from pathlib import Path
 #: The job's run directory on this node (progress records, logs, the stored run.toml).
 RUN_DIR = "MARIND_RUN_DIR"
 #: The stored run.toml of the job on this node (``$MARIND_RUN_DIR/run.toml``): every section,
-#: the program's own included, with paths made absolute at submit.
+#: the program's own included, with paths made absolute at submit
+#: (``marind.worker.job_store`` reads ``[checkpoint]`` from it).
 RUN_TOML = "MARIND_RUN_TOML"
 #: ``[job] working_dir``: the workers' current directory (the launcher changes into it).
 WORKING_DIR = "MARIND_WORKING_DIR"

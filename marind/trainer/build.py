@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 
 from marind.core.log import get_logger
-from marind.core.progress import ProgressWriter
 from marind.core.workerenv import WorkerEnv
 from marind.trainer.checkpointing import Checkpointer
 from marind.trainer.config import TrainerSpec, grad_accum_steps
 from marind.trainer.data import Sampler, TokenDataset
 from marind.trainer.model import GPT, ModelConfig
 from marind.trainer.parallel import Layout, build_mesh, parallelize
+from marind.worker.reporting import Reporter
 
 if TYPE_CHECKING:
     from marind.trainer.loop import TrainMode
@@ -88,7 +88,7 @@ class Run:
         model, optimizer, cfg, layout, sampler, rank, world: as :func:`build` made them.
         local_rank: rank on this node (torchrun's ``LOCAL_RANK``).
         log: the trainer's logger, with ``rank`` (and the mode's context) bound.
-        progress: this rank's progress record.
+        progress: this rank's progress record (``marind.worker.reporting.Reporter``).
         ckpt: durable checkpoints through ckpt_store.
         accum: micro-batches per step on this rank.
         params: the model's parameters, in order.
@@ -106,7 +106,7 @@ class Run:
     world: int
     local_rank: int
     log: Any
-    progress: ProgressWriter
+    progress: Reporter
     ckpt: Checkpointer
     accum: int
     params: list[torch.nn.Parameter]
@@ -133,7 +133,7 @@ def setup_run(spec: TrainerSpec, device: torch.device, env: WorkerEnv, mode: Tra
     structlog.contextvars.bind_contextvars(rank=b.rank, **mode.log_context(),
                                            **({"job": env.job_id} if env.job_id else {}))
     log = get_logger("trainer")
-    progress = ProgressWriter(b.rank, local_rank, b.world, env.run_dir)
+    progress = Reporter(b.rank, local_rank, b.world, env.run_dir)
     ckpt = Checkpointer(spec, b.model, b.optimizer, rank=b.rank, world_size=b.world, layout=b.layout.as_dict())
     return Run(spec=spec, device=device, env=env, model=b.model, optimizer=b.optimizer, cfg=b.cfg,
                layout=b.layout, sampler=b.sampler, rank=b.rank, world=b.world, local_rank=local_rank, log=log,

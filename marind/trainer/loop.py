@@ -17,8 +17,9 @@ calls in this order (a hook's name in brackets)::
       all-reduce         mean loss, stop request, time-based checkpoint due (within the torch world)
       [report_step]      the step's log line (rank 0)
       [after_step]       elastic: roll back after train.max_bad_steps non-finite steps
-      progress record    step, loss, tokens/s, last checkpoint, [progress_fields]
-      stop               when any rank was asked to (SIGTERM/SIGINT, MARIND_TEST_STOP_AT_STEP)
+      progress record    step, loss, tokens/s, last checkpoint, [progress_fields] (marind.worker's report)
+      stop               when any rank was asked to (SIGTERM/SIGINT through marind.worker.stop's
+                         handler, MARIND_TEST_STOP_AT_STEP), agreed in the all-reduce above
       [save_due]         periodic checkpoint of (state.step, state.position)
     [after_loop]         settle the final step (torchft: the Manager's)
     [final_save_due]     final checkpoint (not after a stop)
@@ -33,8 +34,6 @@ its gradient reduction next to ``on_gradients`` and its auxiliary loss to the lo
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -49,26 +48,12 @@ from marind.trainer.config import TrainerSpec
 from marind.trainer.model import lm_loss
 from marind.trainer.parallel import clip_grad_norm
 from marind.trainer.schedule import lr_at
+from marind.worker.stop import StopFlag
 
 STOP_EXIT_CODE = 143  # stopped by SIGTERM/SIGINT after a clean shutdown
 
-
-class StopFlag:
-    """Set by SIGTERM/SIGINT; the loop stops at the next step boundary (agreed by all ranks)."""
-
-    def __init__(self) -> None:
-        self.requested = False
-
-    def install(self) -> None:
-        """Handle SIGTERM and SIGINT in this process (a second one stops it the default way)."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.requested:  # a second signal: stop now, the default way
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-        self.requested = True
+__all__ = ["STOP_EXIT_CODE", "Finish", "LoopState", "Result", "StepReport", "StopFlag", "TrainMode", "log_due",
+           "run_loop", "stop_here"]
 
 
 @dataclass
@@ -265,6 +250,7 @@ def run_loop(run: Run, mode: TrainMode, stop: StopFlag) -> Result:
     state = LoopState()
     mode.start(run, state)
     state.t_mark = time.perf_counter()  # step time runs end to end, so checkpoint stalls count
+    run.progress.mark()                 # the same for the record's tokens/s (marind.worker.reporting)
     while mode.next_step(run, state):
         attempted = state.step + 1
         lr = lr_at(state.step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, total_steps=t.steps)
@@ -293,7 +279,7 @@ def run_loop(run: Run, mode: TrainMode, stop: StopFlag) -> Result:
         mode.report_step(run, state, StepReport(step=state.step, loss=loss, grad_norm=norm, lr=lr,
                                                 tokens_per_s=tps, step_s=dt, committed=committed))
         mode.after_step(run, state)
-        run.progress.update(step=state.step, loss=loss, tokens_per_s=tps, last_checkpoint_step=ckpt.poll(),
+        run.progress.report(state.step, loss, tokens=tokens_per_step, last_checkpoint_step=ckpt.poll(),
                             **mode.progress_fields())
         if float(flags[1]) > 0:
             state.stopped = True

@@ -72,10 +72,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from marind.distributed import init_distributed, shutdown_distributed
     from marind.trainer.config import validate_for_world
-    from marind.trainer.loop import STOP_EXIT_CODE, StopFlag
+    from marind.trainer.loop import STOP_EXIT_CODE
     from marind.trainer.train import train
+    from marind.worker.stop import stop_flag
 
-    stop = StopFlag()
+    stop = stop_flag()   # the process's flag, the one marind.worker.should_stop() reads
     stop.install()
     _standalone_env()
     try:

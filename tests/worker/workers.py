@@ -1,0 +1,24 @@
+"""Functions run on real gloo ranks by ``run_torch_workers`` in the worker API tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import marind.worker as mw
+
+
+def stop_together(signal_rank: int, signal_at: int, steps: int) -> dict:
+    """Step until ``should_stop``; rank ``signal_rank`` sends itself SIGTERM after step ``signal_at``."""
+    import torch.distributed as dist
+
+    mw.install()
+    rank = dist.get_rank()
+    step = 0
+    while step < steps:
+        step += 1
+        if rank == signal_rank and step == signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if mw.should_stop():
+            break
+    return {"rank": rank, "stopped_at": step, "again": mw.should_stop()}
