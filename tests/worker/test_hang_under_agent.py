@@ -1,7 +1,7 @@
 """A team's own script that hangs is seen through ``marind.worker.report`` and restarted by a real agent.
 
 ``mlp_ddp.py`` (tests/worker/scripts/) runs as a job of a real ``marind agent``
-(``entrypoint = "mlp_ddp"``, the scripts' directory on ``PYTHONPATH`` through ``[job] env``).
+(``command = ["python", "mlp_ddp.py"]``, ``working_dir`` the scripts' directory).
 Rank 0 sleeps forever once after step 3: its progress record, written by ``report()``,
 stops moving, the agent's hang detection (``hang_timeout = "4s"``) dumps the stacks and
 restarts the workers, they resume from the step-2 checkpoint through
@@ -34,16 +34,11 @@ name = "own-hang"
 nproc_per_node = 2
 max_restarts = 3
 hang_timeout = "4s"
-entrypoint = "mlp_ddp"
-warm_start = false
+command = ["python", "mlp_ddp.py"]
+working_dir = "{SCRIPTS}"
 
 [job.env]
 {env_table}
-[data]
-path = "unused"
-global_batch = 8
-micro_batch = 1
-
 [checkpoint]
 url = "file://{tmp / 'ckpt'}"
 """)
