@@ -33,7 +33,10 @@ def test_ls_inspect_verify_export(tmp_path, capsys):
         return _Result(rc, out.out, out.err)
 
     url = f"file://{tmp_path}/ckpt"
-    empty = _marind("ls", url)
+    missing = _marind("ls", url)                 # a path that does not exist: exit 1, one line
+    assert missing.returncode == 1 and missing.stderr.count("\n") == 1, missing.stderr
+    (tmp_path / "ckpt").mkdir()
+    empty = _marind("ls", url)                   # an existing store with no step yet
     assert empty.returncode == 0 and "No checkpoints" in empty.stdout
     state = {"model": {"tok.weight": torch.randn(12, 4), "norm": torch.ones(4).bfloat16()},
              "optim": {"tok.weight": {"exp_avg": torch.zeros(12, 4), "step": torch.tensor(3.0)}},
