@@ -80,7 +80,63 @@ class EtcdNotInstalled(RuntimeError):
     pass
 
 
-class LocalEtcd:
+class ServerProcess:
+    """A server started here as its own process group, which another process may have
+    stopped and restarted meanwhile (the outage injectors, from its state file).
+
+    Subclasses set ``proc`` and ``state_path`` and give ``command()``.
+    """
+
+    proc: subprocess.Popen | None
+    state_path: Path
+
+    def command(self) -> list[str]:
+        """The server's command line (what its state file records)."""
+        raise NotImplementedError
+
+    def _adopted(self) -> int | None:
+        """The pid of this server restarted by another process (see ``write_server_state``)."""
+        if not self.state_path.exists():   # never started: command() may not be ready to build
+            return None
+        own = self.proc.pid if self.proc else None
+        return adopted_server_pid(self.state_path, self.command(), own)
+
+    @property
+    def running(self) -> bool:
+        """Whether this server (or its restart by another process) is running."""
+        return (self.proc is not None and self.proc.poll() is None) or self._adopted() is not None
+
+    @property
+    def pid(self) -> int | None:
+        """The server's pid (a restart's by another process included), or None if never started."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self.proc.pid
+        return self._adopted() or (self.proc.pid if self.proc else None)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the server's process group (SIGKILL after ``timeout``), or the pid of a
+        restart by another process; its data stays."""
+        adopted = self._adopted()
+        proc, self.proc = self.proc, None
+        if adopted is not None:
+            stop_server_pid(adopted, timeout)
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class LocalEtcd(ServerProcess):
     """Start/stop/restart one etcd member on 127.0.0.1.
 
     Ports are chosen once (free at construction) and reused across
@@ -162,38 +218,6 @@ class LocalEtcd:
         self.stop()
         raise TimeoutError(f"etcd not healthy within {timeout}s at {url}; see {self.log_path}")
 
-    def _adopted(self) -> int | None:
-        """The pid of this server restarted by another process (see ``write_server_state``)."""
-        own = self.proc.pid if self.proc else None
-        return adopted_server_pid(self.state_path, self.command(), own)
-
-    @property
-    def running(self) -> bool:
-        return (self.proc is not None and self.proc.poll() is None) or self._adopted() is not None
-
-    @property
-    def pid(self) -> int | None:
-        if self.proc is not None and self.proc.poll() is None:
-            return self.proc.pid
-        return self._adopted() or (self.proc.pid if self.proc else None)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        adopted = self._adopted()
-        proc, self.proc = self.proc, None
-        if adopted is not None:
-            stop_server_pid(adopted, timeout)
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
-
     def kill(self) -> None:
         """SIGKILL, as a crash would."""
         adopted = self._adopted()
@@ -210,6 +234,3 @@ class LocalEtcd:
 
     def __enter__(self):
         return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()

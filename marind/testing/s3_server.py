@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from marind.core.netutil import free_ports, port_open
-from marind.local_etcd import adopted_server_pid, stop_server_pid, write_server_state
+from marind.local_etcd import ServerProcess, write_server_state
 
 ACCESS_KEY = "marindtest"
 SECRET_KEY = "marindtestsecret"
@@ -38,7 +37,7 @@ def weed_binary() -> str:
     return found
 
 
-class SeaweedS3:
+class SeaweedS3(ServerProcess):
     """One SeaweedFS server (``weed mini``) with an S3 endpoint on 127.0.0.1 and one bucket.
 
     Args:
@@ -147,42 +146,9 @@ class SeaweedS3:
         except Exception:  # noqa: BLE001 - not up yet
             return False
 
-    def _adopted(self) -> int | None:
-        """The pid of this server restarted by another process (chaos/storage_outage.py)."""
-        if not self.state_path.exists():
-            return None
-        own = self.proc.pid if self.proc else None
-        return adopted_server_pid(self.state_path, self.command(), own)
-
-    @property
-    def running(self) -> bool:
-        """Whether this server (or its restart by another process) is running."""
-        return (self.proc is not None and self.proc.poll() is None) or self._adopted() is not None
-
-    @property
-    def pid(self) -> int | None:
-        """The server's pid (a restart's by another process included), or None if never started."""
-        if self.proc is not None and self.proc.poll() is None:
-            return self.proc.pid
-        return self._adopted() or (self.proc.pid if self.proc else None)
-
     def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM the server's process group (SIGKILL after ``timeout``), or the pid of a
-        restart by another process; the data stays."""
-        adopted = self._adopted()
-        proc, self.proc = self.proc, None
-        if adopted is not None:
-            stop_server_pid(adopted, timeout)
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout)
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
+        """SIGTERM the server's process group (SIGKILL after ``timeout``); the data stays."""
+        super().stop(timeout)
 
     def restart(self, timeout: float = 60.0) -> SeaweedS3:
         """``stop()`` then ``start(timeout)``, on the same ports and data."""
@@ -191,6 +157,3 @@ class SeaweedS3:
 
     def __enter__(self):
         return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()
