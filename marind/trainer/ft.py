@@ -52,6 +52,7 @@ import torch
 
 from marind.core.workerenv import REPLICA_GROUP, WorkerEnv
 from marind.trainer.build import Run, setup_run
+from marind.trainer.init_from import init_run_from
 from marind.trainer.checkpointing import init_optimizer_state
 from marind.trainer.config import TrainerSpec
 from marind.trainer.data import rank_sample_indices
@@ -183,7 +184,9 @@ class TorchftMode(TrainMode):
                 step = restored[0]
                 if run.rank == 0:
                     run.log.info("restored", step=step, url=ckpt.url)
-            elif step > 0 and run.rank == 0:
+            elif step == 0:
+                init_run_from(run)   # [model] init_from: a fresh run (no checkpoint, no peer ahead)
+            elif run.rank == 0:
                 run.log.info("healed_from_peer", step=step)
             run.progress.update(phase="training", step=step, last_checkpoint_step=ckpt.last_step, **self.ft.status())
         self._set_step(run, state, step)
