@@ -227,4 +227,4 @@ def _write_tensor(f, store, step: int, spec: ExportTensor, meta: dict, shape: li
                              f"to {list(out.shape)} {out.dtype}; a transform must keep shape and dtype")
         t = out
     if nbytes:
-        f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)   # no copy

@@ -52,7 +52,6 @@ import torch
 
 from marind.core.workerenv import REPLICA_GROUP, WorkerEnv
 from marind.trainer.build import Run, setup_run
-from marind.trainer.init_from import init_run_from
 from marind.trainer.checkpointing import init_optimizer_state
 from marind.trainer.config import TrainerSpec
 from marind.trainer.data import rank_sample_indices
@@ -64,6 +63,7 @@ from marind.trainer.ft_group import (
     StopRequested,
     allreduce_grads,
 )
+from marind.trainer.init_from import init_run_from
 from marind.trainer.loop import Finish, LoopState, Result, StepReport, StopFlag, TrainMode, log_due, run_loop
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -66,7 +67,7 @@ def read_hf_state(path: str | Path, model_cfg: dict) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():    # noqa: SIM118 - safe_open has no __iter__
+            for name in f.keys():
                 if name == "lm_head.weight" and model_cfg["tie_embeddings"]:
                     continue          # a tied model saved with its head: the embedding is the head
                 try:
@@ -101,8 +102,8 @@ def load_init_from(model: torch.nn.Module, path: str | Path, model_cfg: dict) ->
     """
     state = read_hf_state(path, model_cfg)
     dtypes = {n: p.dtype for n, p in model.named_parameters()}
-    state = {k: v.to(dtypes[k]) if k in dtypes else v for k, v in state.items()}
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
+    full: dict[str, Any] = {k: v.to(dtypes[k]) if k in dtypes else v for k, v in state.items()}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=True))
     return len(state)
 
 
