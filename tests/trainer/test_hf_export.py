@@ -143,6 +143,33 @@ def test_export_then_init_from_saves_the_same_arrays(trained, data, tmp_path):
     assert not differ
 
 
+def test_a_run_with_a_checkpoint_resumes_it_not_init_from(trained, data, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    ckpt, step = trained
+    if not CheckpointStore(f"file://{ckpt}").load({}, step)["extra"]["model_config"]["tie_embeddings"]:
+        pytest.skip("one layout is enough")
+    out = tmp_path / "hf"
+    assert _marind("export", f"file://{ckpt}", "--step", str(step), "--format", "hf", str(out)).returncode == 0
+    doubled = tmp_path / "doubled"     # one model.safetensors, no index: the other layout init_from reads
+    doubled.mkdir()
+    (doubled / "config.json").write_text((out / "config.json").read_text())
+    weights = {}
+    for f in out.glob("*.safetensors"):
+        weights |= {k: 2 * v for k, v in load_file(str(f)).items()}
+    save_file(weights, str(doubled / "model.safetensors"))
+    again = tmp_path / "again"
+    first = run_torch_workers("tests.trainer.workers:init_and_save", 1, timeout=300,
+                              spec=_spec(data, str(again), init_from=str(doubled)))[0]
+    store, orig = CheckpointStore(f"file://{again}"), CheckpointStore(f"file://{ckpt}")
+    m = orig.manifest(step)
+    wq = "model/layers.0.attention.wq.weight"
+    assert torch.equal(read_array(store, 0, wq, m["arrays"][wq]), 2 * read_array(orig, step, wq, m["arrays"][wq]))
+    second = run_torch_workers("tests.trainer.workers:init_and_save", 1, timeout=300,
+                               spec=_spec(data, str(again), init_from=str(out)))[0]
+    assert second["digests"] == first["digests"]     # restored step 0, not the undoubled init_from
+
+
 def test_init_from_that_does_not_fit_is_refused_at_submit(trained, data, tmp_path):
     ckpt, step = trained
     out = tmp_path / "hf"

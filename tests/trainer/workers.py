@@ -40,4 +40,5 @@ def init_and_save(spec: dict) -> dict:
     state = LoopState()
     mode.start(run, state)
     run.ckpt.save(state.step, state.position, wait=True)
-    return {"step": state.step}
+    model_sd = get_state_dict(run.model, run.optimizer, options=StateDictOptions(full_state_dict=True))[0]
+    return {"step": state.step, "digests": {k: _digest(v) for k, v in model_sd.items()}}
