@@ -250,3 +250,21 @@ def test_export_memory_is_bounded_by_the_shard_size(tmp_path):
     grew = got["peak"] - got["base"]
     assert grew < bound, f"export RSS grew {grew / 2**20:.0f} MiB for {total / 2**20:.0f} MiB of arrays " \
                          f"(bound {bound / 2**20:.0f} MiB)"
+
+
+def test_submit_refuses_an_init_from_that_is_missing(data, tmp_path, capsys, monkeypatch):
+    from marind.cli import main
+    from marind.core.netutil import free_port
+
+    monkeypatch.setenv("MARIND_ETCD", f"http://127.0.0.1:{free_port()}")   # nothing may reach it (exit 3)
+    monkeypatch.delenv("MARIND_DEBUG", raising=False)
+    path = tmp_path / "run.toml"
+    path.write_text(_spec_text(data, str(tmp_path / "c"), init_from="models/none"))
+    assert main(["submit", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"model.init_from: {tmp_path}/models/none is not a directory" in err, err
+    (tmp_path / "models" / "none").mkdir(parents=True)
+    assert main(["submit", str(path)]) == 2
+    assert "has no model.safetensors" in capsys.readouterr().err
+    path.write_text(_spec_text(data, str(tmp_path / "c")))
+    assert main(["submit", str(path)]) == 3          # valid without init_from: it got as far as etcd
