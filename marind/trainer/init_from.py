@@ -19,6 +19,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from marind.trainer.hf_mapping import (
+    config_mismatch,
     from_hf_rotary,
     model_config_from_hf,
     needs_rotary_permute,
@@ -62,7 +63,14 @@ def read_hf_state(path: str | Path, model_cfg: dict) -> dict[str, torch.Tensor]:
     """
     from safetensors import safe_open
 
-    hf = model_config_from_hf(json.loads((Path(path) / "config.json").read_text()))
+    try:
+        hf = model_config_from_hf(json.loads((Path(path) / "config.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InitFromError(f"model.init_from: cannot use {path}/config.json ({exc}); "
+                            "point init_from at a Llama model directory") from exc
+    mismatch = config_mismatch(model_cfg, hf)
+    if mismatch:
+        raise InitFromError(f"model.init_from: {path}: {mismatch}")
     n_heads = int(model_cfg["n_heads"])
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(path):
@@ -79,8 +87,7 @@ def read_hf_state(path: str | Path, model_cfg: dict) -> dict[str, torch.Tensor]:
     problems = shape_problems(model_cfg, {k: tuple(v.shape) for k, v in state.items()})
     if problems:
         raise InitFromError(f"model.init_from: {path} does not fit [model] ({len(problems)} problems: "
-                            f"{'; '.join(problems[:5])}); check that model and directory agree "
-                            f"(its config has {hf})")
+                            f"{'; '.join(problems[:5])}); export the directory again from a matching run")
     return state
 
 
