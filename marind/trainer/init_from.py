@@ -108,7 +108,8 @@ def load_init_from(model: torch.nn.Module, path: str | Path, model_cfg: dict) ->
         InitFromError: see :func:`read_hf_state`.
     """
     state = read_hf_state(path, model_cfg)
-    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    # named as in a state dict (activation checkpointing's wrapper is not part of the FQN)
+    dtypes = {n.replace("_checkpoint_wrapped_module.", ""): p.dtype for n, p in model.named_parameters()}
     full: dict[str, Any] = {k: v.to(dtypes[k]) if k in dtypes else v for k, v in state.items()}
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=True))
     return len(state)
