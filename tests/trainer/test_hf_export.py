@@ -29,7 +29,7 @@ SEQ = 32
 
 
 def _spec_text(data: str, ckpt: str, *, steps: int = 4, tie: bool = True, dp_shard: int = -1, tp: int = 1,
-               init_from: str = "") -> str:
+               init_from: str = "", ac: bool = False) -> str:
     return f"""
 [job]
 name = "hf-test"
@@ -42,6 +42,7 @@ init_from = "{init_from}"
 [parallel]
 dp_shard = {dp_shard}
 tp = {tp}
+activation_checkpointing = {str(ac).lower()}
 [data]
 path = "{data}"
 seq_len = {SEQ}
@@ -130,7 +131,7 @@ def test_export_then_init_from_saves_the_same_arrays(trained, data, tmp_path):
     out = tmp_path / "hf"
     res = _marind("export", f"file://{ckpt}", "--step", str(step), "--format", "hf", str(out))
     assert res.returncode == 0, res.stderr
-    spec_text = _spec_text(data, str(tmp_path / "again"), tie=tied, dp_shard=1, tp=2, init_from=str(out))
+    spec_text = _spec_text(data, str(tmp_path / "again"), tie=tied, dp_shard=1, tp=2, init_from=str(out), ac=True)
     assert init_from_problem(load_trainer_spec(spec_text, check_worlds=False)) is None
     run_torch_workers("tests.trainer.workers:init_and_save", 2, timeout=300,
                       spec=load_trainer_spec(spec_text, check_worlds=False).to_dict())
