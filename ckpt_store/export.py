@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import torch
 
+from ckpt_store.export_sharded import read_array
 from ckpt_store.log import get_logger
-from ckpt_store.zarr_format import TORCH_DTYPES
 
 log = get_logger(__name__)
 
@@ -57,15 +57,7 @@ def export_safetensors(store, step: int, out: str, group: str = "model",
     tensors: dict[str, torch.Tensor] = {}
     total = 0
     for i, name in enumerate(names, 1):
-        meta = manifest["arrays"][name]
-        t = torch.empty(tuple(meta["shape"]), dtype=TORCH_DTYPES[meta["dtype"]])
-        state: dict = {}
-        node = state
-        *parents, leaf = name.split("/")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = t
-        store.load_arrays(state, step)
+        t = read_array(store, step, name, manifest["arrays"][name])
         tensors[keys[name]] = t
         total += t.numel() * t.element_size()
         if progress:

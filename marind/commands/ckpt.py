@@ -1,5 +1,8 @@
 """`marind ckpt ls | inspect | verify | export URL` — a thin layer over ckpt_store.
 
+``export --format hf`` maps a trainer checkpoint to a Hugging Face Llama directory
+(``marind.trainer.hf_export``; ckpt_store stays model-agnostic).
+
 s3:// URLs take credentials and endpoint from the environment
 (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, MARIND_S3_ENDPOINT or AWS_ENDPOINT_URL).
 Storage that cannot be reached fails with one line naming the endpoint and the
@@ -37,12 +40,20 @@ def register(sub) -> None:
     p.add_argument("url")
     p.add_argument("--step", type=int, help="default: the newest committed step (corrupt or not)")
     p.set_defaults(handler=_guard(verify))
-    p = cs.add_parser("export", help="consolidate a step into one safetensors file")
+    p = cs.add_parser("export", help="consolidate a step into one safetensors file, or a Hugging Face directory",
+                      description="--format safetensors: one file OUT with the arrays under --group. "
+                                  "--format hf: a directory OUT that transformers loads with "
+                                  "AutoModelForCausalLM.from_pretrained (a trainer checkpoint as Llama: "
+                                  "config.json, sharded safetensors and their index).")
     p.add_argument("url")
     p.add_argument("--step", type=int, required=True)
-    p.add_argument("--format", choices=["safetensors"], default="safetensors")
-    p.add_argument("--group", default="model", help="arrays under this group (default model; '' = all)")
-    p.add_argument("out")
+    p.add_argument("--format", choices=["safetensors", "hf"], default="safetensors")
+    p.add_argument("--group", default="model", help="safetensors: arrays under this group (default model; '' = all)")
+    p.add_argument("--max-shard-size", default="2GB",
+                   help="hf: the largest safetensors shard (default 2GB; e.g. 500MB, 64MiB)")
+    p.add_argument("--config", metavar="RUN_TOML",
+                   help="hf: the run's spec, for a checkpoint that does not record its model config")
+    p.add_argument("out", help="safetensors: the file; hf: the directory to create (new or empty)")
     p.set_defaults(handler=_guard(export))
     ckpt.set_defaults(handler=lambda args: (ckpt.print_help(sys.stderr), 2)[1])
 
@@ -227,7 +238,35 @@ def export(args) -> int:
     from ckpt_store.export import export_safetensors
 
     store = _store(args.url)
-    tty = sys.stderr.isatty()
+    progress = _progress(sys.stderr.isatty())
+    if args.format == "hf":
+        return _export_hf(args, store, progress)
+    out = export_safetensors(store, args.step, args.out, group=args.group, progress=progress)
+    print(f"wrote {args.out}: {out['tensors']} tensors, {_size(out['bytes'])} from step {args.step}")
+    return 0
+
+
+def _export_hf(args, store, progress) -> int:
+    from ckpt_store.export_sharded import parse_size
+    from marind.trainer.hf_export import export_hf
+
+    try:
+        max_bytes = parse_size(args.max_shard_size)
+    except ValueError as exc:
+        raise UsageError(f"--max-shard-size: {exc}") from None
+    try:
+        out = export_hf(store, args.step, args.out, config_path=args.config, max_shard_bytes=max_bytes,
+                        progress=progress)
+    except ValueError as exc:     # a bad OUT, no model config, arrays that are not the trainer's GPT
+        raise UsageError(str(exc)) from None
+    print(f"wrote {args.out}: {out['tensors']} tensors in {out['shards']} shard(s), {_size(out['bytes'])} "
+          f"from step {args.step} (load with AutoModelForCausalLM.from_pretrained)")
+    return 0
+
+
+def _progress(tty: bool):
+    """A progress callback: a bar on a TTY, else a line at every tenth of the arrays."""
+    shown = [-1]
 
     def progress(i: int, n: int, nbytes: int) -> None:
         if tty:
@@ -235,8 +274,8 @@ def export(args) -> int:
             sys.stderr.write(f"\rexport [{bar:<30}] {i}/{n} arrays {_size(nbytes)}")
             if i == n:
                 sys.stderr.write("\n")
-            sys.stderr.flush()
-
-    out = export_safetensors(store, args.step, args.out, group=args.group, progress=progress)
-    print(f"wrote {args.out}: {out['tensors']} tensors, {_size(out['bytes'])} from step {args.step}")
-    return 0
+        elif 10 * i // n > shown[0]:
+            shown[0] = 10 * i // n
+            sys.stderr.write(f"export: {i}/{n} arrays, {_size(nbytes)} written\n")
+        sys.stderr.flush()
+    return progress

@@ -91,9 +91,9 @@ def checked_spec(path: str):
     spec = load_spec(path)               # relative paths resolve against the run.toml's directory
     problem = missing_paths(spec)
     if spec.runs_trainer and problem is None:
-        from marind.trainer.config import missing_data, trainer_spec
+        from marind.trainer.config import init_from_problem, missing_data, trainer_spec
         typed = trainer_spec(spec)
-        problem = missing_data(typed)
+        problem = missing_data(typed) or init_from_problem(typed)
         spec = typed.core()
     if problem:
         raise SpecError(problem)

@@ -8,6 +8,7 @@ the one object ``marind.trainer.loop`` and its modes share.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -134,7 +135,8 @@ def setup_run(spec: TrainerSpec, device: torch.device, env: WorkerEnv, mode: Tra
                                            **({"job": env.job_id} if env.job_id else {}))
     log = get_logger("trainer")
     progress = Reporter(b.rank, local_rank, b.world, env.run_dir)
-    ckpt = Checkpointer(spec, b.model, b.optimizer, rank=b.rank, world_size=b.world, layout=b.layout.as_dict())
+    ckpt = Checkpointer(spec, b.model, b.optimizer, rank=b.rank, world_size=b.world, layout=b.layout.as_dict(),
+                        model_config=dataclasses.asdict(b.cfg))
     return Run(spec=spec, device=device, env=env, model=b.model, optimizer=b.optimizer, cfg=b.cfg,
                layout=b.layout, sampler=b.sampler, rank=b.rank, world=b.world, local_rank=local_rank, log=log,
                progress=progress, ckpt=ckpt, accum=grad_accum_steps(spec, b.layout.dp_size),

@@ -6,6 +6,7 @@ State tree (docs/design.md §4)::
     optim/{fqn}/{exp_avg,exp_avg_sq,step}
     extra/step, extra/data_position, extra/scheduler, extra/param_groups, extra/layout
     extra/rng/rank-{N}          this rank's torch RNG state (base64 of the byte tensor)
+    extra/model_config          the model's shape (ModelConfig fields; absent in older checkpoints)
 
 ``get_state_dict`` / ``set_state_dict`` (torch.distributed.checkpoint.state_dict)
 map between modules and FQN-keyed trees, so a checkpoint restores into
@@ -88,11 +89,14 @@ class Checkpointer:
         rank: global rank.
         world_size: ranks in the world.
         layout: the mesh sizes, recorded in each checkpoint.
+        model_config: the model's config (``ModelConfig`` as a dict), saved as ``extra/model_config``
+            so that a checkpoint can be exported on its own (``marind ckpt export --format hf``).
     """
 
     def __init__(self, spec: TrainerSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, rank: int,
-                 world_size: int, layout: dict[str, int]) -> None:
+                 world_size: int, layout: dict[str, int], model_config: dict[str, Any] | None = None) -> None:
         self.spec, self.model, self.optimizer = spec, model, optimizer
+        self.model_config = model_config
         self.rank, self.world_size, self.layout = rank, world_size, layout
         c = spec.checkpoint
         self.store: CheckpointStore | None = None
@@ -139,6 +143,7 @@ class Checkpointer:
                 "layout": self.layout,
                 "world_size": self.world_size,
                 "rng": {f"rank-{self.rank}": rng_state()},
+                **({"model_config": self.model_config} if self.model_config else {}),
             },
         }
 

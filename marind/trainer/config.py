@@ -77,6 +77,7 @@ class ModelSpec:
     tie_embeddings: bool = spec_field(True, "bool")
     norm_eps: float = spec_field(1e-5, "float")
     rope_theta: float = spec_field(10000.0, "float")
+    init_from: str = spec_field("", "str")   # a Hugging Face Llama directory to start from ("" = random init)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,7 +229,8 @@ def _resolve_trainer_paths(spec: TrainerSpec) -> TrainerSpec:
     def under(path: str) -> str:
         return path if not path or os.path.isabs(os.path.expanduser(path)) else str(Path(wd) / path)
     return spec.replace(data=dataclasses.replace(spec.data, path=under(spec.data.path)),
-                        train=dataclasses.replace(spec.train, tensorboard_dir=under(spec.train.tensorboard_dir)))
+                        train=dataclasses.replace(spec.train, tensorboard_dir=under(spec.train.tensorboard_dir)),
+                        model=dataclasses.replace(spec.model, init_from=under(spec.model.init_from)))
 
 
 def missing_data(spec: TrainerSpec) -> str | None:
@@ -243,6 +245,34 @@ def missing_data(spec: TrainerSpec) -> str | None:
             return (f"data.path: dataset {path} does not exist; prepare it (`marind data prepare ... -o "
                     f"{spec.data.path}`), or fix data.path (relative to job.working_dir {spec.job.working_dir})")
     return None
+
+
+def init_from_problem(spec: TrainerSpec) -> str | None:
+    """What keeps ``model.init_from`` from starting this run (``marind submit`` checks it).
+
+    The directory must exist with a Llama ``config.json`` whose shape matches ``[model]``
+    and safetensors weights (``model.safetensors`` or ``model.safetensors.index.json``).
+
+    Returns:
+        One line naming the problem and the fix, or None (also when ``init_from`` is unset).
+    """
+    from marind.trainer.hf_mapping import config_mismatch, model_config_from_hf
+
+    path = spec.model.init_from
+    if not path:
+        return None
+    where = f"model.init_from: {path}"
+    config = Path(path) / "config.json"
+    if not Path(path).is_dir():
+        return f"{where} is not a directory; pass a Hugging Face model directory (marind ckpt export --format hf)"
+    if not ((Path(path) / "model.safetensors").is_file() or (Path(path) / "model.safetensors.index.json").is_file()):
+        return f"{where} has no model.safetensors or model.safetensors.index.json; export safetensors weights there"
+    try:
+        hf_model = model_config_from_hf(json.loads(config.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{where}: cannot use {config} ({exc}); point init_from at a Llama model directory"
+    mismatch = config_mismatch(dataclasses.asdict(spec.model), hf_model)
+    return f"{where}: {mismatch}" if mismatch else None
 
 
 def _resolve_model(model: ModelSpec, given: set[str]) -> ModelSpec:

@@ -63,6 +63,7 @@ from marind.trainer.ft_group import (
     StopRequested,
     allreduce_grads,
 )
+from marind.trainer.init_from import init_run_from
 from marind.trainer.loop import Finish, LoopState, Result, StepReport, StopFlag, TrainMode, log_due, run_loop
 
 
@@ -183,7 +184,9 @@ class TorchftMode(TrainMode):
                 step = restored[0]
                 if run.rank == 0:
                     run.log.info("restored", step=step, url=ckpt.url)
-            elif step > 0 and run.rank == 0:
+            elif step == 0:
+                init_run_from(run)   # [model] init_from: a fresh run (no checkpoint, no peer ahead)
+            elif run.rank == 0:
                 run.log.info("healed_from_peer", step=step)
             run.progress.update(phase="training", step=step, last_checkpoint_step=ckpt.last_step, **self.ft.status())
         self._set_step(run, state, step)

@@ -28,6 +28,7 @@ from marind.core.workerenv import WorkerEnv
 from marind.trainer.build import Run, setup_run
 from marind.trainer.config import TrainerSpec
 from marind.trainer.data import rank_sample_indices
+from marind.trainer.init_from import init_run_from
 from marind.trainer.loop import Finish, LoopState, Result, StepReport, StopFlag, TrainMode, log_due, run_loop
 from marind.trainer.model import flops_per_token, param_count
 from marind.trainer.schedule import peak_flops_per_device
@@ -60,7 +61,7 @@ class ElasticMode(TrainMode):
         self.tb: Any = None
 
     def start(self, run: Run, state: LoopState) -> None:
-        """train_start; restore the latest checkpoint (step and data position) if there is one."""
+        """train_start; restore the latest checkpoint (step and data position), else ``[model] init_from``."""
         spec, ckpt, log, t = run.spec, run.ckpt, run.log, run.spec.train
         self.flops_tok = flops_per_token(run.cfg)
         self.peak = peak_flops_per_device(run.device, int(os.environ.get("LOCAL_WORLD_SIZE", run.world))) * run.world
@@ -68,6 +69,7 @@ class ElasticMode(TrainMode):
             log.info("train_start", world_size=run.world, layout=run.layout.as_dict(), grad_accum=run.accum,
                      params=param_count(run.cfg), flops_per_token=self.flops_tok, device=str(run.device),
                      steps=t.steps)
+        restored = None
         if ckpt.enabled:
             run.progress.update(phase="restoring")
             restored = ckpt.restore()
@@ -75,6 +77,8 @@ class ElasticMode(TrainMode):
                 state.step, state.position = restored
                 if run.rank == 0:
                     log.info("restored", step=state.step, data_position=state.position, url=ckpt.url)
+        if restored is None:
+            init_run_from(run)   # [model] init_from: only a run with no checkpoint starts from it
         run.progress.update(phase="training", step=state.step, last_checkpoint_step=ckpt.last_step)
         self.nan_steps = nan_steps(spec, run.env)
         self.tb = _tensorboard(spec, run.rank)

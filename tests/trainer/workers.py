@@ -25,3 +25,20 @@ def train_and_digest(spec: dict) -> dict:
         for name, v in st.items():
             digests[f"optim/{fqn}/{name}"] = _digest(v if isinstance(v, torch.Tensor) else torch.tensor(v))
     return {**result.as_dict(), "digests": digests}
+
+
+def init_and_save(spec: dict) -> dict:
+    """Build the run, start it (restore or ``[model] init_from``), save step 0 without training."""
+    from marind.core.workerenv import WorkerEnv
+    from marind.trainer.build import setup_run
+    from marind.trainer.loop import LoopState
+    from marind.trainer.train import ElasticMode
+
+    typed = TrainerSpec.from_dict(spec, check_worlds=False)
+    mode = ElasticMode()
+    run = setup_run(typed, device_for_local_rank(), WorkerEnv.from_environ(), mode)
+    state = LoopState()
+    mode.start(run, state)
+    run.ckpt.save(state.step, state.position, wait=True)
+    model_sd = get_state_dict(run.model, run.optimizer, options=StateDictOptions(full_state_dict=True))[0]
+    return {"step": state.step, "digests": {k: _digest(v) for k, v in model_sd.items()}}

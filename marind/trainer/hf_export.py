@@ -1,0 +1,119 @@
+"""Export a trainer checkpoint as a Hugging Face ``LlamaForCausalLM`` directory.
+
+Joins the generic sharded-safetensors writer (``ckpt_store.export_sharded``) with the
+trainer's mapping (``marind.trainer.hf_mapping``). The model config comes from the
+checkpoint's ``extra/model_config`` (saved by the trainer since this format was added);
+an older checkpoint needs the run's ``--config run.toml``, whose ``[model]`` and
+``data.seq_len`` give it (the vocabulary from the embedding's shape).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from ckpt_store.export_sharded import ExportTensor, export_sharded, read_values
+from marind.trainer.hf_mapping import (
+    CONFIG_KEYS,
+    hf_config,
+    hf_name,
+    needs_rotary_permute,
+    shape_problems,
+    to_hf_rotary,
+)
+
+PREFIX = "model/"
+
+
+def model_config(store, step: int, manifest: dict, config_path: str | None) -> dict[str, Any]:
+    """The trainer's model config of ``step``: the checkpoint's own, else ``config_path``'s.
+
+    Args:
+        store: the ``CheckpointStore``.
+        step: the step.
+        manifest: its manifest.
+        config_path: the run's run.toml (or None).
+
+    Returns:
+        The config (``hf_mapping.CONFIG_KEYS``).
+
+    Raises:
+        ValueError: neither source has it, or both have it and they differ (one line each).
+    """
+    saved = (read_values(store, step).get("extra") or {}).get("model_config")
+    given = None
+    if config_path:
+        from marind.trainer.config import load_trainer_spec
+        from marind.trainer.model import ModelConfig
+
+        spec = load_trainer_spec(config_path, check_worlds=False)
+        emb = manifest["arrays"].get(PREFIX + "tok_embeddings.weight")
+        vocab = int(emb["shape"][0]) if emb else 0
+        given = dataclasses.asdict(ModelConfig.from_spec(spec.model, seq_len=spec.data.seq_len,
+                                                         data_vocab_size=vocab))
+    if saved is None and given is None:
+        raise ValueError(f"step {step} does not record its model config (saved before marind kept "
+                         "extra/model_config); pass the run's spec with --config run.toml")
+    if saved is not None and given is not None:
+        diff = [k for k in CONFIG_KEYS if saved.get(k) != given.get(k)]
+        if diff:
+            raise ValueError(f"--config's model differs from the one saved in step {step} "
+                             f"({diff[0]}: {given.get(diff[0])!r} vs {saved.get(diff[0])!r}); "
+                             "drop --config to use the checkpoint's")
+    cfg = saved if saved is not None else given
+    assert cfg is not None
+    return {k: cfg[k] for k in CONFIG_KEYS}
+
+
+def export_plan(manifest: dict, cfg: dict[str, Any]) -> list[ExportTensor]:
+    """The tensors of a Llama export of a trainer checkpoint, in the trainer's layer order.
+
+    Raises:
+        ValueError: the checkpoint's ``model/`` arrays are not the model ``cfg`` describes.
+    """
+    shapes = {n[len(PREFIX):]: tuple(a["shape"]) for n, a in manifest["arrays"].items() if n.startswith(PREFIX)}
+    problems = shape_problems(cfg, shapes)
+    if problems:
+        raise ValueError(f"the checkpoint's model arrays do not match its model config ({len(problems)} "
+                         f"problems: {'; '.join(problems[:4])}); export with --format safetensors instead")
+    permute = functools.partial(to_hf_rotary, n_heads=int(cfg["n_heads"]))
+
+    def order(fqn: str) -> tuple:
+        parts = fqn.split(".")
+        return (1, int(parts[1]), fqn) if parts[0] == "layers" else (0 if fqn.startswith("tok") else 2, 0, fqn)
+    return [ExportTensor(PREFIX + fqn, hf_name(fqn), permute if needs_rotary_permute(fqn) else None)
+            for fqn in sorted(shapes, key=order)]
+
+
+def export_hf(store, step: int, out: str, *, config_path: str | None = None, max_shard_bytes: int = 2 * 10**9,
+              progress: Callable[[int, int, int], None] | None = None) -> dict:
+    """Write ``step`` of a trainer checkpoint to ``out`` as a Hugging Face Llama directory.
+
+    Args:
+        store: the ``CheckpointStore``.
+        step: a committed step.
+        out: the directory to create.
+        config_path: the run's run.toml, for checkpoints without ``extra/model_config``.
+        max_shard_bytes: the safetensors shard size limit.
+        progress: ``export_sharded``'s progress callback.
+
+    Returns:
+        ``export_sharded``'s summary.
+
+    Raises:
+        ValueError: no model config, arrays that do not match it, or a bad ``out``.
+        SpecError: ``config_path`` is not a valid spec.
+    """
+    from ckpt_store.export_sharded import check_output_dir
+
+    check_output_dir(out)
+    manifest = store.manifest(step)
+    cfg = model_config(store, step, manifest, config_path)
+    plan = export_plan(manifest, cfg)
+    dtypes = {manifest["arrays"][t.array]["dtype"] for t in plan}
+    dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(
+        dtypes.pop() if len(dtypes) == 1 else "", "float32")
+    return export_sharded(store, step, out, plan, files={"config.json": hf_config(cfg, dtype=dtype)},
+                          max_shard_bytes=max_shard_bytes, progress=progress)

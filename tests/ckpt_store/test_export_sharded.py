@@ -1,0 +1,51 @@
+"""The sharded safetensors export's pure parts, and its files read by the safetensors library."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckpt_store.export_sharded import SAFETENSORS_DTYPES, parse_size, plan_shards, safetensors_header
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("text, n", [("2GB", 2 * 10**9), ("500MB", 5 * 10**8), ("64MiB", 64 * 2**20),
+                                     ("1048576", 1048576), ("1.5kb", 1500), (" 10 B ", 10)])
+def test_parse_size(text, n):
+    assert parse_size(text) == n
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("text", ["", "0", "-1MB", "lots", "5PB"])
+def test_parse_size_refuses_non_sizes(text):
+    with pytest.raises(ValueError, match="not a positive size"):
+        parse_size(text)
+
+
+@pytest.mark.unit
+def test_plan_shards_keeps_order_and_limit():
+    assert plan_shards([], 10) == []
+    assert plan_shards([4, 4, 4, 20, 1, 9], 10) == [[0, 1], [2], [3], [4, 5]]
+    sizes = [3, 7, 1, 1, 8, 2, 2, 2]
+    shards = plan_shards(sizes, 8)
+    assert [i for s in shards for i in s] == list(range(len(sizes)))
+    assert all(sum(sizes[i] for i in s) <= 8 for s in shards)
+
+
+@pytest.mark.unit
+def test_header_and_streamed_data_read_back(tmp_path):
+    tensors = {"b.w": torch.randn(3, 5), "a.bias": torch.arange(7, dtype=torch.int64),
+               "h": torch.randn(2, 2).bfloat16(), "empty": torch.zeros(0, 4), "scalar": torch.tensor(2.5)}
+    entries = [(n, SAFETENSORS_DTYPES[t.dtype], list(t.shape), t.numel() * t.element_size())
+               for n, t in tensors.items()]
+    header = safetensors_header(entries, {"format": "pt"})
+    assert (len(header) - 8) % 8 == 0
+    path = tmp_path / "x.safetensors"
+    with open(path, "wb") as f:
+        f.write(header)
+        for t in tensors.values():
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    back = load_file(str(path))
+    assert set(back) == set(tensors)
+    assert all(torch.equal(back[n], t) for n, t in tensors.items())
