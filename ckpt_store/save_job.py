@@ -47,7 +47,7 @@ class SaveJob:
     Attributes:
         step: the step saved; ``dir``: its directory under the store root.
         rank, world: this rank and the number of ranks saving.
-        fmt: the checkpoint format written (``loader.FORMAT``).
+        fmt: the checkpoint format written (``manifest.FORMAT``).
         commit_timeout_s: how long rank 0 waits for the parts, and the others for the commit.
         values: this rank's JSON values (the state's non-tensor leaves).
         arrays: {name: ArraySpec JSON plus its "layout"}, every array of the save.

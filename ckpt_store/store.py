@@ -34,8 +34,9 @@ from ckpt_store.errors import (
 )
 from ckpt_store.gather import SMALL_ARRAY_BYTES, gather_small
 from ckpt_store.load_newest import load_newest
-from ckpt_store.loader import FORMAT, load_step, read_manifest
+from ckpt_store.loader import load_step
 from ckpt_store.log import get_logger
+from ckpt_store.manifest import FORMAT, read_manifest
 from ckpt_store.pending import PendingSave
 from ckpt_store.plan import flatten, plan_array
 from ckpt_store.save_job import SaveJob, writer_kind
