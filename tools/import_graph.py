@@ -99,6 +99,7 @@ RULES = [
     ("marind.trainer", "marind.commands", "the trainer uses the public worker and checkpoint APIs only"),
     ("marind.trainer", "marind.rendezvous", "the trainer uses the public worker and checkpoint APIs only"),
     ("marind.agent", "marind.trainer", "the agent runs any program, not the trainer's code"),
+    ("marind.doctor_cluster", "marind.agent", "the cluster probe sits below the agent that starts it"),
     ("marind.worker", "marind.trainer", "the worker API serves any program; the trainer builds on it"),
     ("marind.worker", "marind.agent", "the worker API talks to its agent through files only"),
     ("marind.rendezvous", "marind.trainer", "the rendezvous knows nothing of the trainer"),
@@ -124,6 +125,13 @@ def violations(edge_map: dict[tuple[str, str], int]) -> list[str]:
     return bad
 
 
+def cycles(edge_map: dict[tuple[str, str], int]) -> list[str]:
+    """Pairs of shipped areas that import each other (dependencies must run one way)."""
+    pairs = {(area(a), area(b)) for (a, b) in edge_map
+             if a.split(".")[0] in SHIPPED and b.split(".")[0] in SHIPPED and area(a) != area(b)}
+    return [f"{a} <-> {b}: two areas import each other" for (a, b) in sorted(pairs) if a < b and (b, a) in pairs]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modules", action="store_true", help="module-level edges")
@@ -141,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(f"{lines:5d}  {mod}\n")
         return 0
     if args.check:
-        bad = violations(edge_map)
+        bad = violations(edge_map) + cycles(edge_map)
         for line in bad:
             sys.stdout.write(line + "\n")
         sys.stdout.write(f"{len(bad)} layering violation(s)\n")

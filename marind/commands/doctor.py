@@ -184,7 +184,7 @@ def _ms(value: float | None) -> str:
 
 def run_cluster(args) -> int:
     """`marind doctor --cluster`: the cluster check; exit 1 if a host fails (or none is registered)."""
-    from marind.doctor_cluster.client import registered_hosts, run_check
+    from marind.commands.cluster_check import registered_hosts, run_check
     from marind.doctor_cluster.keys import DEFAULT_BYTES, DEFAULT_TIMEOUT_S
     from marind.jobs_client import connect
     nbytes = DEFAULT_BYTES if args.bytes is None else args.bytes

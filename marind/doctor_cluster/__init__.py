@@ -5,7 +5,7 @@
   report's rows and verdict, bus bandwidth);
 * ``probe``: the short-lived process an agent starts for a request (``python -m
   marind.doctor_cluster.probe``): TCP reachability, then the all-reduce;
-* ``client``: what the CLI does: write the request, wait for the results, clean up.
+* the CLI's side (write the request, wait for the results, clean up) is ``marind.commands.cluster_check``.
 
 Nothing here imports torch at module level except ``probe``'s collective part.
 """

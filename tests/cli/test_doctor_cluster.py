@@ -14,9 +14,9 @@ import time
 import pytest
 
 from marind.cli import main
+from marind.commands.cluster_check import run_check
 from marind.commands.doctor import cluster_table
 from marind.core.etcd_client import EtcdClient
-from marind.doctor_cluster.client import run_check
 from marind.doctor_cluster.keys import Phases, Request, requests_prefix
 from marind.doctor_cluster.verdict import Group, HostResult, build_report, bus_bandwidth, choose_group
 from marind.testing.procs import spawn
