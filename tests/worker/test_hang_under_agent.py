@@ -11,38 +11,20 @@ hung.
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import pytest
 
 from marind.cli import main
-from marind.testing.procs import REPO_ROOT
 from tests.agent.helpers import agent_log, job_state, node_registered, start_agent, wait_for
-from tests.worker.test_own_scripts import SCRIPTS, digests, run_script, starts
+from tests.worker.test_own_scripts import digests, run_script, starts
+from tests.worker.test_submit_own_scripts import command_spec
 
 
 def hang_spec(tmp: Path, out: Path) -> Path:
-    env = {"PYTHONPATH": f"{SCRIPTS}{os.pathsep}{REPO_ROOT}", "WORKER_TEST_HANG_AT_STEP": "3",
-           "WORKER_TEST_STEPS": "8", "WORKER_TEST_SAVE_EVERY": "2", "WORKER_TEST_OUT": str(out)}
-    env_table = "".join(f"{k} = {json.dumps(v)}\n" for k, v in env.items())
-    path = tmp / "hang.toml"
-    path.write_text(f"""
-[job]
-name = "own-hang"
-nproc_per_node = 2
-max_restarts = 3
-hang_timeout = "4s"
-command = ["python", "mlp_ddp.py"]
-working_dir = "{SCRIPTS}"
-
-[job.env]
-{env_table}
-[checkpoint]
-url = "file://{tmp / 'ckpt'}"
-""")
-    return path
+    env = {"WORKER_TEST_HANG_AT_STEP": "3", "WORKER_TEST_STEPS": "8", "WORKER_TEST_SAVE_EVERY": "2",
+           "WORKER_TEST_OUT": str(out)}
+    return command_spec(tmp, "own-hang", ["python", "mlp_ddp.py"], env, max_restarts=3, hang_timeout="4s")
 
 
 @pytest.mark.timeout(600)

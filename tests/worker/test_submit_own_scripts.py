@@ -23,16 +23,19 @@ from tests.agent.helpers import agent_log, job_state, node_registered, start_age
 from tests.worker.test_own_scripts import KILL_AT, SAVE_EVERY, SCRIPTS, STEPS, digests, run_script, starts
 
 
-def command_spec(tmp: Path, script: str, out: Path) -> Path:
-    env = {"PYTHONPATH": f"{SCRIPTS}{os.pathsep}{REPO_ROOT}", "WORKER_TEST_KILL_AT_STEP": str(KILL_AT)}
+def command_spec(tmp: Path, name: str, command: list[str], env: dict[str, str], *,
+                 max_restarts: int = 2, hang_timeout: str = "300s") -> Path:
+    """A run.toml that runs ``command`` from the scripts' directory on 2 ranks, with ``env``."""
+    env = {"PYTHONPATH": f"{SCRIPTS}{os.pathsep}{REPO_ROOT}", **env}
     env_table = "".join(f"{k} = {json.dumps(v)}\n" for k, v in env.items())
-    path = tmp / f"{Path(script).stem}.toml"
+    path = tmp / f"{name}.toml"
     path.write_text(f"""
 [job]
-name = "own-{Path(script).stem.replace('_', '-')}"
+name = "{name}"
 nproc_per_node = 2
-max_restarts = 2
-command = ["python", "{script}", "--steps", "{STEPS}", "--save-every", "{SAVE_EVERY}", "--out", "{out}"]
+max_restarts = {max_restarts}
+hang_timeout = "{hang_timeout}"
+command = {json.dumps(command)}
 working_dir = "{SCRIPTS}"
 
 [job.env]
@@ -61,7 +64,9 @@ def test_own_script_under_submit_survives_a_killed_worker_bit_identical(tmp_path
     wait_for(lambda: node_registered(etcd_client, "a"), 30, "node a registered", diag=diag)
 
     out = tmp_path / "out"
-    assert main(["submit", str(command_spec(tmp_path, script, out))]) == 0
+    name = "own-" + Path(script).stem.replace("_", "-")
+    command = ["python", script, "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--out", str(out)]
+    assert main(["submit", str(command_spec(tmp_path, name, command, {"WORKER_TEST_KILL_AT_STEP": str(KILL_AT)}))]) == 0
     job = capsys.readouterr().out.strip().splitlines()[-1]
     wait_for(lambda: job_state(etcd_client, job).get("state") in ("SUCCEEDED", "FAILED"), 600,
              f"{job} finished", interval=0.5, diag=lambda: f"{job_state(etcd_client, job)}\n{diag()}")
