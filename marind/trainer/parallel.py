@@ -11,17 +11,18 @@ replicated over ``tp`` (sharded over dp only).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from marind.trainer.config import TrainerSpec, validate_for_world
+from marind.trainer.grad_norm import clip_grad_norm
 from marind.trainer.model import GPT
+
+__all__ = ["MESH_DIMS", "Layout", "build_mesh", "clip_grad_norm", "parallelize", "tp_plan"]
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 
@@ -106,28 +107,3 @@ def parallelize(model: GPT, mesh: DeviceMesh, spec: TrainerSpec) -> GPT:
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < n - 1)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
     return model
-
-
-@torch.no_grad()
-def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Global L2 norm of the gradients (DTensors on any mesh), clipped to ``max_norm`` if > 0.
-
-    Returns the norm before clipping; non-finite norms are returned without touching the grads.
-    """
-    total = None
-    for p in params:
-        if p.grad is None:
-            continue
-        sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
-        if isinstance(sq, DTensor):
-            sq = sq.full_tensor()
-        total = sq if total is None else total + sq
-    if total is None:
-        return torch.zeros(())
-    norm = total.sqrt()
-    if max_norm > 0 and torch.isfinite(norm):
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.device))
-    return norm

@@ -42,3 +42,35 @@ def init_and_save(spec: dict) -> dict:
     run.ckpt.save(state.step, state.position, wait=True)
     model_sd = get_state_dict(run.model, run.optimizer, options=StateDictOptions(full_state_dict=True))[0]
     return {"step": state.step, "digests": {k: _digest(v) for k, v in model_sd.items()}}
+
+
+def clip_collectives(spec: dict) -> dict:
+    """One forward/backward, then ``clip_grad_norm`` under ``CommDebugMode``: its collectives and norm.
+
+    Also the reference norm of the old way (``full_tensor()`` of each gradient's norm, summed).
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from marind.trainer.build import build
+    from marind.trainer.grad_norm import clip_grad_norm
+    from marind.trainer.model import lm_loss
+
+    typed = TrainerSpec.from_dict(spec, check_worlds=False)
+    b = build(typed, device_for_local_rank())
+    x, y = b.sampler.batch(list(range(b.layout.dp_rank, 2 * b.layout.dp_size, b.layout.dp_size)), x_device := torch.device("cpu"))
+    lm_loss(b.model(x.to(x_device)), y).backward()
+    params = list(b.model.parameters())
+    ref = torch.zeros(())
+    for p in params:
+        sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
+        ref = ref + (sq.full_tensor() if isinstance(sq, DTensor) else sq)
+    meshes = {p.grad.device_mesh for p in params if isinstance(p.grad, DTensor) and p.grad.device_mesh.size() > 1}
+    with CommDebugMode() as comm:
+        norm = clip_grad_norm(params, 1.0)   # first call: may create the flattened mesh group
+    with CommDebugMode() as comm2:
+        clip_grad_norm(params, 1.0)
+    counts = {str(k): v for k, v in comm.get_comm_counts().items()}
+    counts2 = {str(k): v for k, v in comm2.get_comm_counts().items()}
+    return {"norm": float(norm), "ref": float(ref.sqrt()), "meshes": len(meshes), "params": len(params),
+            "counts": counts, "counts2": counts2}
