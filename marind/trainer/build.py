@@ -1,6 +1,7 @@
 """Everything a training run holds before its first step: model, optimizer, data, checkpointer, progress.
 
-:func:`build` makes the model (identical initial weights on every rank), its parallel layout
+:func:`build` makes the model (on the meta device, parallelized, then materialized shard by shard
+with initial weights that do not depend on the layout: ``marind.trainer.meta_init``), its parallel layout
 and the AdamW optimizer; :func:`setup_run` adds what the loop reports through (logger with
 the rank bound, progress record, checkpointer) and returns them together as a :class:`Run`,
 the one object ``marind.trainer.loop`` and its modes share.
@@ -64,10 +65,12 @@ def build(spec: TrainerSpec, device: torch.device) -> Built:
     if cfg.vocab_size < dataset.vocab_size:
         raise ValueError(f"model.vocab_size = {cfg.vocab_size} is smaller than the data's vocabulary "
                          f"({dataset.vocab_size}); raise it or remove it")
-    torch.manual_seed(spec.train.seed)  # identical initial weights on every rank
-    with torch.device(device):
+    torch.manual_seed(spec.train.seed)  # the global generator, for anything else that draws from it
+    with torch.device("meta"):          # no memory: each rank materializes its own shards only
         model = GPT(cfg)
     parallelize(model, mesh, spec)
+    model.to_empty(device=device)
+    model.init_weights(seed=spec.train.seed)   # the same global weights in every layout (meta_init)
     o = spec.optim
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]

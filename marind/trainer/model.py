@@ -9,7 +9,6 @@ the tensor-parallel plan in ``marind.trainer.parallel``. Attention reshapes with
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from marind.trainer.config import ModelSpec
+from marind.trainer.meta_init import init_parameters
 
 
 @dataclass(frozen=True)
@@ -144,9 +144,14 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """The decoder-only transformer: embeddings, ``n_layers`` blocks, final norm, LM head."""
+    """The decoder-only transformer: embeddings, ``n_layers`` blocks, final norm, LM head.
 
-    def __init__(self, cfg: ModelConfig):
+    Built under ``torch.device("meta")`` it holds no memory and is not initialized: the
+    trainer parallelizes it, materializes it (``to_empty``) and calls :meth:`init_weights`
+    (``marind.trainer.build``). Built on a real device it is initialized at once with ``seed``.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, seed: int = 0):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -156,20 +161,22 @@ class GPT(nn.Module):
         cos, sin = rotary_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.reset_parameters()
+        if not self.rope_cos.is_meta:
+            self.init_weights(seed=seed)
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """Initialise every parameter (normal(0.02), output projections scaled by depth, norms at 1)."""
-        std = 0.02
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)
-        for name, p in self.named_parameters():
-            if p.ndim == 1:
-                p.fill_(1.0)
-            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-                nn.init.normal_(p, 0.0, out_std)
-            else:
-                nn.init.normal_(p, 0.0, std)
+    def init_weights(self, *, seed: int) -> None:
+        """Initialize every parameter (``marind.trainer.meta_init``: the same global weights in any
+        layout) and recompute the rotary tables (after ``to_empty`` they hold garbage).
+
+        Args:
+            seed: the run's seed (``train.seed``).
+        """
+        init_parameters(self, n_layers=self.cfg.n_layers, seed=seed)
+        with torch.device(self.rope_cos.device):
+            cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.seq_len, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``(batch, seq, vocab)`` of token ids ``(batch, seq)``."""

@@ -74,3 +74,38 @@ def clip_collectives(spec: dict) -> dict:
     counts2 = {str(k): v for k, v in comm2.get_comm_counts().items()}
     return {"norm": float(norm), "ref": float(ref.sqrt()), "meshes": len(meshes), "params": len(params),
             "counts": counts, "counts2": counts2}
+
+
+def initial_digests(spec: dict) -> dict:
+    """Build the model (meta, parallelize, materialize, init) and digest its full state dict."""
+    from marind.trainer.build import build
+
+    b = build(TrainerSpec.from_dict(spec, check_worlds=False), device_for_local_rank())
+    model_sd = get_state_dict(b.model, b.optimizer, options=StateDictOptions(full_state_dict=True))[0]
+    return {"digests": {k: _digest(v) for k, v in model_sd.items()},
+            "rope": _digest(b.model.rope_cos) + _digest(b.model.rope_sin)}
+
+
+def _vm_hwm() -> int:
+    """Peak resident memory of this process in bytes (``VmHWM`` of /proc/self/status)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def build_peak_memory(spec: dict) -> dict:
+    """Peak RSS before and after ``build`` (model only: no step, so no optimizer state)."""
+    import torch.distributed as dist
+
+    from marind.trainer.build import build
+
+    dist.barrier()
+    before = _vm_hwm()
+    b = build(TrainerSpec.from_dict(spec, check_worlds=False), device_for_local_rank())
+    after = _vm_hwm()
+    local = sum(p.to_local().numel() * p.element_size() for p in b.model.parameters())
+    full = sum(p.numel() * p.element_size() for p in b.model.parameters())
+    largest = max(p.numel() * p.element_size() for p in b.model.parameters())
+    return {"before": before, "after": after, "local_bytes": local, "full_bytes": full, "largest_bytes": largest}
