@@ -161,7 +161,7 @@ class GPT(nn.Module):
         cos, sin = rotary_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        if not self.rope_cos.is_meta:
+        if not cos.is_meta:
             self.init_weights(seed=seed)
 
     @torch.no_grad()
@@ -173,10 +173,11 @@ class GPT(nn.Module):
             seed: the run's seed (``train.seed``).
         """
         init_parameters(self, n_layers=self.cfg.n_layers, seed=seed)
-        with torch.device(self.rope_cos.device):
+        cos_buf, sin_buf = self.get_buffer("rope_cos"), self.get_buffer("rope_sin")
+        with torch.device(cos_buf.device):
             cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.seq_len, self.cfg.rope_theta)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        cos_buf.copy_(cos)
+        sin_buf.copy_(sin)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``(batch, seq, vocab)`` of token ids ``(batch, seq)``."""
