@@ -87,13 +87,14 @@ def test_the_seed_changes_the_weights(data, single):
 
 
 def test_setup_memory_is_the_shard_not_the_model(data):
-    # ~400 MB of fp32 weights: built whole on each rank it would pass the bound below
-    model = 'preset = "custom"\ndim = 1024\nn_layers = 8\nn_heads = 8\nffn_dim = 2752'
+    # ~800 MB of fp32 weights: built whole on each rank (the old way) it would pass the bound below
+    model = 'preset = "custom"\ndim = 1024\nn_layers = 16\nn_heads = 8\nffn_dim = 2752'
     results = run_torch_workers("tests.trainer.workers:build_peak_memory", 2, timeout=400,
                                 spec=_spec(data, model=model))
     for res in results:
         full, local, largest = res["full_bytes"], res["local_bytes"], res["largest_bytes"]
-        assert full > 350e6 and local <= full // 2 + largest
-        bound = local + 2 * largest + 64 * 2 ** 20   # own shards, one full parameter and its split, slack
+        assert full > 750e6 and local <= full // 2 + largest
+        # own shards, one full parameter at a time and its split, allocator slack (glibc keeps freed blocks)
+        bound = local + 4 * largest + 128 * 2 ** 20
         assert bound < 0.8 * full                    # the whole model would not fit
         assert res["after"] - res["before"] <= bound, res
