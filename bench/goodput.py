@@ -291,11 +291,12 @@ def run_job(root: Path, etcd: LocalEtcd | None, data: str, *, name: str, nodes: 
                     time.sleep(0.1)
                 old = job.workers()
             old_records = {r.get("pid") for r in job.records()}
+            per_node = {n: job.workers((n,)) for n in job.nodes}
             failure = Failure(at=time.time(), draw=draw.at, step_before=current_step(job))
             hit = site.inject(fault, job, prefix, draw.seed, agents)
             failure.step_before = max(failure.step_before, current_step(job))
             failures.append(failure)
-            old = old & job.workers(hit.survivors) if hit.survivors != tuple(job.nodes) else old
+            old = old & set().union(*(per_node[n] for n in hit.survivors))
             watch_recovery(job, failure, old, old_records, timeout=max(5.0, min(180.0, end - time.time())),
                            survivors=hit.survivors, world=hit.world)
             site.settle(hit, failure.at, prefix, agents)

@@ -16,6 +16,7 @@ others, and the full form, are ``slow`` (``make chaos``).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -104,21 +105,23 @@ def dataset(tmp_path_factory):
     return str(prefix)
 
 
-def _submit(cluster: BedCluster, name: str, nodes: str, steps: int, hang_timeout: str = "300s"):
+def _submit(cluster: BedCluster, name: str, nodes: str, steps: int, hang_timeout: str = "300s",
+            every: int = EVERY):
     """Submit the trainer spec of test_scenarios on the bed's S3 (default hang_timeout: nothing but
     node-loss handling may recover a silent host in time)."""
     from marind.cli import main as marind_main
     url = cluster.s3.url(f"bed-{uuid.uuid4().hex[:8]}", name)
     cluster.capsys.readouterr()
     rc = marind_main(["submit", _spec(cluster.tmp, name, cluster.data, url, cluster.s3, nodes,
-                                      hang_timeout=hang_timeout, steps=steps)])
+                                      hang_timeout=hang_timeout, steps=steps, every=every,
+                                      global_batch=24 if len(cluster.nodes) == 3 else 8)])
     out = cluster.capsys.readouterr().out
     assert rc == 0, out
     return out.strip().splitlines()[-1], url
 
 
-def _baseline(cluster: BedCluster, nodes: str, steps: int) -> dict:
-    job, url = _submit(cluster, "baseline", nodes, steps)
+def _baseline(cluster: BedCluster, nodes: str, steps: int, every: int = EVERY) -> dict:
+    job, url = _submit(cluster, "baseline", nodes, steps, every=every)
     state = cluster.wait_done(job, timeout=900)
     assert state["state"] == "SUCCEEDED", state
     store = _check_checkpoints(cluster, url, steps)
@@ -135,6 +138,17 @@ def _assert_losses_close(losses: dict[int, float], expected: dict[int, float], s
     assert sorted(losses) == list(range(1, steps + 1)), sorted(losses)
     worst = max(abs(losses[s] - expected[s]) for s in expected)
     assert worst <= LOSS_TOLERANCE, f"the loss curve left the fault-free one by {worst:.4f}"
+
+
+def _restored(cluster: BedCluster, job: str) -> list[dict]:
+    """The trainers' ``restored`` records of ``job`` (every host, every run)."""
+    out = []
+    for path in cluster.tmp.glob(f"state-*/jobs/{job}/logs/torchrun.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            if '"event": "restored"' in line and "{" in line:
+                out.append(json.loads(line[line.index("{"):]))
+    assert out, f"no restore in {job}'s logs"
+    return out
 
 
 def _lost_events(cluster: BedCluster, job: str, node: str) -> list[dict]:
@@ -227,38 +241,55 @@ def test_data_partition_and_heal(bed_cluster):
         "the world size never changed: the final state must be bit-identical to the fault-free run"
     per_node = cluster.restarts_per_node(job)
     assert all(count == 1 for count in per_node.values()), per_node
+    _data_loss_acted_on(cluster, job, victim)
+
+
+def _data_loss_acted_on(cluster: BedCluster, job: str, victim: str) -> None:
+    """A host that lost its data network is recovered from like a lost host: ``node_lost`` with the
+    cause, not the hang timeout (issue 19 §3; today's gap: xfail, after every other check passed)."""
+    if cluster.kinds(job, "hang_detected") and not cluster.kinds(job, "node_lost"):
+        pytest.xfail("gap: no agent notices a dead data network; the job recovered through hang_timeout")
+    lost = cluster.kinds(job, "node_lost")
+    assert len(lost) == 1 and lost[0]["detail"]["node"] == victim, cluster.events(job)
+    assert not cluster.kinds(job, "hang_detected"), cluster.events(job)
 
 
 # -- (d) the control network only, for less than etcd_grace_timeout: no restart -----------------------
 @pytest.mark.slow
 def test_control_partition_shorter_than_grace_keeps_training(bed_cluster):
+    """etcd out of reach of one host for longer than its lease TTL, shorter than etcd_grace_timeout.
+
+    S3 is on the control network too, and a save whose uploads cannot go stalls the steps (which
+    node-loss handling then rightly takes for a lost host): the cut falls between two saves.
+    """
     cluster = bed_cluster
-    steps = 80
-    baseline = _baseline(cluster, "2", steps)
-    job, url = _submit(cluster, "ctl-cut", "2", steps)
-    _training_on_all(cluster, job, EVERY + 2)
+    steps, every = 200, 100
+    baseline = _baseline(cluster, "2", steps, every)
+    job, url = _submit(cluster, "ctl-cut", "2", steps, every=every)
+    wait_for(lambda: every in cluster.store(url).steps(), 600, f"checkpoint {every} committed", interval=0.5,
+             diag=cluster.diag)
     victim = cluster.host_of_rank(job, 2)
     before = cluster.step(job)
     cluster.bed.cut(victim, "control")
     try:
-        # longer than the lease TTL (its registration expires), shorter than etcd_grace_timeout
-        time.sleep(LEASE_TTL + 5)
+        time.sleep(LEASE_TTL + 5)      # its registration expires; torchrun's etcd calls keep retrying
     finally:
         cluster.bed.restore(victim, "control")
     assert cluster.step(job) > before + 3, "the job stepped on through the control outage"
+    assert LEASE_TTL + 5 < ETCD_GRACE
     state = cluster.wait_done(job, timeout=900)
     assert state["state"] == "SUCCEEDED", state
     store = _check_checkpoints(cluster, url, steps)
     assert final_tensor_objects(store, url, cluster.s3) == baseline["objects"]
     assert cluster.restarts_per_node(job) == {n: 0 for n in cluster.nodes}, cluster.events(job)
-    assert not cluster.kinds(job, "host_fenced"), cluster.events(job)
+    assert not cluster.kinds(job, "node_lost") and not cluster.kinds(job, "host_fenced"), cluster.events(job)
 
 
 # -- (e) the rank-0 host's data network cut in the middle of a save -----------------------------------
 @pytest.mark.slow
 def test_rank0_data_partition_during_a_save(bed_cluster):
     """A replaced world commits nothing and mixes nothing into the new world's checkpoints."""
-    from marind.testing.chaos.ckpt import open_root, wait_for_save
+    from marind.testing.chaos.ckpt import open_root, step_dir_name, wait_for_save
     cluster = bed_cluster
     steps = 60
     baseline = _baseline(cluster, "2", steps)
@@ -276,8 +307,17 @@ def test_rank0_data_partition_during_a_save(bed_cluster):
     state = cluster.wait_done(job, timeout=900)
     assert state["state"] == "SUCCEEDED", state
     store = _check_checkpoints(cluster, url, steps)       # every committed checkpoint verifies
+    replaced_at = min(e["at"] for e in cluster.kinds(job, "restart"))
+    restored = min(r["step"] for r in _restored(cluster, job))
     for step in store.steps():
         manifest = store.manifest(step)
         assert manifest["world"]["world_size"] == 4, manifest.get("world")
+        # the replaced world's commits (the manifest's write) all came before it was replaced;
+        # the new world's are past the step it restored
+        info = fs.info(f"{root}/{step_dir_name(step)}/manifest.json")
+        committed_at = info["LastModified"].timestamp()
+        assert committed_at < replaced_at or step > restored, (step, committed_at, replaced_at, restored)
     assert saving > 0
     assert final_tensor_objects(store, url, cluster.s3) == baseline["objects"]
+    assert all(count == 1 for count in cluster.restarts_per_node(job).values()), cluster.events(job)
+    _data_loss_acted_on(cluster, job, victim)
