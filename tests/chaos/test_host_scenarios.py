@@ -259,11 +259,11 @@ def _data_loss_acted_on(cluster: BedCluster, job: str, victim: str) -> None:
 def test_control_partition_shorter_than_grace_keeps_training(bed_cluster):
     """etcd out of reach of one host for longer than its lease TTL, shorter than etcd_grace_timeout.
 
-    S3 is on the control network too, and a save whose uploads cannot go stalls the steps (which
-    node-loss handling then rightly takes for a lost host): the cut falls between two saves.
+    S3 is on the control network too, and a save that cannot reach it stalls the steps (node-loss
+    handling then takes the host for lost, and it fences itself): the cut falls between two saves.
     """
     cluster = bed_cluster
-    steps, every = 200, 100
+    steps, every = 600, 300       # 15 s of steps (~10/s here) stay short of the next save
     baseline = _baseline(cluster, "2", steps, every)
     job, url = _submit(cluster, "ctl-cut", "2", steps, every=every)
     wait_for(lambda: every in cluster.store(url).steps(), 600, f"checkpoint {every} committed", interval=0.5,
