@@ -66,12 +66,6 @@ class Fencing:
             fence, why = fence_due(last_renewal=reg.last_renewal, ttl=reg.ttl, now=now,
                                    progress_at=run.progress_at, stall_s=stall_window(reg.ttl))
             if fence:
-                # progress_at dates from the last pass; with etcd silent (a cut link, not a refused
-                # connection) that pass's etcd calls blocked for their timeouts: look at the workers again
-                run.supervise(now)
-                fence, why = fence_due(last_renewal=reg.last_renewal, ttl=reg.ttl, now=now,
-                                       progress_at=run.progress_at, stall_s=stall_window(reg.ttl))
-            if fence:
                 self._fence(run, why, now, reg.last_renewal)
                 runs.pop(run.job, None)
         if not (reg.expired or self._unreported):
