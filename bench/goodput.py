@@ -1,7 +1,7 @@
 """Goodput under failures; ONE JSON object as the last stdout line.
 
     python bench/goodput.py [--wall 300] [--every 60] [--seed 7] [--nodes 2] [--nproc 2]
-        [--ckpt-every 5] [--fixed] [--quick]
+        [--ckpt-every 5] [--fixed] [--quick] [--fault kill|power_off|both] [--back-after 20]
 
 The example job (the tiny GPT, nodes x nproc gloo ranks under ``marind
 agent``s on this machine, async checkpoints to a local directory) runs
@@ -23,7 +23,21 @@ with ``chaos/kill_random_rank.py`` fired at failure times drawn from
   (every new worker has loaded the checkpoint) and first step (rank 0
   finished a step); p50/p95 of each and of the total.
 
-``--quick``: 1 node, 90 s, one failure at 50 s, for a shape test.
+``--fault``: ``kill`` (default) as above, on this machine. ``power_off``
+runs the job on the multi-host bed (``marind.testing.hosts``: one host per
+node, etcd on the control network, collectives on the data network) and at
+each draw silently powers off the host holding global rank 0 (links cut,
+processes SIGSTOPped); the recovery watch then waits on the survivors only
+(detection: their workers at the fault exited; rendezvous/restart/restore/
+first step: the smaller world's). ``--back-after`` seconds after the fault
+the host reboots (its processes killed, links back, its agent started
+again) and the job grows back. ``both``: the baseline, a ``kill`` run and a
+``power_off`` run on one bed; the JSON then has ``faults: {kind: run}``,
+``recovery_p50_s`` per kind and the floor ``power_off_recovery_p50_max_s``
+(the kill run's p50 + the lease TTL + 2 s). Needs root and ``ip netns``.
+
+``--quick``: 90 s, one failure at 50 s, for a shape test (1 node; 2 with
+``--fault power_off``/``both``).
 """
 
 from __future__ import annotations
@@ -41,9 +55,12 @@ from pathlib import Path
 
 import psutil
 
+from marind.agent.config import AgentConfig
 from marind.local_etcd import LocalEtcd
+from marind.testing.bench_sites import FAULTS, BedSite, LoopbackSite, kill_cmd, kill_line
 from marind.testing.chaos.schedule import draw_schedule
-from marind.testing.cluster import env, make_data, marind, start_nodes, stop_agent, submit
+from marind.testing.cluster import env, make_data, marind, submit
+from marind.testing.hosts import HostBed, bed_unavailable
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -144,8 +161,8 @@ class Job:
     world: int
     submitted_at: float
 
-    def run_dirs(self) -> list[Path]:
-        return [self.root / f"state-{n}" / "jobs" / self.id for n in self.nodes]
+    def run_dirs(self, nodes: tuple[str, ...] | list[str] | None = None) -> list[Path]:
+        return [self.root / f"state-{n}" / "jobs" / self.id for n in (self.nodes if nodes is None else nodes)]
 
     def records(self) -> list[dict]:
         out = []
@@ -157,10 +174,11 @@ class Job:
                     continue
         return out
 
-    def workers(self) -> set[int]:
-        """Live workers as torchrun sees them: its children with a RANK (a worker, or its zygote stub)."""
+    def workers(self, nodes: tuple[str, ...] | None = None) -> set[int]:
+        """Live workers as torchrun sees them (of ``nodes``, default all): its children with a RANK
+        (a worker, or its zygote stub; a stopped one counts)."""
         pids = set()
-        for run_dir in self.run_dirs():
+        for run_dir in self.run_dirs(nodes):
             try:
                 torchrun = json.loads((run_dir / "pids.json").read_text())["torchrun_pid"]
                 children = psutil.Process(torchrun).children()
@@ -200,26 +218,30 @@ class Failure:
                 "recovery_s": split}
 
 
-def watch_recovery(job: Job, failure: Failure, old: set[int], old_records: set[int], timeout: float) -> None:
+def watch_recovery(job: Job, failure: Failure, old: set[int], old_records: set[int], timeout: float,
+                   survivors: tuple[str, ...] | None = None, world: int | None = None) -> None:
     """Fill ``failure.marks`` with the time each recovery phase ended, polling at ~20 Hz.
 
-    ``old``: torchrun's worker children at the kill; ``old_records``: the pids in the progress
+    ``old``: torchrun's worker children at the fault; ``old_records``: the pids in the progress
     records then (with warm starts the worker is the zygote's child, not torchrun's).
+    ``survivors``: the nodes whose old workers must exit (default all; a powered-off host's
+    stay stopped); ``world``: the recovered world's ranks (default the job's).
     """
     marks, deadline = failure.marks, time.time() + timeout
+    world = world or job.world
     new: set[int] = set()
     while time.time() < deadline and "first_step" not in marks:
         now = time.time()
-        alive = job.workers()
+        alive = job.workers(survivors)
         if "detection" not in marks and not (alive & old):
             marks["detection"] = now
         if "detection" in marks:
             new |= alive - old
-            if "rendezvous" not in marks and len(new) >= job.world:
+            if "rendezvous" not in marks and len(new) >= world:
                 marks["rendezvous"] = now
         recs = [r for r in job.records()
                 if r.get("pid") not in old_records and float(r.get("updated_at") or 0) >= failure.at]
-        if "rendezvous" in marks and len(recs) >= job.world:
+        if "rendezvous" in marks and len(recs) >= world:
             if "restart" not in marks:
                 marks["restart"] = now
             if "restore" not in marks and all(r.get("phase") != "restoring" for r in recs):
@@ -236,28 +258,28 @@ def current_step(job: Job) -> int:
 
 
 def kill_one(job: Job, etcd: str, prefix: str, seed: int) -> dict:
-    res = subprocess.run([sys.executable, str(REPO / "chaos" / "kill_random_rank.py"), "--job", job.id,
-                          "--etcd", etcd, "--prefix", prefix, "--seed", str(seed), "--wait", "30"],
-                         env=env(), capture_output=True, text=True, timeout=60, cwd=REPO)
-    lines = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
-    if res.returncode != 0 or not lines:
-        raise RuntimeError(f"kill_random_rank found no worker: {res.stderr.strip()[-400:]}")
-    return lines[0]
+    res = subprocess.run(kill_cmd(job.id, etcd, prefix, seed), env=env(), capture_output=True, text=True,
+                         timeout=60, cwd=REPO)
+    return kill_line(res)
 
 
-def run_job(root: Path, etcd: LocalEtcd, data: str, *, name: str, nodes: int, nproc: int, wall: float,
-            every_steps: int, draws: list) -> dict:
-    """One run of ``wall`` seconds, with a kill at each draw; goodput and per-failure figures."""
+def run_job(root: Path, etcd: LocalEtcd | None, data: str, *, name: str, nodes: int, nproc: int, wall: float,
+            every_steps: int, draws: list, fault: str = "kill", site=None) -> dict:
+    """One run of ``wall`` seconds, with a ``fault`` at each draw; goodput and per-failure figures.
+
+    ``site``: where the agents run (``goodput_hosts``); default this machine with ``etcd``.
+    """
+    site = site or LoopbackSite(root, etcd.endpoint if etcd else "")
     prefix = f"/goodput-{name}"
-    node_names = [f"{name}-{i}" for i in range(nodes)]
-    agents = start_nodes(root, node_names, etcd.endpoint, prefix)
+    node_names = site.node_names(name, nodes)
+    agents = site.start(node_names, prefix)
     failures: list[Failure] = []
     try:
-        spec = root / f"{name}.toml"
+        spec = site.root / f"{name}.toml"
         spec.write_text(SPEC.format(name=name, nodes=f"1:{nodes}", nproc=nproc, data=data,
-                                    ckpt=root / f"ckpt-{name}", every=every_steps))
+                                    ckpt=site.root / f"ckpt-{name}", every=every_steps))
         t0 = time.time()
-        job = Job(submit(spec, etcd.endpoint, prefix, wait=False), root, node_names, nodes * nproc, t0)
+        job = Job(submit(spec, site.endpoint, prefix, wait=False), site.root, node_names, nodes * nproc, t0)
         end = t0 + wall
         for draw in draws:
             if t0 + draw.at >= end:
@@ -269,17 +291,20 @@ def run_job(root: Path, etcd: LocalEtcd, data: str, *, name: str, nodes: int, np
                     time.sleep(0.1)
                 old = job.workers()
             old_records = {r.get("pid") for r in job.records()}
+            per_node = {n: job.workers((n,)) for n in job.nodes}
             failure = Failure(at=time.time(), draw=draw.at, step_before=current_step(job))
-            kill_one(job, etcd.endpoint, prefix, draw.seed)
+            hit = site.inject(fault, job, prefix, draw.seed, agents)
             failure.step_before = max(failure.step_before, current_step(job))
             failures.append(failure)
-            watch_recovery(job, failure, old, old_records, timeout=max(5.0, min(180.0, end - time.time())))
+            old = old & set().union(*(per_node[n] for n in hit.survivors))
+            watch_recovery(job, failure, old, old_records, timeout=max(5.0, min(180.0, end - time.time())),
+                           survivors=hit.survivors, world=hit.world)
+            site.settle(hit, failure.at, prefix, agents)
         time.sleep(max(0.0, end - time.time()))
         lines = job.step_lines()
-        marind(["cancel", job.id], etcd.endpoint, prefix, timeout=60)
+        marind(["cancel", job.id], site.endpoint, prefix, timeout=60)
     finally:
-        for agent in agents:
-            stop_agent(agent)
+        site.stop(agents)
     first = min((ln.at - ln.step_s for ln in lines), default=end)
     kept_s, kept_n = kept_step_seconds(lines, t0, end)
     runs = sum(1 for ln in lines if t0 <= ln.at <= end)
@@ -316,11 +341,23 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="1 node, 90 s, one failure at 50 s (shape test)")
     parser.add_argument("--mode", choices=("elastic", "torchft", "both"), default="elastic",
                         help="elastic restart (default), torchft replica groups (bench/goodput_torchft.py), or both")
+    parser.add_argument("--fault", choices=(*FAULTS, "both"), default="kill",
+                        help="kill a random rank (default, on this machine); power_off the rank-0 host of the "
+                             "multi-host bed (needs root and ip netns); both: each in its own run on the bed")
+    parser.add_argument("--back-after", type=float, default=20.0,
+                        help="power_off: seconds until the host reboots and its agent is back (default 20)")
     args = parser.parse_args()
+    if args.fault != "kill" and args.mode != "elastic":
+        parser.error(f"--fault {args.fault} runs in elastic mode only: drop --mode {args.mode}")
     if args.quick:
-        args.wall, args.nodes, args.every, args.fixed = 90.0, 1, 50.0, True
+        args.wall, args.every, args.fixed = 90.0, 50.0, True
+        args.nodes = 1 if args.fault == "kill" else 2
+    if args.fault != "kill" and args.nodes < 2:
+        parser.error(f"--fault {args.fault} needs --nodes >= 2 (a survivor)")
     draws = draw_schedule(args.seed, args.every, args.wall, fixed=args.fixed, min_gap=args.min_gap,
                           max_actions=1 if args.quick else None)
+    if args.fault != "kill":
+        return run_on_bed(args, draws)
     root = Path(tempfile.mkdtemp(prefix="marind-goodput-"))
     etcd = LocalEtcd(root / "etcd").start()
     try:
@@ -361,6 +398,50 @@ def main() -> int:
         result["floors"]["torchft_survivors_lose_no_steps"] = all(f["lost_steps"] == 0 for f in torchft["failures"])
     print(json.dumps(result))
     return 0
+
+
+def run_on_bed(args: argparse.Namespace, draws: list) -> int:
+    """``--fault power_off`` / ``both``: the baseline and each fault kind's run on one multi-host bed."""
+    reason = bed_unavailable()
+    if reason:
+        print(f"Error: --fault {args.fault} needs the multi-host bed: {reason}", file=sys.stderr)
+        return 2
+    kinds = list(FAULTS) if args.fault == "both" else [args.fault]
+    root = Path(tempfile.mkdtemp(prefix="marind-goodput-"))
+    runs: dict[str, dict] = {}
+    with HostBed(root / "bed", [f"host{i + 1}" for i in range(args.nodes)]) as bed:
+        site = BedSite(bed, args.back_after)
+        data = make_data(root)
+        kw = dict(nodes=args.nodes, nproc=args.nproc, wall=args.wall, every_steps=args.ckpt_every, site=site)
+        baseline = run_job(root, None, data, name="baseline", draws=[], **kw)
+        for kind in kinds:
+            runs[kind] = run_job(root, None, data, name=kind.replace("_", "-"), draws=draws, fault=kind, **kw)
+            runs[kind]["summary"] = summarize(runs[kind])
+    print(json.dumps(bed_result(args, draws, baseline, runs)))
+    return 0
+
+
+def bed_result(args: argparse.Namespace, draws: list, baseline: dict, runs: dict[str, dict]) -> dict:
+    """The JSON of a bed run: each fault kind's run and summary, ratios, and the floors."""
+    ttl = AgentConfig().lease_ttl
+    p50 = {kind: run["summary"]["recovery_s"]["total"]["p50"] for kind, run in runs.items()}
+    floors: dict = {**FLOORS}
+    for kind, run in runs.items():
+        floors[f"{kind}_goodput_met"] = run["goodput"] >= FLOORS["goodput_min"]
+    if "kill" in runs and "power_off" in runs and p50["kill"] is not None:
+        limit = round(p50["kill"] + ttl + 2.0, 3)
+        floors["power_off_recovery_p50_max_s"] = limit
+        floors["power_off_recovery_p50_met"] = p50["power_off"] is not None and p50["power_off"] <= limit
+    return {"bench": "goodput", "quick": args.quick, "site": "bed",
+            "config": {"wall_s": args.wall, "every_s": args.every, "fixed": args.fixed, "seed": args.seed,
+                       "nodes": args.nodes, "nproc": args.nproc, "ckpt_every_steps": args.ckpt_every,
+                       "fault": args.fault, "back_after_s": args.back_after, "lease_ttl_s": ttl,
+                       "draws_s": [round(d.at, 2) for d in draws]},
+            "baseline": baseline, "faults": runs,
+            "recovery_p50_s": p50,
+            "ratios": {f"{kind}_goodput_over_baseline": round(run["goodput"] / max(1e-9, baseline["goodput"]), 4)
+                       for kind, run in runs.items()},
+            "floors": floors}
 
 
 if __name__ == "__main__":

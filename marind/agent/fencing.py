@@ -65,6 +65,13 @@ class Fencing:
         for run in list(runs.values()):
             fence, why = fence_due(last_renewal=reg.last_renewal, ttl=reg.ttl, now=now,
                                    progress_at=run.progress_at, stall_s=stall_window(reg.ttl))
+            written = run.progress_written_at() if fence else None
+            if written is not None and written > (run.progress_at or 0.0):
+                # progress_at dates from the agent's last look; with etcd silent (a cut link, not a
+                # refused connection) that pass's etcd calls blocked for their timeouts: the workers'
+                # own write times say whether they stepped since (frozen ones wrote nothing)
+                fence, why = fence_due(last_renewal=reg.last_renewal, ttl=reg.ttl, now=now,
+                                       progress_at=written, stall_s=stall_window(reg.ttl))
             if fence:
                 self._fence(run, why, now, reg.last_renewal)
                 runs.pop(run.job, None)

@@ -160,6 +160,11 @@ class RunMonitor:
         self._hang_tick(now, workers, records)
         return records
 
+    def progress_written_at(self) -> float | None:
+        """When this round's workers last wrote a progress record (their clock); None without one."""
+        records = prog.current(prog.read_records(self.sup.run_dir), {w.pid for w in self.sup.workers()})
+        return max((r.updated_at for r in records), default=None)
+
     def _new_generation(self, now: float) -> None:
         self.generations += 1
         self.hang.reset()

@@ -32,13 +32,13 @@ def pytest_addoption(parser):
 
 def pytest_generate_tests(metafunc):
     repeat = metafunc.config.getoption("repeat", 1)
-    if repeat > 1 and metafunc.module.__name__.endswith("test_scenarios"):
+    if repeat > 1 and metafunc.module.__name__.endswith(("test_scenarios", "test_host_scenarios")):
         metafunc.fixturenames.append("chaos_repetition")
         metafunc.parametrize("chaos_repetition", range(repeat), ids=lambda i: f"rep{i}")
 
 
 def pytest_runtest_logreport(report):
-    if "test_scenarios.py" in report.nodeid and (report.when == "call" or report.outcome == "skipped"
+    if report.nodeid.split("::")[0].endswith("scenarios.py") and (report.when == "call" or report.outcome == "skipped"
                                                  or (report.when == "setup" and report.failed)):
         _SCENARIO_REPORTS.append(report)
 

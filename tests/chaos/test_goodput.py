@@ -55,3 +55,62 @@ def test_quick_goodput_run_has_the_promised_shape():
     assert set(el["summary"]["recovery_s"]) == {"detection", "rendezvous", "restart", "restore",
                                                 "first_step", "total"}
     assert "elastic_goodput_over_baseline" in doc["ratios"] and "goodput_met" in doc["floors"]
+
+
+@pytest.mark.unit
+def test_the_rank0_node_is_the_one_with_the_freshest_rank0_record(tmp_path):
+    from marind.testing.bench_sites import rank0_node
+    dirs = [tmp_path / "a", tmp_path / "b", tmp_path / "c"]
+    for d, at in zip(dirs, (5.0, 9.0, None)):
+        (d / "progress").mkdir(parents=True)
+        if at is not None:
+            (d / "progress" / "rank-0.json").write_text(json.dumps({"rank": 0, "updated_at": at}))
+    assert rank0_node(["a", "b", "c"], dirs) == "b"        # a's record is from an earlier round
+    (dirs[0] / "progress" / "rank-0.json").write_text("{torn")
+    assert rank0_node(["a", "b", "c"], dirs) == "b"
+
+
+@pytest.mark.unit
+def test_bed_result_puts_the_power_off_floor_at_the_kill_p50_plus_the_lease_ttl():
+    import argparse
+
+    from bench.goodput import bed_result, summarize
+    from marind.testing.chaos.schedule import draw_schedule
+
+    def run(goodput: float, total: float) -> dict:
+        split = {"detection": total - 1, "rendezvous": 0.25, "restart": 0.25, "restore": 0.25,
+                 "first_step": 0.25, "total": total}
+        r = {"goodput": goodput, "goodput_steady": goodput,
+             "failures": [{"lost_steps": 1, "recovery_s": split}]}
+        r["summary"] = summarize(r)
+        return r
+
+    args = argparse.Namespace(quick=True, wall=90.0, every=50.0, fixed=True, seed=7, nodes=2, nproc=2,
+                              ckpt_every=5, fault="both", back_after=20.0)
+    draws = draw_schedule(7, 50.0, 90.0, fixed=True, max_actions=1)
+    doc = bed_result(args, draws, {"goodput": 0.95}, {"kill": run(0.9, 4.0), "power_off": run(0.86, 17.0)})
+    assert doc["site"] == "bed" and doc["config"]["lease_ttl_s"] == 10
+    assert doc["recovery_p50_s"] == {"kill": 4.0, "power_off": 17.0}
+    assert doc["floors"]["power_off_recovery_p50_max_s"] == 16.0
+    assert doc["floors"]["power_off_recovery_p50_met"] is False
+    assert doc["floors"]["kill_goodput_met"] and doc["floors"]["power_off_goodput_met"]
+    assert doc["ratios"] == {"kill_goodput_over_baseline": round(0.9 / 0.95, 4),
+                             "power_off_goodput_over_baseline": round(0.86 / 0.95, 4)}
+    only = bed_result(args, draws, {"goodput": 0.95}, {"power_off": run(0.86, 17.0)})
+    assert "power_off_recovery_p50_max_s" not in only["floors"]
+
+
+@pytest.mark.slow
+@pytest.mark.hosts
+def test_quick_goodput_on_the_bed_reports_both_fault_kinds():
+    from tests.hosts.conftest import require_bed
+    require_bed()
+    res = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "goodput.py"), "--quick", "--fault", "both"],
+                         env=base_env(), capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = json.loads(res.stdout.strip().splitlines()[-1])
+    assert doc["bench"] == "goodput" and doc["site"] == "bed" and set(doc["faults"]) == {"kill", "power_off"}
+    for kind, run in doc["faults"].items():
+        assert run["summary"]["failures"] == 1 == run["summary"]["recovered"], (kind, run["failures"])
+        assert run["failures"][0]["recovery_s"]["total"] > 0
+    assert "power_off_recovery_p50_met" in doc["floors"]

@@ -36,7 +36,7 @@ def dataset(tmp_path_factory):
 
 
 def _spec(tmp, name: str, data: str, url: str, s3, nodes: int | str, hang_timeout: str = "60s",
-          steps: int = STEPS) -> str:
+          steps: int = STEPS, every: int = EVERY, global_batch: int = 8) -> str:
     text = f"""
 [job]
 name = "{name}"
@@ -56,7 +56,7 @@ preset = "tiny"
 [data]
 path = "{data}"
 seq_len = 32
-global_batch = 8
+global_batch = {global_batch}
 micro_batch = 1
 [optim]
 lr = 3e-3
@@ -67,7 +67,7 @@ seed = 7
 log_every = 1
 [checkpoint]
 url = "{url}"
-every_steps = {EVERY}
+every_steps = {every}
 async = true
 keep_last = 0
 """
