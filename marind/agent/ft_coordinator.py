@@ -42,6 +42,7 @@ from marind.core.etcd_client import EtcdClient
 from marind.core.lighthouse_file import LighthouseRecord, write_lighthouse
 from marind.core.log import get_logger
 from marind.core.netutil import free_port, port_open
+from marind.core.progress import ProgressRecord, read_records
 from marind.core.spec import FaultSpec, RunSpec
 
 READY_TIMEOUT_S = 10.0
@@ -294,17 +295,14 @@ class FTCoordinator:
     # -- reporting / end ------------------------------------------------------------------
     def report(self) -> dict:
         """Fields for this node's job record: its group and what its workers last saw of the quorum."""
-        extra: dict = {}
-        for path in (self.run_dir / "progress").glob("rank-*.json"):   # the newest of this node's ranks
-            try:
-                rec = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            if isinstance(rec, dict) and float(rec.get("updated_at", 0)) >= float(extra.get("updated_at", 0)):
-                extra = rec
+        newest: ProgressRecord | None = None       # the newest of this node's ranks' records
+        for rec in read_records(self.run_dir):
+            if newest is None or rec.updated_at >= newest.updated_at:
+                newest = rec
         return {"replica_group": self.slot, "member": self.member, "lighthouse": self.holds_lighthouse,
                 "lighthouse_epoch": self.published[1] if self.published else None,
-                "participants": extra.get("participants"), "quorum_id": extra.get("quorum_id")}
+                "participants": newest.participants if newest else None,
+                "quorum_id": newest.quorum_id if newest else None}
 
     def stop(self, release: bool = True) -> None:
         """Stop our lighthouse; with ``release``, give up our slot and the lighthouse key."""
