@@ -155,7 +155,20 @@ def _lost_events(cluster: BedCluster, job: str, node: str) -> list[dict]:
     return [e for e in cluster.kinds(job, "node_lost") if (e.get("detail") or {}).get("node") == node]
 
 
+def _cut_data_until_recovered(cluster: BedCluster, job: str, victim: str) -> int:
+    """Cut ``victim``'s data link until its workers restarted once, then heal it; the step at the cut."""
+    cluster.bed.cut(victim, "data")
+    cut_at = cluster.step(job)
+    try:
+        wait_for(lambda: cluster.restarts_per_node(job).get(victim, 0) >= 1, 300,
+                 "a recovery from the cut data link", interval=0.5, diag=cluster.diag)
+    finally:
+        cluster.bed.restore(victim, "data")
+    return cut_at
+
+
 # -- (a) power off forever: the host holding global rank 0 and the workers' store --------------------
+
 @pytest.mark.parametrize("hostbed", [pytest.param(("host1", "host2"), id="2hosts"),
                                      pytest.param(("host1", "host2", "host3"), id="3hosts",
                                                   marks=pytest.mark.slow)], indirect=True)
@@ -226,13 +239,7 @@ def test_data_partition_and_heal(bed_cluster):
     job, url = _submit(cluster, "data-cut", "2", steps, hang_timeout="60s")
     _training_on_all(cluster, job, EVERY + 2)
     victim = cluster.host_of_rank(job, 2)
-    cluster.bed.cut(victim, "data")
-    cut_at = cluster.step(job)
-    try:
-        wait_for(lambda: cluster.restarts_per_node(job).get(victim, 0) >= 1, 300,
-                 "a recovery from the cut data link", interval=0.5, diag=cluster.diag)
-    finally:
-        cluster.bed.restore(victim, "data")
+    cut_at = _cut_data_until_recovered(cluster, job, victim)
     state = cluster.wait_done(job, timeout=900)
     assert state["state"] == "SUCCEEDED", state
     assert cluster.step(job) > cut_at
@@ -298,12 +305,7 @@ def test_rank0_data_partition_during_a_save(bed_cluster):
     victim = cluster.host_of_rank(job, 0)
     fs, root = open_root(url, cluster.s3.storage_options)
     saving = wait_for_save(fs, root, url, 300, log)
-    cluster.bed.cut(victim, "data")
-    try:
-        wait_for(lambda: cluster.restarts_per_node(job).get(victim, 0) >= 1, 300,
-                 "a recovery from the cut data link", interval=0.5, diag=cluster.diag)
-    finally:
-        cluster.bed.restore(victim, "data")
+    _cut_data_until_recovered(cluster, job, victim)
     state = cluster.wait_done(job, timeout=900)
     assert state["state"] == "SUCCEEDED", state
     store = _check_checkpoints(cluster, url, steps)       # every committed checkpoint verifies
