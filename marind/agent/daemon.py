@@ -385,6 +385,15 @@ class Agent:
             self.etcd_ok = False
             return True
 
+    def _declared_lost(self, run: RunMonitor) -> bool:
+        if run.members is None or run.ft is not None:
+            return False
+        try:
+            return run.members.declared_lost(run.sup.pid)
+        except ControlPlaneUnavailable:
+            self.etcd_ok = False
+            return False
+
     def _torchrun_exited(self, run: RunMonitor, rc: int) -> None:
         link = self._link()
         self.runs.pop(run.job, None)
@@ -394,6 +403,11 @@ class Agent:
         if run.ft is not None:
             run.ft.stop()
         etcd_down = rc != 0 and self._control_plane_down()
+        if rc != 0 and not etcd_down and self._declared_lost(run):
+            # back from a freeze: the others replaced this node's world before its agent looked
+            why = f"torchrun exited {rc}: the other agents declared this node lost while it was away"
+            self.fencing.fence_exited(run, why, time.time())
+            return
         limit = run.spec.job.max_restarts
         decision = after_exit(rc, node=self.node, job=run.job, etcd_down=etcd_down,
                               etcd_retries=self._cp_restarts.get(run.job, 0), max_restarts=limit)

@@ -46,6 +46,7 @@ class Fencing:
         self.fenced: dict[str, dict] = {}     # job -> what was fenced, until the job runs here again
         self._unreported: list[str] = []      # jobs whose host_fenced waits for the new registration
         self._lease_written = 0.0
+        self._register_anew = False           # a declared-lost exit: a new lease even if the old lives
         self.node = node
         self.log = get_logger(__name__, node=node)
 
@@ -78,9 +79,10 @@ class Fencing:
         if not (reg.expired or self._unreported):
             return True
         try:
-            anew = reg.rejoin()
+            anew = reg.rejoin(force=self._register_anew)
         except ControlPlaneUnavailable:
             return False
+        self._register_anew = False
         self.log.info("node_rejoined", new_lease=anew, fenced=sorted(self.fenced))
         for job in self._unreported:
             self.link.outbox.event(job, "host_fenced", {**self.fenced[job], "new_lease": anew})
@@ -108,6 +110,17 @@ class Fencing:
     def rejoined(self, job: str) -> dict | None:
         """The job starts here again: what was fenced of it (None: it was not)."""
         return self.fenced.pop(job, None)
+
+    def fence_exited(self, run: RunMonitor, why: str, now: float) -> None:
+        """A torchrun that exited because the other agents declared this node lost.
+
+        Its workers may have resumed before this agent could look (a frozen host back,
+        whose workers wrote progress again), so the stall test of ``tick`` did not fence
+        it; the exit is the same fence: what is left is killed, the queued writes are
+        dropped, the node registers anew and runs the job again (``node_rejoined``).
+        """
+        self._fence(run, why, now, self.link.registry.last_renewal)
+        self._register_anew = True             # the others count this incarnation gone
 
     def _fence(self, run: RunMonitor, why: str, now: float, last_renewal: float) -> None:
         self.log.warning("host_fenced", job=run.job, reason=why, round=run.generations, step=run.step)

@@ -132,6 +132,22 @@ class Membership:
             return loss.in_round
         return desc in current["participants"]
 
+    def declared_lost(self, torchrun_pid: int | None) -> bool:
+        """Did the other agents declare this node's torchrun ``torchrun_pid`` lost?
+
+        True when a ``departed`` claim (``how: "lost"``) names this incarnation, or when
+        the descriptor this torchrun published is marked in ``rdzv/lost/``: its world was
+        replaced while it was away, so its exit is a fence, never the job's failure.
+        Raises ControlPlaneUnavailable.
+        """
+        departed = self.client.get_json(self._departed_key(self.node, self.incarnation))
+        if isinstance(departed, dict) and departed.get("how") == "lost":
+            return True
+        member = self.client.get_json(self.client.key("jobs", self.job, "rdzv", "members", self.node))
+        if not isinstance(member, dict) or not member.get("desc") or str(member.get("pid")) != str(torchrun_pid):
+            return False
+        return self.client.get_json(self.client.key("jobs", self.job, "rdzv", "lost", str(member["desc"]))) is not None
+
     def mark_lost(self, loss: Loss, desc: str | None) -> None:
         """Tell the rendezvous the node's torchrun is gone: ``rdzv/lost/{desc}`` (put; idempotent)."""
         if desc is not None:

@@ -194,8 +194,12 @@ class NodeRegistry:
                 if self._on_failure:
                     self._on_failure()
 
-    def rejoin(self) -> bool:
+    def rejoin(self, force: bool = False) -> bool:
         """After an expiry: a new lease and registration (the agent has fenced its runs first).
+
+        Args:
+            force: register anew even when the old lease is still alive (the other agents
+                declared this incarnation lost).
 
         Returns:
             True when the node registered anew; False when its lease was still alive.
@@ -203,7 +207,7 @@ class NodeRegistry:
         Raises:
             ControlPlaneUnavailable: etcd is unreachable.
         """
-        if not self.expired and self.lease is not None:
+        if not force and not self.expired and self.lease is not None:
             sent = time.time()
             if self.client.refresh_lease(self.lease) > 0:
                 self.last_renewal = sent

@@ -86,3 +86,21 @@ def test_mark_lost_names_the_lost_torchrun_for_the_rendezvous(etcd_client):
         assert lost.descs() == frozenset({"hostb_20_0"})
     finally:
         lost.close()
+
+
+def test_a_node_learns_it_was_declared_lost_by_its_claim_or_its_rendezvous_marker(etcd_client):
+    job = "j4"
+    a = Membership(etcd_client, job, "a", 1)
+    b = Membership(etcd_client, job, "b", 2)
+    assert b.declared_lost(20) is False                                  # nothing published yet
+    etcd_client.put_json(members_key(etcd_client, job, "b"), {"desc": "hostb_20_0", "pid": 20})
+    assert b.declared_lost(20) is False
+    loss = Loss("b", "2", LEASE_EXPIRED, {"torchrun_pid": 20, "workers": [{"rank": 0}]})
+    a.mark_lost(loss, "hostb_20_0")
+    assert b.declared_lost(20) is True                                   # its torchrun's descriptor is marked
+    assert b.declared_lost(21) is False                                  # a later torchrun is not that one
+    c = Membership(etcd_client, job, "c", 3)
+    assert c.declared_lost(None) is False
+    assert a.claim(Loss("c", "3", LEASE_EXPIRED, {}), {}) is True
+    assert c.declared_lost(None) is True                                 # the departed claim names it
+    assert Membership(etcd_client, job, "c", 4).declared_lost(None) is False   # its next incarnation is not
