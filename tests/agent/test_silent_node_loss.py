@@ -21,6 +21,7 @@ import psutil
 
 from marind.cli import main
 from marind.core.lease_file import read_lease
+from marind.rendezvous.lost import lost_prefix, members_key
 from tests.agent.helpers import agent_log, done_record, job_state, node_registered, start_agent, tiny_spec, wait_for
 
 # long keep-alive expiry and last call: torch alone would not drop the node or re-form quickly
@@ -114,3 +115,45 @@ def test_silent_loss_of_the_rank0_node_then_fence_and_rejoin(tmp_path, etcd, etc
     assert len(rejoined) == 1 and rejoined[0]["node"] == victim, rejoined
     assert kinds.index("host_fenced") < kinds.index("node_rejoined")
     assert agents[victim].poll() is None, "the fenced agent lives on"
+
+
+def test_a_torchrun_that_exits_because_it_was_declared_lost_is_fenced_not_failed(tmp_path, etcd, etcd_client,
+                                                                                   etcd_prefix, capsys, monkeypatch):
+    """The order a frozen host may come back in: its torchrun learns it was declared lost and exits
+    before its agent's fence test runs. The marker is written here as a surviving agent writes it
+    (``Membership.mark_lost``), then the node's worker is killed so that its torchrun re-enters the
+    rendezvous: that exit is a fence (new registration, ``node_rejoined``), never the job's failure."""
+    monkeypatch.setenv("MARIND_ETCD", etcd.endpoint)
+    monkeypatch.setenv("MARIND_PREFIX", etcd_prefix)
+    env = {"MARIND_TEST_STEP_SLEEP": "0.3"}
+    nodes = ("a", "b")
+    for n in nodes:
+        start_agent(tmp_path, n, etcd.endpoint, etcd_prefix, env=env)
+    diag = lambda: "\n".join(f"--- {n} ---\n{agent_log(tmp_path, n)}" for n in nodes)
+    wait_for(lambda: all(node_registered(etcd_client, n) for n in nodes), 30, "two nodes registered", diag=diag)
+    steps = 80
+    spec = tiny_spec(tmp_path, name="declared", nodes="1:2", nproc=1, steps=steps, max_restarts=10)
+    assert main(["submit", str(spec)]) == 0
+    job = capsys.readouterr().out.strip().splitlines()[-1]
+    diag_job = lambda: f"{job_state(etcd_client, job)}\n{_progress(etcd_client, job)}\n{_events(etcd_client, job)}\n{diag()}"
+    wait_for(lambda: (p := _progress(etcd_client, job)).get("world_size") == 2 and p.get("step", 0) >= 5, 120,
+             "the job running on two nodes", diag=diag_job)
+    record = etcd_client.get_json(etcd_client.key("jobs", job, "nodes", "b"))
+    member = etcd_client.get_json(members_key(etcd_client, job, "b"))
+    assert member["pid"] == record["torchrun_pid"]
+    etcd_client.put_json(lost_prefix(etcd_client, job) + member["desc"], {"node": "b", "cause": "lease_expired",
+                                                                           "by": "a", "at": time.time()})
+    workers = [w["pid"] for w in record["workers"]]
+    _signal_all([psutil.Process(pid) for pid in workers], signal.SIGKILL)
+    wait_for(lambda: job_state(etcd_client, job).get("state") == "SUCCEEDED", 240, f"{job} SUCCEEDED",
+             diag=diag_job)
+    events = _events(etcd_client, job)
+    kinds = [e["kind"] for e in events]
+    assert "failed" not in kinds, kinds
+    fenced = [e for e in events if e["kind"] == "host_fenced"]
+    assert len(fenced) == 1 and fenced[0]["node"] == "b", fenced
+    assert "declared this node lost" in fenced[0]["detail"]["reason"], fenced
+    assert fenced[0]["detail"]["new_lease"] is True, fenced
+    rejoined = [e for e in events if e["kind"] == "node_rejoined"]
+    assert len(rejoined) == 1 and rejoined[0]["node"] == "b", rejoined
+    assert done_record(spec)["step"] == steps
