@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from marind.testing.procs import run_torch_workers
@@ -82,3 +84,105 @@ def test_pp2_learns_like_one_rank(data, single_run, schedule, microbatches):
     assert want[-1] < 0.9 * want[0]
     for got, ref in zip(results[0]["losses"], want, strict=True):
         assert abs(got - ref) <= 1e-4 * abs(ref), (results[0]["losses"], want)
+
+
+def _train(data: str, world: int, ckpt: str = "", env: dict | None = None, **layout) -> list[dict]:
+    return run_torch_workers("tests.trainer.workers:train_and_digest", world, timeout=300, env=env,
+                             spec=pp_spec(data, ckpt, **layout))
+
+
+def test_pp2_interrupted_and_resumed_is_bit_identical(data, tmp_path):
+    full = _train(data, 2, str(tmp_path / "full"), pp=2)
+    ckpt = str(tmp_path / "ckpt")
+    first = _train(data, 2, ckpt, env={"MARIND_TEST_STOP_AT_STEP": 3}, pp=2)
+    assert first[0]["stopped"] and first[0]["step"] == 3 and first[0]["last_checkpoint_step"] == 2
+    second = _train(data, 2, ckpt, pp=2)
+    assert second[0]["step"] == STEPS and second[0]["data_position"] == STEPS * GLOBAL_BATCH
+    assert second[0]["losses"] == full[0]["losses"][2:]
+    assert _union(second) == _union(full)
+    assert any(k.endswith("/exp_avg_sq") for k in _union(full))
+
+
+#: layouts of the reshard matrix: (world, layout keywords)
+LAYOUTS = {"pp2xdp2": (4, {"pp": 2, "dp_shard": 2}), "tp2xpp2": (4, {"pp": 2, "tp": 2, "dp_shard": 1}),
+           "single": (1, {}), "pp2": (2, {"pp": 2})}
+SAVED_AT = 4
+
+
+@pytest.fixture(scope="module")
+def saved(data, tmp_path_factory):
+    """Each layout's uninterrupted run (checkpoints every 2 steps), computed on first use."""
+    cache: dict = {}
+
+    def get(name: str) -> tuple[list[dict], str]:
+        if name not in cache:
+            world, layout = LAYOUTS[name]
+            ckpt = str(tmp_path_factory.mktemp(f"saved-{name}"))
+            cache[name] = (_train(data, world, ckpt, **layout), ckpt)
+        return cache[name]
+    return get
+
+
+def saved_arrays(url: str, step: int) -> dict[str, str]:
+    """Digests of every array of checkpoint ``step`` read straight from the store (as one process)."""
+    import torch
+
+    from ckpt_store import CheckpointStore
+    from ckpt_store.zarr_format import TORCH_DTYPES, ArraySpec
+    from tests.trainer.workers import _digest
+
+    store = CheckpointStore(url)
+    try:
+        state: dict = {}
+        names = []
+        for name, meta in store.manifest(step)["arrays"].items():
+            spec = ArraySpec.from_json(name, meta)
+            node = state
+            *tables, leaf = name.split("/")
+            for key in tables:
+                node = node.setdefault(key, {})
+            node[leaf] = torch.empty(spec.shape, dtype=TORCH_DTYPES[spec.dtype])
+            names.append(name)
+        store.load_arrays(state, step)
+        out = {}
+        for name in names:
+            node = state
+            for key in name.split("/"):
+                node = node[key]
+            out[name] = _digest(node)
+        return out
+    finally:
+        store.close()
+
+
+def check_reshard(data: str, saved, tmp_path, src: str, dst: str) -> None:
+    """Resume ``src``'s step-4 checkpoint in layout ``dst``: the restored parameters and optimizer
+    state are the saved global arrays bit for bit, and the loss continues ``src``'s."""
+    results, src_ckpt = saved(src)
+    step_dir = f"step-{SAVED_AT:010d}"
+    shutil.copytree(f"{src_ckpt}/{step_dir}", tmp_path / "ckpt" / step_dir)
+    arrays = {k: v for k, v in saved_arrays(f"file://{tmp_path / 'ckpt'}", SAVED_AT).items()
+              if k.startswith(("model/", "optim/"))}
+    assert "model/layers.3.attention.wq.weight" in arrays and "model/output.weight" in arrays
+    world, layout = LAYOUTS[dst]
+    resumed = run_torch_workers("tests.trainer.pp_workers:resume_and_digest", world, timeout=300,
+                                spec=pp_spec(data, str(tmp_path / "ckpt"), **layout))
+    restored: dict = {}
+    for res in resumed:
+        assert res["restored"]["step"] == SAVED_AT and res["restored"]["position"] == SAVED_AT * GLOBAL_BATCH
+        restored.update(res["restored"]["digests"])
+    assert restored == arrays, (src, dst, sorted(set(restored) ^ set(arrays))[:5])
+    want, got = results[0]["losses"][SAVED_AT:], resumed[0]["losses"]
+    assert len(got) == len(want) and all(abs(g - w) <= 1e-4 * abs(w) for g, w in zip(got, want)), (got, want)
+
+
+@pytest.mark.parametrize("src,dst", [("pp2", "single"), ("single", "pp2")])
+def test_reshard_pp2_and_one_rank(data, saved, tmp_path, src, dst):
+    check_reshard(data, saved, tmp_path, src, dst)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("src,dst", [(a, b) for a in ("pp2xdp2", "tp2xpp2", "single")
+                                     for b in ("pp2xdp2", "tp2xpp2", "single") if a != b])
+def test_reshard_matrix(data, saved, tmp_path, src, dst):
+    check_reshard(data, saved, tmp_path, src, dst)
