@@ -374,22 +374,24 @@ def resolve_mesh(spec: TrainerSpec, world_size: int) -> tuple[int, int, int]:
     p = spec.parallel
     if world_size < 1:
         raise SpecError(f"world size must be >= 1, got {world_size}")
+    world = f"the world size {world_size}" if p.pp == 1 else \
+        f"the world size {world_size} / parallel.pp = {p.pp} = {world_size // max(p.pp, 1)}"
     world_size = pipeline_world(spec, world_size)   # the ranks of one pipeline stage (all of them when pp = 1)
     if p.dp_replicate == -1:
         fixed = p.dp_shard * p.tp
         if world_size % fixed:
-            raise SpecError(f"parallel.dp_shard x parallel.tp = {fixed} does not divide the world size "
-                            f"{world_size}; change them or the number of processes")
+            raise SpecError(f"parallel.dp_shard x parallel.tp = {fixed} does not divide "
+                            f"{world}; change them or the number of processes")
         return world_size // fixed, p.dp_shard, p.tp
     fixed = p.dp_replicate * p.tp
     if p.dp_shard == -1:
         if world_size % fixed:
-            raise SpecError(f"parallel.dp_replicate x parallel.tp = {fixed} does not divide the world size "
-                            f"{world_size}; change them or the number of processes")
+            raise SpecError(f"parallel.dp_replicate x parallel.tp = {fixed} does not divide "
+                            f"{world}; change them or the number of processes")
         return p.dp_replicate, world_size // fixed, p.tp
     if fixed * p.dp_shard != world_size:
         raise SpecError(f"parallel mesh dp_replicate x dp_shard x tp = {p.dp_replicate}x{p.dp_shard}x{p.tp} = "
-                        f"{fixed * p.dp_shard} does not match the world size {world_size}; "
+                        f"{fixed * p.dp_shard} does not match {world}; "
                         f"set parallel.dp_shard = -1 to fill it")
     return p.dp_replicate, p.dp_shard, p.tp
 

@@ -35,3 +35,39 @@ def resume_and_digest(spec: dict) -> dict:
                 "digests": full_digests(run.model, run.optimizer)}
     result = run_loop(run, mode, StopFlag())   # restores the same step again, then trains
     return {**result.as_dict(), "restored": restored, "digests": full_digests(run.model, run.optimizer)}
+
+
+def pp_clip_collectives(spec: dict) -> dict:
+    """One pipelined forward/backward, then ``clip_grad_norm`` under ``CommDebugMode``: its collectives
+    and norm, beside the reference (each gradient's ``full_tensor()`` norm, summed over the stages)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from marind.trainer.build import build
+    from marind.trainer.grad_norm import clip_grad_norm
+
+    typed = TrainerSpec.from_dict(spec, check_worlds=False)
+    b = build(typed, device_for_local_rank())
+    assert b.pipeline is not None
+    lay = b.layout
+    run = SimpleNamespace(sampler=b.sampler, device=torch.device("cpu"))
+    mode = SimpleNamespace(sample_indices=lambda _run, _state, k: [lay.dp_rank + k * lay.dp_size])
+    b.pipeline.forward_backward(run, mode, None)   # type: ignore[arg-type]
+    params = list(b.model.parameters())
+    ref = torch.zeros(())
+    for p in params:
+        sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
+        ref = ref + (sq.full_tensor() if isinstance(sq, DTensor) else sq)
+    dist.all_reduce(ref, group=b.pipeline.world_mesh["pp"].get_group())
+    names = {p.grad.device_mesh.mesh_dim_names for p in params if isinstance(p.grad, DTensor)}
+    pp_mesh = b.pipeline.world_mesh
+    with CommDebugMode() as comm:
+        norm = clip_grad_norm(params, 1.0, pp_mesh=pp_mesh)   # first call: may create the flattened groups
+    with CommDebugMode() as comm2:
+        clip_grad_norm(params, 1.0, pp_mesh=pp_mesh)
+    return {"norm": float(norm), "ref": float(ref.sqrt()), "meshes": len(names), "params": len(params),
+            "counts": {str(k): v for k, v in comm.get_comm_counts().items()},
+            "counts2": {str(k): v for k, v in comm2.get_comm_counts().items()}}
