@@ -26,10 +26,11 @@ calls in this order (a hook's name in brackets)::
     [finish]             wait for saves, release resources; then the last log line and record
 
 Extending it: a concern every mode shares belongs in :func:`run_loop`, one only some modes
-have in a hook (with a no-op default on :class:`TrainMode`). Both modes run on any model
-parallelism: pipeline parallelism replaces :func:`_forward_backward` (a schedule runs the
-micro-batches across stages, and only the last stage has a loss), expert parallelism adds
-its gradient reduction next to ``on_gradients`` and its auxiliary loss to the loss.
+have in a hook (with a no-op default on :class:`TrainMode`). Model parallelism: pipeline
+parallelism (``run.pipeline``, elastic mode) replaces :func:`_forward_backward` (a schedule runs
+the micro-batches across stages, only the last stage has a loss, so the mean loss divides by the
+ranks of one stage; ``marind.trainer.pipeline``) and clipping sums over the stages; expert
+parallelism adds its gradient reduction next to ``on_gradients`` and its auxiliary loss to the loss.
 """
 
 from __future__ import annotations
