@@ -186,3 +186,10 @@ def test_reshard_pp2_and_one_rank(data, saved, tmp_path, src, dst):
                                      for b in ("pp2xdp2", "tp2xpp2", "single") if a != b])
 def test_reshard_matrix(data, saved, tmp_path, src, dst):
     check_reshard(data, saved, tmp_path, src, dst)
+
+
+def test_pp2_nan_step_is_skipped_on_every_stage(data):
+    results = _train(data, 2, env={"MARIND_TEST_NAN_AT_STEP": 3}, pp=2, steps=4)
+    for res in results:   # rank 0 poisons a first-stage gradient; the last stage skips the step too
+        assert res["skipped_steps"] == [3] and len(res["losses"]) == 3 and res["step"] == 4
+    assert results[0]["losses"] == results[1]["losses"]
