@@ -95,8 +95,9 @@ def test_one_all_reduce_per_mesh(data, world, dp_replicate, dp_shard, tp, meshes
     assert len({r["norm"] for r in results}) == 1
 
 
-@pytest.mark.parametrize("world,pp,dp_shard,tp,meshes", [(2, 2, 1, 1, 1), (4, 2, 1, 2, 2), (4, 2, 2, 1, 1)],
-                         ids=["pp2", "pp2xtp2", "pp2xdp2"])
+@pytest.mark.parametrize("world,pp,dp_shard,tp,meshes", [
+    pytest.param(2, 2, 1, 1, 1, id="pp2"), pytest.param(4, 2, 1, 2, 2, id="pp2xtp2"),
+    pytest.param(4, 2, 2, 1, 1, id="pp2xdp2", marks=pytest.mark.slow)])
 def test_one_all_reduce_per_mesh_across_pipeline_stages(data, world, pp, dp_shard, tp, meshes):
     from tests.trainer.test_pipeline import pp_spec
 

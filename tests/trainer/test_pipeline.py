@@ -75,7 +75,9 @@ def single_run(data):
     return run_torch_workers("tests.trainer.workers:train_and_digest", 1, timeout=240, spec=pp_spec(data))[0]
 
 
-@pytest.mark.parametrize("schedule,microbatches", [("1F1B", 4), ("GPipe", 2), ("Interleaved1F1B", 4)])
+@pytest.mark.parametrize("schedule,microbatches", [
+    ("1F1B", 4), pytest.param("GPipe", 2, marks=pytest.mark.slow),
+    pytest.param("Interleaved1F1B", 4, marks=pytest.mark.slow)])
 def test_pp2_learns_like_one_rank(data, single_run, schedule, microbatches):
     results = run_torch_workers("tests.trainer.workers:train_and_digest", 2, timeout=240,
                                 spec=pp_spec(data, pp=2, schedule=schedule, microbatches=microbatches))
@@ -176,7 +178,7 @@ def check_reshard(data: str, saved, tmp_path, src: str, dst: str) -> None:
     assert len(got) == len(want) and all(abs(g - w) <= 1e-4 * abs(w) for g, w in zip(got, want)), (got, want)
 
 
-@pytest.mark.parametrize("src,dst", [("pp2", "single"), ("single", "pp2")])
+@pytest.mark.parametrize("src,dst", [("pp2", "single"), pytest.param("single", "pp2", marks=pytest.mark.slow)])
 def test_reshard_pp2_and_one_rank(data, saved, tmp_path, src, dst):
     check_reshard(data, saved, tmp_path, src, dst)
 
