@@ -107,7 +107,8 @@ def test_pp2_interrupted_and_resumed_is_bit_identical(data, tmp_path):
 
 #: layouts of the reshard matrix: (world, layout keywords)
 LAYOUTS = {"pp2xdp2": (4, {"pp": 2, "dp_shard": 2}), "tp2xpp2": (4, {"pp": 2, "tp": 2, "dp_shard": 1}),
-           "single": (1, {}), "pp2": (2, {"pp": 2})}
+           "single": (1, {}), "pp2": (2, {"pp": 2}),
+           "pp2i": (2, {"pp": 2, "schedule": "Interleaved1F1B", "microbatches": 4})}   # 2 virtual stages each
 SAVED_AT = 4
 
 
@@ -178,7 +179,9 @@ def check_reshard(data: str, saved, tmp_path, src: str, dst: str) -> None:
     assert len(got) == len(want) and all(abs(g - w) <= 1e-4 * abs(w) for g, w in zip(got, want)), (got, want)
 
 
-@pytest.mark.parametrize("src,dst", [("pp2", "single"), pytest.param("single", "pp2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("src,dst", [("pp2", "single"), pytest.param("single", "pp2", marks=pytest.mark.slow),
+                                     pytest.param("pp2i", "pp2", marks=pytest.mark.slow),
+                                     pytest.param("pp2", "pp2i", marks=pytest.mark.slow)])
 def test_reshard_pp2_and_one_rank(data, saved, tmp_path, src, dst):
     check_reshard(data, saved, tmp_path, src, dst)
 
