@@ -180,7 +180,7 @@ class Pipeline:
         group = meshes.world["pp"].get_group()
         stage_ids = self.plan.rank_stages(meshes.pp_rank)
         self.stages: list[Any] = [PipelineStage(piece, s, self.plan.stages, device, group=group)
-                       for piece, s in zip(pieces, stage_ids)]
+                                  for piece, s in zip(pieces, stage_ids)]
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = \
             lambda out, target: lm_loss(out, target) / accum   # the unsplit loop's scaling
         kind = spec.parallel.pp_schedule
