@@ -6,7 +6,11 @@
 * async checkpointing every 10 steps versus none, same job otherwise (1 and 2 ranks):
   tokens/s = tokens / wall time of the measured steps (a step's time runs
   from the end of the previous step, so checkpoint stalls count), median
-  over repeats; overhead in % of the no-checkpoint baseline (floor: <= 5 %).
+  over repeats; overhead in % of the no-checkpoint baseline (floor: <= 5 %);
+* layouts (2 ranks, same model, untied embeddings): dense FSDP (``dp_shard = 2``) beside
+  pipeline parallel (``pp = 2``, 1F1B): tokens/s, rank 0's peak memory, and the pipeline's
+  bubble fraction as its schedule sets it, ``(pp - 1) / (microbatches + pp - 1)`` per schedule run
+  (not measured idle time).
 
 ``--quick`` runs a reduced matrix (tiny only, 1 rank, 1 repeat) so a test
 can check the output shape; its figures mean little.
@@ -31,6 +35,7 @@ SPEC = """
 name = "bench"
 [model]
 preset = "{preset}"
+{model_extra}
 [data]
 path = "{data}"
 seq_len = {seq_len}
@@ -56,14 +61,14 @@ PRESETS = {  # preset -> (seq_len, global_batch, micro_batch, steps, warmup step
 
 
 def run_job(preset: str, ranks: int, work: Path, data: str, *, ckpt_every: int = 0,
-            steps: int | None = None) -> dict:
+            steps: int | None = None, model_extra: str = "") -> dict:
     seq_len, gb, mb, default_steps, drop = PRESETS[preset]
     steps = steps or default_steps
     tag = f"{preset}-r{ranks}-c{ckpt_every}-{time.monotonic_ns()}"
     url = f"file://{work / tag / 'ckpt'}" if ckpt_every else ""
     spec = work / f"{tag}.toml"
     spec.write_text(SPEC.format(preset=preset, data=data, seq_len=seq_len, global_batch=gb, micro_batch=mb,
-                                steps=steps, url=url, every=ckpt_every or 20))
+                                steps=steps, url=url, every=ckpt_every or 20, model_extra=model_extra))
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "MARIND_LOG_JSON": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
@@ -105,6 +110,27 @@ def checkpoint_overhead(work: Path, data: str, ranks: int, *, steps: int, repeat
             "baseline_tokens_per_s": base, "marind_tokens_per_s": with_ck, "overhead_pct": overhead}
 
 
+def bubble_fraction(pp: int, microbatches: int) -> float:
+    """The idle share of a 1F1B/GPipe schedule run: ``(pp - 1) / (microbatches + pp - 1)``."""
+    return (pp - 1) / (microbatches + pp - 1)
+
+
+def layouts(work: Path, data: str, *, steps: int | None) -> list[dict]:
+    """Dense FSDP and pipeline parallel on 2 ranks, the same untied model (``[model]`` extras)."""
+    _, gb, mb, _, _ = PRESETS["tiny"]
+    microbatches = gb // mb   # one schedule run per step: every micro-batch of the rank's batch
+    rows = []
+    for name, parallel, pp in (("fsdp", "dp_shard = 2", 1),
+                               ("pp", f'dp_shard = 1\npp = 2\npp_schedule = "1F1B"\npp_microbatches = {microbatches}', 2)):
+        extra = f"n_layers = 4\ntie_embeddings = false\n[parallel]\n{parallel}"
+        res = run_job("tiny", 2, work, data, steps=steps, model_extra=extra)
+        res.update(layout=name, pp=pp, microbatches=microbatches if pp > 1 else None,
+                   bubble_fraction=round(bubble_fraction(pp, microbatches), 4) if pp > 1 else 0.0)
+        rows.append(res)
+        print(f"{name:>5} x2: {res['tokens_per_s']:10.1f} tokens/s  bubble {res['bubble_fraction']:.3f}", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="reduced matrix for a shape check")
@@ -133,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     for ck_ranks in ([1] if args.quick else [int(r) for r in args.ckpt_ranks.split(",")]):
         overheads.append(checkpoint_overhead(work, data, ck_ranks, steps=12 if args.quick else 60,
                                              repeats=repeats))
+    layout_rows = layouts(work, data, steps=12 if args.quick else None)
     import torch
     out = {
         "bench": "train",
@@ -141,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "throughput": throughput,
         "checkpoint_overhead": overheads,
+        "layouts": layout_rows,
         "floor": {"overhead_pct_max": 5.0, "ok": all(o["overhead_pct"] <= 5.0 for o in overheads)},
     }
     print(json.dumps(out))

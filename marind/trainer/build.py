@@ -25,6 +25,8 @@ from marind.trainer.config import TrainerSpec, grad_accum_steps
 from marind.trainer.data import Sampler, TokenDataset
 from marind.trainer.model import GPT, ModelConfig
 from marind.trainer.parallel import Layout, build_mesh, parallelize
+from marind.trainer.pipeline import Pipeline, StageModel, build_pipeline
+from marind.trainer.pipeline_ckpt import StageArrays
 from marind.worker.reporting import Reporter
 
 if TYPE_CHECKING:
@@ -35,13 +37,14 @@ if TYPE_CHECKING:
 class Built:
     """The model side of a run, as :func:`build` makes it."""
 
-    model: GPT
+    model: GPT | StageModel
     optimizer: torch.optim.Optimizer
     cfg: ModelConfig
     layout: Layout
     sampler: Sampler
     rank: int
     world: int
+    pipeline: Pipeline | None = None
 
 
 def build(spec: TrainerSpec, device: torch.device) -> Built:
@@ -59,18 +62,24 @@ def build(spec: TrainerSpec, device: torch.device) -> Built:
         OSError: the dataset cannot be read.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh, layout = build_mesh(spec, world, device.type)
     dataset = TokenDataset(spec.data.path)
     cfg = ModelConfig.from_spec(spec.model, seq_len=spec.data.seq_len, data_vocab_size=dataset.vocab_size)
     if cfg.vocab_size < dataset.vocab_size:
         raise ValueError(f"model.vocab_size = {cfg.vocab_size} is smaller than the data's vocabulary "
                          f"({dataset.vocab_size}); raise it or remove it")
     torch.manual_seed(spec.train.seed)  # the global generator, for anything else that draws from it
-    with torch.device("meta"):          # no memory: each rank materializes its own shards only
-        model = GPT(cfg)
-    parallelize(model, mesh, spec)
-    model.to_empty(device=device)
-    model.init_weights(seed=spec.train.seed)   # the same global weights in every layout (meta_init)
+    pipeline = None
+    model: torch.nn.Module
+    if spec.parallel.pp > 1:            # stages of the model per rank (marind.trainer.pipeline)
+        model, layout, meshes, pieces = build_pipeline(spec, cfg, world, device)
+        pipeline = Pipeline(spec, meshes, pieces, device, grad_accum_steps(spec, layout.dp_size))
+    else:
+        mesh, layout = build_mesh(spec, world, device.type)
+        with torch.device("meta"):      # no memory: each rank materializes its own shards only
+            model = GPT(cfg)
+        parallelize(model, mesh, spec)
+        model.to_empty(device=device)
+        model.init_weights(seed=spec.train.seed)   # the same global weights in every layout (meta_init)
     o = spec.optim
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -78,7 +87,8 @@ def build(spec: TrainerSpec, device: torch.device) -> Built:
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                   foreach=layout.tp == 1)
-    return Built(model, optimizer, cfg, layout, Sampler(dataset, spec.data.seq_len, spec.train.seed), rank, world)
+    return Built(model, optimizer, cfg, layout, Sampler(dataset, spec.data.seq_len, spec.train.seed), rank, world,
+                 pipeline)
 
 
 @dataclass
@@ -96,12 +106,13 @@ class Run:
         ckpt: durable checkpoints through ckpt_store.
         accum: micro-batches per step on this rank.
         params: the model's parameters, in order.
+        pipeline: this rank's pipeline stages and schedule (``parallel.pp`` > 1), else None.
     """
 
     spec: TrainerSpec
     device: torch.device
     env: WorkerEnv
-    model: GPT
+    model: GPT | StageModel
     optimizer: torch.optim.Optimizer
     cfg: ModelConfig
     layout: Layout
@@ -114,6 +125,7 @@ class Run:
     ckpt: Checkpointer
     accum: int
     params: list[torch.nn.Parameter]
+    pipeline: Pipeline | None = None
 
 
 def setup_run(spec: TrainerSpec, device: torch.device, env: WorkerEnv, mode: TrainMode) -> Run:
@@ -139,8 +151,9 @@ def setup_run(spec: TrainerSpec, device: torch.device, env: WorkerEnv, mode: Tra
     log = get_logger("trainer")
     progress = Reporter(b.rank, local_rank, b.world, env.run_dir)
     ckpt = Checkpointer(spec, b.model, b.optimizer, rank=b.rank, world_size=b.world, layout=b.layout.as_dict(),
-                        model_config=dataclasses.asdict(b.cfg))
+                        model_config=dataclasses.asdict(b.cfg),
+                        stage_arrays=StageArrays(device.type) if b.pipeline is not None else None)
     return Run(spec=spec, device=device, env=env, model=b.model, optimizer=b.optimizer, cfg=b.cfg,
                layout=b.layout, sampler=b.sampler, rank=b.rank, world=b.world, local_rank=local_rank, log=log,
                progress=progress, ckpt=ckpt, accum=grad_accum_steps(spec, b.layout.dp_size),
-               params=list(b.model.parameters()))
+               params=list(b.model.parameters()), pipeline=b.pipeline)

@@ -30,6 +30,7 @@ from marind.core import workerenv as WE
 from marind.core.lease_file import lease_path
 from marind.core.log import get_logger
 from marind.trainer.config import TrainerSpec
+from marind.trainer.pipeline_ckpt import StageArrays
 
 log = get_logger(__name__)
 
@@ -91,11 +92,15 @@ class Checkpointer:
         layout: the mesh sizes, recorded in each checkpoint.
         model_config: the model's config (``ModelConfig`` as a dict), saved as ``extra/model_config``
             so that a checkpoint can be exported on its own (``marind ckpt export --format hf``).
+        stage_arrays: under pipeline parallelism, completes each rank's tree with the other
+            stages' arrays (``marind.trainer.pipeline_ckpt``); None otherwise.
     """
 
     def __init__(self, spec: TrainerSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, rank: int,
-                 world_size: int, layout: dict[str, int], model_config: dict[str, Any] | None = None) -> None:
+                 world_size: int, layout: dict[str, int], model_config: dict[str, Any] | None = None,
+                 stage_arrays: StageArrays | None = None) -> None:
         self.spec, self.model, self.optimizer = spec, model, optimizer
+        self.stage_arrays = stage_arrays
         self.model_config = model_config
         self.rank, self.world_size, self.layout = rank, world_size, layout
         c = spec.checkpoint
@@ -132,7 +137,7 @@ class Checkpointer:
         param_groups = cast(list[dict[str, Any]], optim_sd.get("param_groups", []))
         groups = [{k: v for k, v in g.items() if k != "params"} | {"params": list(g["params"])}
                   for g in param_groups]
-        return {
+        tree = {
             "model": model_sd,
             "optim": optim_sd.get("state", {}),
             "extra": {
@@ -146,6 +151,7 @@ class Checkpointer:
                 **({"model_config": self.model_config} if self.model_config else {}),
             },
         }
+        return self.stage_arrays.complete(tree) if self.stage_arrays is not None else tree
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is a multiple of ``checkpoint.every_steps`` (and checkpoints are on)."""
@@ -239,6 +245,8 @@ class Checkpointer:
         state = self.build_state(0, 0)
         state["extra"] = {"step": 0, "data_position": 0, "rng": {}}
         self.store.load(state)
+        if self.stage_arrays is not None:
+            self.stage_arrays.own(state)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict={"state": state["optim"], "param_groups": self._groups()},
                        options=self._options())

@@ -43,6 +43,7 @@ from marind.core.spec import (
     positive,
     section_table,
 )
+from marind.trainer.pipeline_spec import check_microbatch_split, pipeline_world, validate_pipeline
 
 # ---------------------------------------------------------------- presets
 
@@ -88,6 +89,10 @@ class ParallelSpec:
     mixed_precision: str = spec_field("fp32", "str")        # "fp32" | "bf16"
     activation_checkpointing: bool = spec_field(False, "bool")
     compile: bool = spec_field(False, "bool")
+    pp: int = spec_field(1, "int")                          # pipeline stages (marind.trainer.pipeline_spec)
+    pp_schedule: str = spec_field("1F1B", "str")            # "1F1B" | "Interleaved1F1B" | "GPipe"
+    pp_microbatches: int = spec_field(0, "int")             # per schedule run; 0 = pp
+    pp_stages_per_rank: int = spec_field(0, "int")          # virtual stages; 0 = 2 interleaved, else 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -347,6 +352,7 @@ def validate_trainer_spec(spec: TrainerSpec, *, check_worlds: bool = True) -> No
     positive(t.steps, "train.steps")
     positive(t.log_every, "train.log_every")
     positive(t.max_bad_steps, "train.max_bad_steps")
+    validate_pipeline(spec)
     if check_worlds:
         j = spec.job
         for world in spec.world_sizes():
@@ -359,7 +365,8 @@ def validate_trainer_spec(spec: TrainerSpec, *, check_worlds: bool = True) -> No
 
 
 def resolve_mesh(spec: TrainerSpec, world_size: int) -> tuple[int, int, int]:
-    """(dp_replicate, dp_shard, tp) for ``world_size``; the one size set to -1 fills the rest.
+    """(dp_replicate, dp_shard, tp) for ``world_size`` (of one pipeline stage: ``world_size / pp``);
+    the one size set to -1 fills the rest.
 
     Raises:
         SpecError: the mesh does not fit ``world_size``.
@@ -367,21 +374,24 @@ def resolve_mesh(spec: TrainerSpec, world_size: int) -> tuple[int, int, int]:
     p = spec.parallel
     if world_size < 1:
         raise SpecError(f"world size must be >= 1, got {world_size}")
+    world = f"the world size {world_size}" if p.pp == 1 else \
+        f"the world size {world_size} / parallel.pp = {p.pp} = {world_size // max(p.pp, 1)}"
+    world_size = pipeline_world(spec, world_size)   # the ranks of one pipeline stage (all of them when pp = 1)
     if p.dp_replicate == -1:
         fixed = p.dp_shard * p.tp
         if world_size % fixed:
-            raise SpecError(f"parallel.dp_shard x parallel.tp = {fixed} does not divide the world size "
-                            f"{world_size}; change them or the number of processes")
+            raise SpecError(f"parallel.dp_shard x parallel.tp = {fixed} does not divide "
+                            f"{world}; change them or the number of processes")
         return world_size // fixed, p.dp_shard, p.tp
     fixed = p.dp_replicate * p.tp
     if p.dp_shard == -1:
         if world_size % fixed:
-            raise SpecError(f"parallel.dp_replicate x parallel.tp = {fixed} does not divide the world size "
-                            f"{world_size}; change them or the number of processes")
+            raise SpecError(f"parallel.dp_replicate x parallel.tp = {fixed} does not divide "
+                            f"{world}; change them or the number of processes")
         return p.dp_replicate, world_size // fixed, p.tp
     if fixed * p.dp_shard != world_size:
         raise SpecError(f"parallel mesh dp_replicate x dp_shard x tp = {p.dp_replicate}x{p.dp_shard}x{p.tp} = "
-                        f"{fixed * p.dp_shard} does not match the world size {world_size}; "
+                        f"{fixed * p.dp_shard} does not match {world}; "
                         f"set parallel.dp_shard = -1 to fill it")
     return p.dp_replicate, p.dp_shard, p.tp
 
@@ -407,5 +417,5 @@ def validate_for_world(spec: TrainerSpec, world_size: int) -> tuple[int, int, in
         SpecError: the mesh or the batch arithmetic does not fit ``world_size``.
     """
     mesh = resolve_mesh(spec, world_size)
-    grad_accum_steps(spec, mesh[0] * mesh[1])
+    check_microbatch_split(spec, grad_accum_steps(spec, mesh[0] * mesh[1]))
     return mesh

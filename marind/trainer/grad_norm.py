@@ -8,6 +8,13 @@ on every replicated dimension is 0, so that summing over the whole mesh counts e
 exactly once (adding zeros is exact). The groups of one mesh then share one all-reduce over
 all of that mesh's ranks; a mesh of one rank needs none. :func:`reduction_plan` is that
 accounting as a pure function, unit-tested without processes.
+
+Under pipeline parallelism (``pp_mesh``: the world mesh with an outer ``pp`` dimension) each
+stage holds other parameters on its own meshes, all with the same dimension names. The
+all-reduce of a mesh then runs over that mesh *and* ``pp`` at once (the world mesh's slice
+``("pp", *names)``), so the sum covers every stage and it is still one all-reduce per mesh,
+issued in the order of the meshes' names on every rank (every stage has the same kinds of
+meshes: each holds at least one transformer block).
 """
 
 from __future__ import annotations
@@ -96,6 +103,10 @@ def _layout(grad: torch.Tensor) -> GradLayout:
 _flat: dict[DeviceMesh, dist.ProcessGroup] = {}
 
 
+def _dim_names(mesh: Hashable | None) -> tuple[str, ...]:
+    return tuple(mesh.mesh_dim_names or ()) if isinstance(mesh, DeviceMesh) else ()
+
+
 def _mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     """One process group over every rank of ``mesh`` (created once per mesh; collective the first time)."""
     if mesh.ndim == 1:
@@ -118,7 +129,8 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float, *,
+                   pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
     """Global L2 norm of the gradients (DTensors on any meshes), clipped to ``max_norm`` if > 0.
 
     Collective: one all-reduce per device mesh of more than one rank (see the module docstring).
@@ -126,6 +138,8 @@ def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float) -> tor
     Args:
         params: the parameters (in the same order on every rank).
         max_norm: the clipping threshold; 0 or less only measures.
+        pp_mesh: under pipeline parallelism, the world mesh (dimension ``pp`` first): each
+            mesh's all-reduce spans the stages too.
 
     Returns:
         The norm before clipping (float32, the same on every rank); a non-finite norm is
@@ -136,11 +150,16 @@ def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float) -> tor
         return torch.zeros(())
     locals_ = [_local(g) for g in grads]
     total: torch.Tensor | None = None
-    for red in reduction_plan([_layout(g) for g in grads]):
+    plan = reduction_plan([_layout(g) for g in grads])
+    if pp_mesh is not None:   # the same order on every stage (their meshes differ, their names do not)
+        plan.sort(key=lambda red: _dim_names(red.mesh))
+    for red in plan:
         device = locals_[(red.counted or red.dropped)[0]].device
         parts = [torch.linalg.vector_norm(locals_[i], dtype=torch.float32) ** 2 for i in red.counted]
         sq = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float32, device=device)
-        if red.all_reduce:
+        if pp_mesh is not None:
+            dist.all_reduce(sq, group=_mesh_group(pp_mesh[("pp", *_dim_names(red.mesh))]))
+        elif red.all_reduce:
             assert isinstance(red.mesh, DeviceMesh)
             dist.all_reduce(sq, group=_mesh_group(red.mesh))
         total = sq if total is None else total + sq.to(total.device)

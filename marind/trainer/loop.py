@@ -26,10 +26,11 @@ calls in this order (a hook's name in brackets)::
     [finish]             wait for saves, release resources; then the last log line and record
 
 Extending it: a concern every mode shares belongs in :func:`run_loop`, one only some modes
-have in a hook (with a no-op default on :class:`TrainMode`). Both modes run on any model
-parallelism: pipeline parallelism replaces :func:`_forward_backward` (a schedule runs the
-micro-batches across stages, and only the last stage has a loss), expert parallelism adds
-its gradient reduction next to ``on_gradients`` and its auxiliary loss to the loss.
+have in a hook (with a no-op default on :class:`TrainMode`). Model parallelism: pipeline
+parallelism (``run.pipeline``, elastic mode) replaces :func:`_forward_backward` (a schedule runs
+the micro-batches across stages, only the last stage has a loss, so the mean loss divides by the
+ranks of one stage; ``marind.trainer.pipeline``) and clipping sums over the stages; expert
+parallelism adds its gradient reduction next to ``on_gradients`` and its auxiliary loss to the loss.
 """
 
 from __future__ import annotations
@@ -256,9 +257,10 @@ def run_loop(run: Run, mode: TrainMode, stop: StopFlag) -> Result:
         lr = lr_at(state.step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, total_steps=t.steps)
         for g in run.optimizer.param_groups:
             g["lr"] = lr
-        loss_acc = _forward_backward(run, mode, state)
+        pipe = run.pipeline   # pipeline parallelism: the schedule runs the micro-batches (marind.trainer.pipeline)
+        loss_acc = pipe.forward_backward(run, mode, state) if pipe else _forward_backward(run, mode, state)
         mode.on_gradients(run, state)
-        norm = clip_grad_norm(run.params, o.grad_clip)
+        norm = clip_grad_norm(run.params, o.grad_clip, pp_mesh=pipe.world_mesh if pipe else None)
         committed = mode.commit(run, state, norm)
         if committed:
             run.optimizer.step()
@@ -268,7 +270,7 @@ def run_loop(run: Run, mode: TrainMode, stop: StopFlag) -> Result:
                              torch.tensor(float(stop_here(stop.requested, state.step, stop_at)), device=run.device),
                              torch.tensor(float(run.rank == 0 and ckpt.time_due()), device=run.device)])
         dist.all_reduce(flags)
-        state.loss = loss = float(flags[0]) / run.world
+        state.loss = loss = float(flags[0]) / (run.world // run.layout.pp)   # the ranks that have a loss
         now = time.perf_counter()
         dt, state.t_mark = now - state.t_mark, now
         tps = tokens_per_step / dt

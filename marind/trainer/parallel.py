@@ -35,6 +35,7 @@ class Layout:
     dp_shard: int
     tp: int
     dp_rank: int
+    pp: int = 1
 
     @property
     def dp_size(self) -> int:
@@ -43,7 +44,7 @@ class Layout:
 
     def as_dict(self) -> dict[str, int]:
         """The mesh sizes, as checkpoints record them."""
-        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp}
 
 
 def build_mesh(spec: TrainerSpec, world_size: int, device_type: str) -> tuple[DeviceMesh, Layout]:
@@ -89,21 +90,23 @@ def parallelize(model: GPT, mesh: DeviceMesh, spec: TrainerSpec) -> GPT:
         ``model``.
     """
     p = spec.parallel
+    blocks = list(model.layers.named_children())   # a ModuleList, or a pipeline stage's ModuleDict
     if mesh["tp"].size() > 1:
-        for block in model.layers:
+        for _, block in blocks:
             parallelize_module(block, mesh["tp"], tp_plan())
     if p.activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-        for i, block in enumerate(model.layers):
-            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+        for name, block in blocks:
+            model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
+        blocks = list(model.layers.named_children())
     if p.compile:
-        for block in model.layers:
+        for _, block in blocks:
             block.compile()
     dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if p.mixed_precision == "bf16" else MixedPrecisionPolicy()
-    n = len(model.layers)
-    for i, block in enumerate(model.layers):
+    n = len(blocks)
+    for i, (_, block) in enumerate(blocks):
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < n - 1)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
     return model

@@ -20,3 +20,7 @@ def test_train_bench_quick_shape():
     ck = out["checkpoint_overhead"][0]
     assert {"baseline_tokens_per_s", "marind_tokens_per_s", "overhead_pct", "every_steps"} <= set(ck)
     assert isinstance(out["floor"]["ok"], bool)
+    fsdp, pp = out["layouts"]
+    assert fsdp["layout"] == "fsdp" and pp["layout"] == "pp" and pp["pp"] == 2
+    assert {"tokens_per_s", "memory_bytes_rank0", "bubble_fraction"} <= set(pp)
+    assert 0 < pp["bubble_fraction"] < 1 and fsdp["bubble_fraction"] == 0

@@ -93,3 +93,20 @@ def test_one_all_reduce_per_mesh(data, world, dp_replicate, dp_shard, tp, meshes
             assert all("all_reduce" in k or "allreduce" in k for k in counts), counts
         assert abs(res["norm"] - res["ref"]) <= 1e-5 * res["ref"], res
     assert len({r["norm"] for r in results}) == 1
+
+
+@pytest.mark.parametrize("world,pp,dp_shard,tp,meshes", [
+    pytest.param(2, 2, 1, 1, 1, id="pp2"), pytest.param(4, 2, 1, 2, 2, id="pp2xtp2"),
+    pytest.param(4, 2, 2, 1, 1, id="pp2xdp2", marks=pytest.mark.slow)])
+def test_one_all_reduce_per_mesh_across_pipeline_stages(data, world, pp, dp_shard, tp, meshes):
+    from tests.trainer.test_pipeline import pp_spec
+
+    results = run_torch_workers("tests.trainer.pp_workers:pp_clip_collectives", world, timeout=240,
+                                spec=pp_spec(data, pp=pp, dp_shard=dp_shard, tp=tp))
+    for res in results:
+        assert res["meshes"] == meshes and res["params"] > meshes
+        for counts in (res["counts"], res["counts2"]):
+            assert sum(counts.values()) == meshes, counts
+            assert all("all_reduce" in k or "allreduce" in k for k in counts), counts
+        assert abs(res["norm"] - res["ref"]) <= 1e-5 * res["ref"], res
+    assert len({r["norm"] for r in results}) == 1      # every stage clips by the same global norm

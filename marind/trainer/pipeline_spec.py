@@ -1,0 +1,148 @@
+"""Pipeline parallelism's part of the spec: ``[parallel] pp``, ``pp_schedule``, ``pp_microbatches``,
+``pp_stages_per_rank``, and the arithmetic they must satisfy (pure, no torch).
+
+* ``pp`` ranks hold consecutive pieces of the model (the outermost mesh dimension); the world is
+  ``dp_replicate x dp_shard x tp x pp``.
+* ``pp_schedule``: ``"1F1B"`` (one stage per rank), ``"GPipe"`` (one stage per rank, every forward
+  before any backward) or ``"Interleaved1F1B"`` (``pp_stages_per_rank`` >= 2 virtual stages per
+  rank, rank r holding stages r, r + pp, ...).
+* ``pp_microbatches``: micro-batches per schedule run (0: ``pp``), each ``data.micro_batch``
+  samples; a step runs ``global_batch / (micro_batch x dp x pp_microbatches)`` schedules.
+* Layers split evenly: ``pp x pp_stages_per_rank`` must divide ``model.n_layers``; the embedding
+  sits on the first stage, the final norm and the LM head on the last (so embeddings cannot be
+  tied across stages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from marind.core.errors import SpecError
+
+if TYPE_CHECKING:
+    from marind.trainer.config import TrainerSpec
+
+#: the schedules ``parallel.pp_schedule`` names (torch.distributed.pipelining)
+PP_SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """How the layers split: ``stages`` stages of ``layers_per_stage`` layers, ``per_rank`` per rank."""
+
+    pp: int
+    per_rank: int
+    n_layers: int
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages in all (virtual stages counted)."""
+        return self.pp * self.per_rank
+
+    @property
+    def layers_per_stage(self) -> int:
+        """Transformer blocks of each stage."""
+        return self.n_layers // self.stages
+
+    def rank_stages(self, pp_rank: int) -> list[int]:
+        """The stage indices pipeline rank ``pp_rank`` holds (loop order: r, r + pp, ...)."""
+        return [pp_rank + v * self.pp for v in range(self.per_rank)]
+
+    def stage_layers(self, stage: int) -> range:
+        """The global layer indices of ``stage``."""
+        n = self.layers_per_stage
+        return range(stage * n, (stage + 1) * n)
+
+
+def stages_per_rank(spec: TrainerSpec) -> int:
+    """Virtual stages per pipeline rank: ``pp_stages_per_rank``, or 0's default (2 interleaved, else 1)."""
+    p = spec.parallel
+    if p.pp_stages_per_rank:
+        return p.pp_stages_per_rank
+    return 2 if p.pp_schedule == "Interleaved1F1B" else 1
+
+
+def microbatches(spec: TrainerSpec) -> int:
+    """Micro-batches per schedule run: ``pp_microbatches``, or ``pp`` when 0."""
+    return spec.parallel.pp_microbatches or spec.parallel.pp
+
+
+def stage_plan(spec: TrainerSpec) -> StagePlan:
+    """The layer split of ``spec`` (validated by :func:`validate_pipeline`)."""
+    return StagePlan(spec.parallel.pp, stages_per_rank(spec), spec.model.n_layers)
+
+
+def validate_pipeline(spec: TrainerSpec) -> None:
+    """Check the pipeline keys that need no world size.
+
+    Raises:
+        SpecError: the first problem, in one line naming the key and the fix.
+    """
+    p, m = spec.parallel, spec.model
+    if p.pp < 1:
+        raise SpecError(f"parallel.pp must be >= 1, got {p.pp}")
+    if p.pp_schedule not in PP_SCHEDULES:
+        raise SpecError(f"parallel.pp_schedule = {p.pp_schedule!r}: use one of {', '.join(PP_SCHEDULES)}")
+    if p.pp_microbatches < 0:
+        raise SpecError(f"parallel.pp_microbatches must be >= 1, or 0 for parallel.pp, got {p.pp_microbatches}")
+    if p.pp_stages_per_rank < 0:
+        raise SpecError(f"parallel.pp_stages_per_rank must be >= 1, or 0 for the schedule's default, "
+                        f"got {p.pp_stages_per_rank}")
+    if p.pp == 1:
+        return
+    v = stages_per_rank(spec)
+    if p.pp_schedule == "Interleaved1F1B" and v < 2:
+        raise SpecError(f"parallel.pp_schedule = \"Interleaved1F1B\" needs parallel.pp_stages_per_rank >= 2, got {v}; "
+                        "raise it or use \"1F1B\"")
+    if p.pp_schedule != "Interleaved1F1B" and v != 1:
+        raise SpecError(f"parallel.pp_stages_per_rank = {v} needs parallel.pp_schedule = \"Interleaved1F1B\" "
+                        f"({p.pp_schedule} runs one stage per rank); set it to 1 or change the schedule")
+    if m.n_layers % (p.pp * v):
+        what = f"parallel.pp x pp_stages_per_rank = {p.pp}x{v} = {p.pp * v}" if v > 1 else f"parallel.pp = {p.pp}"
+        raise SpecError(f"{what} must divide model.n_layers = {m.n_layers} (every stage holds as many layers); "
+                        "change pp or n_layers")
+    mb = microbatches(spec)
+    if mb < p.pp:
+        raise SpecError(f"parallel.pp_microbatches = {mb} must be >= parallel.pp = {p.pp} (or the pipeline idles); "
+                        "raise it")
+    if p.pp_schedule == "Interleaved1F1B" and mb % p.pp:
+        raise SpecError(f"parallel.pp_microbatches = {mb} must be a multiple of parallel.pp = {p.pp} "
+                        "for Interleaved1F1B")
+    if m.tie_embeddings:
+        raise SpecError("model.tie_embeddings = true cannot be split across pipeline stages (the embedding is on "
+                        "the first, the LM head on the last); set model.tie_embeddings = false with parallel.pp > 1")
+    if spec.fault.mode == "torchft":
+        raise SpecError("parallel.pp > 1 does not run under fault.mode = \"torchft\" yet; use fault.mode = \"elastic\"")
+    if m.init_from:
+        raise SpecError("model.init_from does not load into pipeline stages yet; start it with parallel.pp = 1 "
+                        "and resume with pp from its checkpoint")
+
+
+def pipeline_world(spec: TrainerSpec, world_size: int) -> int:
+    """The ranks of one pipeline stage: ``world_size / pp``.
+
+    Raises:
+        SpecError: ``pp`` does not divide ``world_size``.
+    """
+    pp = spec.parallel.pp
+    if world_size % pp:
+        raise SpecError(f"parallel.pp = {pp} does not divide the world size {world_size} "
+                        "(world = dp_replicate x dp_shard x tp x pp); change pp or the number of processes")
+    return world_size // pp
+
+
+def check_microbatch_split(spec: TrainerSpec, accum: int) -> None:
+    """The rank's micro-batches of a step (``accum``) must fill whole schedule runs.
+
+    Raises:
+        SpecError: ``accum`` is not a multiple of the schedule's micro-batches.
+    """
+    if spec.parallel.pp == 1:
+        return
+    mb = microbatches(spec)
+    if accum % mb:
+        d = spec.data
+        raise SpecError(f"the per-rank batch of data.global_batch / dp = {accum * d.micro_batch} samples does not "
+                        f"divide into parallel.pp_microbatches = {mb} micro-batches of data.micro_batch = "
+                        f"{d.micro_batch}; make global_batch a multiple of micro_batch x dp x pp_microbatches")
