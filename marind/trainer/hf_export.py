@@ -71,9 +71,13 @@ def export_plan(manifest: dict, cfg: dict[str, Any]) -> list[ExportTensor]:
     """The tensors of a Llama export of a trainer checkpoint, in the trainer's layer order.
 
     Raises:
-        ValueError: the checkpoint's ``model/`` arrays are not the model ``cfg`` describes.
+        ValueError: the checkpoint's ``model/`` arrays are not the model ``cfg`` describes (or a
+            mixture-of-experts model's, which has no Llama layout).
     """
     shapes = {n[len(PREFIX):]: tuple(a["shape"]) for n, a in manifest["arrays"].items() if n.startswith(PREFIX)}
+    if any(".feed_forward.experts." in fqn for fqn in shapes):
+        raise ValueError("the checkpoint holds a mixture-of-experts model (feed_forward.experts arrays): --format hf "
+                         "writes Llama models only; export with --format safetensors instead")
     problems = shape_problems(cfg, shapes)
     if problems:
         raise ValueError(f"the checkpoint's model arrays do not match its model config ({len(problems)} "

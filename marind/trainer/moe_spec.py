@@ -78,6 +78,9 @@ def validate_moe(model: Any, parallel: Any) -> None:
     for key in ("router_z_loss_coef", "load_balance_coef"):
         if getattr(m, key) < 0:
             raise SpecError(f"model.{key} must be >= 0, got {getattr(m, key)}")
+    if m.init_from:
+        raise SpecError(f"model.init_from loads a dense Llama; a mixture-of-experts model (model.n_experts = "
+                        f"{m.n_experts}) cannot start from it: remove init_from or set model.n_experts = 0")
     if m.n_experts % p.ep:
         raise SpecError(f"parallel.ep = {p.ep} must divide model.n_experts = {m.n_experts}; "
                         f"pick a divisor of {m.n_experts}")

@@ -160,6 +160,7 @@ def test_presets_and_flops():
     ({"parallel": "ep = 2\ndp_shard = 1\ntp = 2", "nproc": 2}, "parallel.ep = 2 must divide parallel.dp_shard = 1"),
     ({"parallel": "ep = 4", "nodes": "1:2", "nproc": 2}, "parallel.ep = 4 must divide parallel.dp_shard = 2"),
     ({"preset": "moe-tinny"}, "did you mean 'moe-tiny'"),
+    ({"model": 'init_from = "/models/llama"'}, "model.init_from loads a dense Llama"),
 ])
 def test_spec_errors(kwargs, needle):
     assert needle in _err(**kwargs)
@@ -170,3 +171,12 @@ def test_ep_borrows_from_dp_shard():
     assert validate_for_world(spec, 4) == (1, 4, 1)
     with pytest.raises(SpecError, match="must divide parallel.dp_shard = 1"):
         validate_for_world(spec, 1)
+
+
+def test_hf_export_refuses_a_moe_checkpoint():
+    from marind.trainer.hf_export import export_plan
+
+    manifest = {"arrays": {"model/layers.0.feed_forward.experts.w1": {"shape": [4, 8, 6]},
+                           "model/tok_embeddings.weight": {"shape": [32, 8]}}}
+    with pytest.raises(ValueError, match="mixture-of-experts model .* --format safetensors"):
+        export_plan(manifest, {})
