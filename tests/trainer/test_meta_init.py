@@ -90,7 +90,8 @@ def moe_single(data):
 
 
 @pytest.mark.parametrize("world,dp_shard,tp,ep", [(2, 2, 1, 2), (4, 4, 1, 2),
-                                                  pytest.param(2, 2, 1, 1, marks=pytest.mark.slow), (2, 1, 2, 1)],
+                                                  pytest.param(2, 2, 1, 1, marks=pytest.mark.slow),
+                                                  pytest.param(2, 1, 2, 1, marks=pytest.mark.slow)],
                          ids=["ep2", "ep2xdp_shard4", "fsdp2", "tp2"])
 def test_moe_same_initial_weights_in_every_layout(data, moe_single, world, dp_shard, tp, ep):
     results = run_torch_workers("tests.trainer.workers:initial_digests", world, timeout=240,
