@@ -212,6 +212,7 @@ def _forward_backward(run: Run, mode: TrainMode, state: LoopState) -> tuple[torc
         moe = take_moe_outputs(run.model)
         if moe is not None:
             (loss + moe.aux_loss / run.accum).backward()
+            take_moe_outputs(run.model)   # drop what an activation-checkpoint recompute left (its graph)
             router = moe.stats.flatten() if router.numel() == 0 else router + moe.stats.flatten()
         else:
             loss.backward()
