@@ -3,8 +3,9 @@
 The layout Hugging Face ``from_pretrained`` reads: ``model-0000i-of-0000n.safetensors``,
 ``model.safetensors.index.json`` (``{"metadata": {"total_size"}, "weight_map"}``) and any
 JSON files the caller passes (``config.json``). What goes in is generic: a list of
-:class:`ExportTensor` (checkpoint array -> output name, and an optional shape- and
-dtype-preserving transform); a model's naming lives with the model, not here.
+:class:`ExportTensor` (checkpoint array -> output name, an optional dtype-preserving
+transform, and the output shape when the transform changes it, e.g. one expert of a stacked
+array); a model's naming lives with the model, not here. Consecutive outputs of one array read it once.
 
 Memory stays bounded by the largest array, not the checkpoint: each shard's header is
 computed from the manifest before any data is read, then the arrays are read one at a
@@ -47,12 +48,16 @@ class ExportTensor:
     Attributes:
         array: the array's name in the checkpoint (``model/layers.0.attention.wq.weight``).
         name: its name in the safetensors files.
-        transform: applied to the whole array before writing; must keep shape and dtype.
+        transform: applied to the whole array before writing; must keep dtype, and shape unless
+            ``shape`` is given.
+        shape: the transform's output shape when it differs from the array's (e.g. one expert of a
+            stacked ``[E, ...]`` array, transposed); None: the array's shape.
     """
 
     array: str
     name: str
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+    shape: tuple[int, ...] | None = None
 
 
 def parse_size(text: str) -> int:
@@ -175,7 +180,7 @@ def export_sharded(store, step: int, out: str, tensors: list[ExportTensor], *, f
         dtype = TORCH_DTYPES[meta["dtype"]]
         if dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"array {t.array!r} has dtype {meta['dtype']}, which safetensors cannot hold")
-        shape = [int(s) for s in meta["shape"]]
+        shape = [int(s) for s in (t.shape if t.shape is not None else meta["shape"])]
         nbytes = dtype.itemsize
         for s in shape:
             nbytes *= s
@@ -184,6 +189,7 @@ def export_sharded(store, step: int, out: str, tensors: list[ExportTensor], *, f
     tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(os.path.abspath(out))}"
                                                                  f".tmp-{os.getpid()}")
     weight_map: dict[str, str] = {}
+    last: dict[str, torch.Tensor] = {}     # the array just read: consecutive outputs of one array read it once
     done = total = 0
     try:
         os.makedirs(tmp)
@@ -195,7 +201,7 @@ def export_sharded(store, step: int, out: str, tensors: list[ExportTensor], *, f
             with open(os.path.join(tmp, fname), "wb") as f:
                 f.write(header)
                 for spec, meta, _, shape, nbytes in part:
-                    _write_tensor(f, store, step, spec, meta, shape, nbytes)
+                    _write_tensor(f, store, step, spec, meta, shape, nbytes, last)
                     weight_map[spec.name] = fname
                     done, total = done + 1, total + nbytes
                     if progress:
@@ -218,13 +224,18 @@ def export_sharded(store, step: int, out: str, tensors: list[ExportTensor], *, f
     return {"tensors": len(entries), "bytes": total, "shards": len(shards)}
 
 
-def _write_tensor(f, store, step: int, spec: ExportTensor, meta: dict, shape: list[int], nbytes: int) -> None:
-    t = read_array(store, step, spec.array, meta)
+def _write_tensor(f, store, step: int, spec: ExportTensor, meta: dict, shape: list[int], nbytes: int,
+                  last: dict[str, torch.Tensor]) -> None:
+    if spec.array not in last:
+        last.clear()
+        last[spec.array] = read_array(store, step, spec.array, meta)
+    t = last[spec.array]
     if spec.transform is not None:
         out = spec.transform(t)
         if list(out.shape) != shape or out.dtype != t.dtype:
-            raise ValueError(f"the export transform of {spec.array!r} changed it from {shape} {t.dtype} "
-                             f"to {list(out.shape)} {out.dtype}; a transform must keep shape and dtype")
+            raise ValueError(f"the export transform of {spec.array!r} made {list(out.shape)} {out.dtype}, "
+                             f"not the declared {shape} {t.dtype}; a transform must keep the dtype and give "
+                             f"the declared shape")
         t = out
     if nbytes:
         f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)   # no copy

@@ -86,7 +86,7 @@ def build(spec: TrainerSpec, device: torch.device) -> Built:
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                  foreach=layout.tp == 1)
+                                  foreach=layout.tp == 1 and layout.ep == 1)   # one mesh for all params
     return Built(model, optimizer, cfg, layout, Sampler(dataset, spec.data.seq_len, spec.train.seed), rank, world,
                  pipeline)
 

@@ -43,6 +43,7 @@ from marind.core.spec import (
     positive,
     section_table,
 )
+from marind.trainer.moe_spec import MOE_PRESETS, preset_dims, resolve_moe, validate_ep_for_world, validate_moe
 from marind.trainer.pipeline_spec import check_microbatch_split, pipeline_world, validate_pipeline
 
 # ---------------------------------------------------------------- presets
@@ -79,6 +80,15 @@ class ModelSpec:
     norm_eps: float = spec_field(1e-5, "float")
     rope_theta: float = spec_field(10000.0, "float")
     init_from: str = spec_field("", "str")   # a Hugging Face Llama directory to start from ("" = random init)
+    # mixture of experts (marind.trainer.moe; checks in marind.trainer.moe_spec); n_experts 0 = dense
+    n_experts: int = spec_field(0, "int")
+    top_k: int = spec_field(2, "int")
+    n_shared_experts: int = spec_field(0, "int")
+    moe_every: int = spec_field(1, "int")           # every k-th block is MoE
+    moe_ffn_dim: int = spec_field(0, "int")         # one expert's hidden width; 0 = ffn_dim
+    capacity_factor: float = spec_field(0.0, "float")   # 0 = dropless
+    router_z_loss_coef: float = spec_field(1e-3, "float")
+    load_balance_coef: float = spec_field(1e-2, "float")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +96,7 @@ class ParallelSpec:
     dp_replicate: int = spec_field(1, "int")
     dp_shard: int = spec_field(-1, "int")
     tp: int = spec_field(1, "int")
+    ep: int = spec_field(1, "int")          # expert parallelism, borrowed from dp_shard (expert_parallel)
     mixed_precision: str = spec_field("fp32", "str")        # "fp32" | "bf16"
     activation_checkpointing: bool = spec_field(False, "bool")
     compile: bool = spec_field(False, "bool")
@@ -289,14 +300,17 @@ def _resolve_model(model: ModelSpec, given: set[str]) -> ModelSpec:
         dim, n_layers, n_heads = model.dim, model.n_layers, model.n_heads
     elif model.preset in PRESETS:
         dim, n_layers, n_heads = PRESETS[model.preset]
+    elif model.preset in MOE_PRESETS:
+        dim, n_layers, n_heads = preset_dims(model.preset)
     else:
         raise SpecError(f"model.preset = {model.preset!r} is unknown"
-                        f"{did_you_mean(model.preset, [*PRESETS, 'custom'])}")
+                        f"{did_you_mean(model.preset, [*PRESETS, *MOE_PRESETS, 'custom'])}")
     dim = model.dim if "dim" in given else dim
     n_layers = model.n_layers if "n_layers" in given else n_layers
     n_heads = model.n_heads if "n_heads" in given else n_heads
     ffn_dim = model.ffn_dim if "ffn_dim" in given else swiglu_hidden(dim)
-    return dataclasses.replace(model, dim=dim, n_layers=n_layers, n_heads=n_heads, ffn_dim=ffn_dim)
+    return resolve_moe(dataclasses.replace(model, dim=dim, n_layers=n_layers, n_heads=n_heads, ffn_dim=ffn_dim),
+                       given)
 
 
 # ---------------------------------------------------------------- validation
@@ -331,6 +345,7 @@ def validate_trainer_spec(spec: TrainerSpec, *, check_worlds: bool = True) -> No
         raise SpecError(f"parallel.tp = {p.tp} must divide model.n_heads = {m.n_heads}; pick a divisor of {m.n_heads}")
     if m.ffn_dim % p.tp:
         raise SpecError(f"parallel.tp = {p.tp} must divide model.ffn_dim = {m.ffn_dim}")
+    validate_moe(m, p)
     if p.mixed_precision not in ("fp32", "bf16"):
         raise SpecError(f"parallel.mixed_precision = {p.mixed_precision!r}: use \"fp32\" or \"bf16\"")
     for key in ("seq_len", "global_batch", "micro_batch"):
@@ -417,5 +432,6 @@ def validate_for_world(spec: TrainerSpec, world_size: int) -> tuple[int, int, in
         SpecError: the mesh or the batch arithmetic does not fit ``world_size``.
     """
     mesh = resolve_mesh(spec, world_size)
+    validate_ep_for_world(spec.parallel.ep, mesh[1])
     check_microbatch_split(spec, grad_accum_steps(spec, mesh[0] * mesh[1]))
     return mesh

@@ -221,7 +221,8 @@ class TorchftMode(TrainMode):
         if run.rank != 0 or not report.committed or not log_due(report.step, run.spec):
             return
         run.log.info("step", step=report.step, loss=round(report.loss, 6), grad_norm=round(float(report.grad_norm), 6),
-                     lr=report.lr, participants=self.ft.manager.num_participants(), step_s=round(report.step_s, 4))
+                     lr=report.lr, participants=self.ft.manager.num_participants(), step_s=round(report.step_s, 4),
+                     **report.router)
 
     def progress_fields(self) -> dict[str, Any]:
         """The quorum fields of the progress record."""

@@ -1,4 +1,5 @@
-"""Export a trainer checkpoint as a Hugging Face ``LlamaForCausalLM`` directory.
+"""Export a trainer checkpoint as a Hugging Face ``LlamaForCausalLM`` directory (a mixture-of-experts
+model as a ``MixtralForCausalLM``: ``marind.trainer.hf_mixtral``).
 
 Joins the generic sharded-safetensors writer (``ckpt_store.export_sharded``) with the
 trainer's mapping (``marind.trainer.hf_mapping``). The model config comes from the
@@ -23,6 +24,14 @@ from marind.trainer.hf_mapping import (
     shape_problems,
     to_hf_rotary,
 )
+from marind.trainer.hf_mixtral import (
+    MOE_KEYS,
+    is_moe,
+    mixtral_config,
+    mixtral_problem,
+    mixtral_tensors,
+    moe_layer_shapes,
+)
 
 PREFIX = "model/"
 
@@ -37,7 +46,7 @@ def model_config(store, step: int, manifest: dict, config_path: str | None) -> d
         config_path: the run's run.toml (or None).
 
     Returns:
-        The config (``hf_mapping.CONFIG_KEYS``).
+        The config (``hf_mapping.CONFIG_KEYS`` and ``hf_mixtral.MOE_KEYS``, dense when absent).
 
     Raises:
         ValueError: neither source has it, or both have it and they differ (one line each).
@@ -64,17 +73,24 @@ def model_config(store, step: int, manifest: dict, config_path: str | None) -> d
                              "drop --config to use the checkpoint's")
     cfg = saved if saved is not None else given
     assert cfg is not None
-    return {k: cfg[k] for k in CONFIG_KEYS}
+    return {k: cfg[k] for k in CONFIG_KEYS} | {k: cfg.get(k, v) for k, v in MOE_KEYS.items()}
 
 
 def export_plan(manifest: dict, cfg: dict[str, Any]) -> list[ExportTensor]:
     """The tensors of a Llama export of a trainer checkpoint, in the trainer's layer order.
 
     Raises:
-        ValueError: the checkpoint's ``model/`` arrays are not the model ``cfg`` describes.
+        ValueError: the checkpoint's ``model/`` arrays are not the model ``cfg`` describes (or a
+            mixture-of-experts model's, which has no Llama layout).
     """
     shapes = {n[len(PREFIX):]: tuple(a["shape"]) for n, a in manifest["arrays"].items() if n.startswith(PREFIX)}
-    problems = shape_problems(cfg, shapes)
+    moe = is_moe(cfg)
+    if not moe and any(".feed_forward.experts." in fqn for fqn in shapes):
+        raise ValueError("the checkpoint holds a mixture-of-experts model (feed_forward.experts arrays) but its "
+                         "model config is dense; export with --format safetensors instead")
+    if moe and (problem := mixtral_problem(cfg)):
+        raise ValueError(problem)
+    problems = shape_problems(cfg, shapes) if not moe else _moe_shape_problems(cfg, shapes)
     if problems:
         raise ValueError(f"the checkpoint's model arrays do not match its model config ({len(problems)} "
                          f"problems: {'; '.join(problems[:4])}); export with --format safetensors instead")
@@ -83,8 +99,24 @@ def export_plan(manifest: dict, cfg: dict[str, Any]) -> list[ExportTensor]:
     def order(fqn: str) -> tuple:
         parts = fqn.split(".")
         return (1, int(parts[1]), fqn) if parts[0] == "layers" else (0 if fqn.startswith("tok") else 2, 0, fqn)
-    return [ExportTensor(PREFIX + fqn, hf_name(fqn), permute if needs_rotary_permute(fqn) else None)
-            for fqn in sorted(shapes, key=order)]
+    if not moe:
+        return [ExportTensor(PREFIX + fqn, hf_name(fqn), permute if needs_rotary_permute(fqn) else None)
+                for fqn in sorted(shapes, key=order)]
+    return [ExportTensor(PREFIX + fqn, name, permute if needs_rotary_permute(fqn) else fn, shape)
+            for fqn in sorted(shapes, key=order) for name, fn, shape in mixtral_tensors(fqn, shapes[fqn])]
+
+
+def _moe_shape_problems(cfg: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """``shape_problems`` for a MoE model: the dense MLP of each block replaced by the router and experts."""
+    dense_mlp = {k: s for k, s in shapes.items() if ".feed_forward." not in k}
+    problems = [p for p in shape_problems(cfg, dense_mlp) if ".feed_forward." not in p]
+    want = {f"layers.{n}.{k}": s for n in range(int(cfg["n_layers"])) for k, s in moe_layer_shapes(cfg).items()}
+    got = {k: s for k, s in shapes.items() if ".feed_forward." in k}
+    problems += [f"missing {n}" for n in sorted(set(want) - set(got))]
+    problems += [f"unexpected {n}" for n in sorted(set(got) - set(want))]
+    problems += [f"{n} has shape {list(got[n])}, the config needs {list(want[n])}"
+                 for n in sorted(set(want) & set(got)) if tuple(got[n]) != want[n]]
+    return problems
 
 
 def export_hf(store, step: int, out: str, *, config_path: str | None = None, max_shard_bytes: int = 2 * 10**9,
@@ -115,5 +147,6 @@ def export_hf(store, step: int, out: str, *, config_path: str | None = None, max
     dtypes = {manifest["arrays"][t.array]["dtype"] for t in plan}
     dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(
         dtypes.pop() if len(dtypes) == 1 else "", "float32")
-    return export_sharded(store, step, out, plan, files={"config.json": hf_config(cfg, dtype=dtype)},
+    config = mixtral_config(cfg, dtype=dtype) if is_moe(cfg) else hf_config(cfg, dtype=dtype)
+    return export_sharded(store, step, out, plan, files={"config.json": config},
                           max_shard_bytes=max_shard_bytes, progress=progress)

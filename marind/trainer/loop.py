@@ -47,6 +47,7 @@ import torch.distributed as dist
 from marind.trainer.build import Run
 from marind.trainer.config import TrainerSpec
 from marind.trainer.model import lm_loss
+from marind.trainer.moe import router_summary, take_moe_outputs
 from marind.trainer.parallel import clip_grad_norm
 from marind.trainer.schedule import lr_at
 from marind.worker.stop import StopFlag
@@ -111,6 +112,7 @@ class StepReport:
     tokens_per_s: float
     step_s: float
     committed: bool
+    router: dict[str, Any] = field(default_factory=dict)   # MoE router statistics (moe.router_summary)
 
 
 @dataclass(frozen=True)
@@ -199,15 +201,32 @@ class TrainMode(ABC):
         """Wait for checkpoints in flight, release resources; the last line's and record's extra fields."""
 
 
-def _forward_backward(run: Run, mode: TrainMode, state: LoopState) -> torch.Tensor:
-    """Accumulate the gradients of the step's micro-batches; returns this rank's loss (a tensor)."""
+def _forward_backward(run: Run, mode: TrainMode, state: LoopState) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accumulate the gradients of the step's micro-batches; returns this rank's loss (a tensor, the
+    language-model loss only) and the MoE router statistics summed over the micro-batches (flattened;
+    empty for a dense model). A MoE model's auxiliary losses are added to the loss it backpropagates."""
     loss_acc = torch.zeros((), device=run.device)
+    router = torch.zeros(0, device=run.device, dtype=torch.float64)
     for k in range(run.accum):
         x, y = run.sampler.batch(mode.sample_indices(run, state, k), run.device)
         loss = lm_loss(run.model(x), y) / run.accum
-        loss.backward()
+        moe = take_moe_outputs(run.model)
+        if moe is not None:
+            (loss + moe.aux_loss / run.accum).backward()
+            take_moe_outputs(run.model)   # drop what an activation-checkpoint recompute left (its graph)
+            router = moe.stats.flatten() if router.numel() == 0 else router + moe.stats.flatten()
+        else:
+            loss.backward()
         loss_acc += loss.detach()
-    return loss_acc
+    return loss_acc, router
+
+
+def _router(run: Run, stats: torch.Tensor) -> dict[str, Any]:
+    """The step's router fields (``moe.router_summary``) from the all-reduced statistics; {} when dense."""
+    if stats.numel() == 0:
+        return {}
+    return router_summary(stats.reshape(-1, run.cfg.n_experts + 3).cpu(), replicas=run.layout.tp,
+                          samples=run.world * run.accum)
 
 
 def _save(run: Run, mode: TrainMode, state: LoopState, *, wait: bool = False) -> None:
@@ -258,7 +277,7 @@ def run_loop(run: Run, mode: TrainMode, stop: StopFlag) -> Result:
         for g in run.optimizer.param_groups:
             g["lr"] = lr
         pipe = run.pipeline   # pipeline parallelism: the schedule runs the micro-batches (marind.trainer.pipeline)
-        loss_acc = pipe.forward_backward(run, mode, state) if pipe else _forward_backward(run, mode, state)
+        loss_acc, router = pipe.forward_backward(run, mode, state) if pipe else _forward_backward(run, mode, state)
         mode.on_gradients(run, state)
         norm = clip_grad_norm(run.params, o.grad_clip, pp_mesh=pipe.world_mesh if pipe else None)
         committed = mode.commit(run, state, norm)
@@ -269,6 +288,8 @@ def run_loop(run: Run, mode: TrainMode, stop: StopFlag) -> Result:
         flags = torch.stack([loss_acc.float(),
                              torch.tensor(float(stop_here(stop.requested, state.step, stop_at)), device=run.device),
                              torch.tensor(float(run.rank == 0 and ckpt.time_due()), device=run.device)])
+        if router.numel():   # MoE: the router statistics ride on the same all-reduce
+            flags = torch.cat([flags.double(), router])
         dist.all_reduce(flags)
         state.loss = loss = float(flags[0]) / (run.world // run.layout.pp)   # the ranks that have a loss
         now = time.perf_counter()
@@ -279,7 +300,8 @@ def run_loop(run: Run, mode: TrainMode, stop: StopFlag) -> Result:
         else:
             state.skipped_steps.append(attempted)
         mode.report_step(run, state, StepReport(step=state.step, loss=loss, grad_norm=norm, lr=lr,
-                                                tokens_per_s=tps, step_s=dt, committed=committed))
+                                                tokens_per_s=tps, step_s=dt, committed=committed,
+                                                router=_router(run, flags[3:])))
         mode.after_step(run, state)
         run.progress.report(state.step, loss, tokens=tokens_per_step, last_checkpoint_step=ckpt.poll(),
                             **mode.progress_fields())

@@ -38,7 +38,7 @@ def param_seed(seed: int, fqn: str) -> int:
 def initial_value(fqn: str, shape: tuple[int, ...], *, n_layers: int, seed: int) -> torch.Tensor:
     """The global initial tensor of parameter ``fqn`` (float32, CPU), a pure function of its arguments.
 
-    Norm weights (1-D) are ones; the attention and MLP output projections are
+    Norm weights (1-D) are ones; the attention, MLP and expert output projections are
     normal(0, 0.02 / sqrt(2 n_layers)); every other matrix is normal(0, 0.02).
 
     Args:
@@ -53,7 +53,7 @@ def initial_value(fqn: str, shape: tuple[int, ...], *, n_layers: int, seed: int)
     if len(shape) == 1:
         return torch.ones(shape)
     std = 0.02
-    if fqn.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+    if fqn.endswith(("attention.wo.weight", "feed_forward.w2.weight", "experts.w2", "shared.w2.weight")):
         std = std / math.sqrt(2 * n_layers)
     gen = torch.Generator().manual_seed(param_seed(seed, fqn))
     return torch.empty(shape).normal_(0.0, std, generator=gen)

@@ -17,6 +17,7 @@ from torch import nn
 
 from marind.trainer.config import ModelSpec
 from marind.trainer.meta_init import init_parameters
+from marind.trainer.moe import MoE, MoEConfig, is_moe_layer, moe_param_counts
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,14 @@ class ModelConfig:
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    n_experts: int = 0            # mixture of experts (marind.trainer.moe); 0 = dense
+    top_k: int = 2
+    n_shared_experts: int = 0
+    moe_every: int = 1
+    moe_ffn_dim: int = 0
+    capacity_factor: float = 0.0
+    router_z_loss_coef: float = 0.0
+    load_balance_coef: float = 0.0
 
     @classmethod
     def from_spec(cls, model: ModelSpec, *, seq_len: int, data_vocab_size: int) -> ModelConfig:
@@ -47,26 +56,54 @@ class ModelConfig:
         """
         return cls(vocab_size=model.vocab_size or data_vocab_size, dim=model.dim, n_layers=model.n_layers,
                    n_heads=model.n_heads, ffn_dim=model.ffn_dim, seq_len=seq_len,
-                   tie_embeddings=model.tie_embeddings, norm_eps=model.norm_eps, rope_theta=model.rope_theta)
+                   tie_embeddings=model.tie_embeddings, norm_eps=model.norm_eps, rope_theta=model.rope_theta,
+                   n_experts=model.n_experts, top_k=model.top_k, n_shared_experts=model.n_shared_experts,
+                   moe_every=model.moe_every, moe_ffn_dim=model.moe_ffn_dim, capacity_factor=model.capacity_factor,
+                   router_z_loss_coef=model.router_z_loss_coef, load_balance_coef=model.load_balance_coef)
 
     @property
     def head_dim(self) -> int:
         """Width of one attention head."""
         return self.dim // self.n_heads
 
+    def is_moe(self, layer: int) -> bool:
+        """Whether block ``layer`` has a MoE MLP."""
+        return is_moe_layer(layer, n_experts=self.n_experts, moe_every=self.moe_every)
 
-def param_count(cfg: ModelConfig, *, embedding: bool = True) -> int:
-    """Parameters of the model (closed form; matches ``sum(p.numel())``)."""
-    per_layer = 4 * cfg.dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim + 2 * cfg.dim
-    body = cfg.n_layers * per_layer + cfg.dim
+    def moe(self) -> MoEConfig:
+        """The MoE layers' shape."""
+        return MoEConfig(dim=self.dim, n_experts=self.n_experts, top_k=self.top_k,
+                         moe_ffn_dim=self.moe_ffn_dim or self.ffn_dim, n_shared_experts=self.n_shared_experts,
+                         capacity_factor=self.capacity_factor, router_z_loss_coef=self.router_z_loss_coef,
+                         load_balance_coef=self.load_balance_coef)
+
+
+def _mlp_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(total, active per token) MLP parameters summed over the blocks."""
+    dense = 3 * cfg.dim * cfg.ffn_dim
+    n_moe = sum(cfg.is_moe(i) for i in range(cfg.n_layers))
+    if not n_moe:
+        return cfg.n_layers * dense, cfg.n_layers * dense
+    m = cfg.moe()
+    total, active = moe_param_counts(dim=m.dim, n_experts=m.n_experts, top_k=m.top_k, moe_ffn_dim=m.moe_ffn_dim,
+                                     n_shared_experts=m.n_shared_experts)
+    dense_layers = cfg.n_layers - n_moe
+    return dense_layers * dense + n_moe * total, dense_layers * dense + n_moe * active
+
+
+def param_count(cfg: ModelConfig, *, embedding: bool = True, active: bool = False) -> int:
+    """Parameters of the model (closed form; matches ``sum(p.numel())``); ``active``: those one token
+    uses (a MoE layer's router, ``top_k`` routed and the shared experts)."""
+    mlp_total, mlp_active = _mlp_params(cfg)
+    body = cfg.n_layers * (4 * cfg.dim * cfg.dim + 2 * cfg.dim) + cfg.dim + (mlp_active if active else mlp_total)
     emb = cfg.vocab_size * cfg.dim
     head = 0 if cfg.tie_embeddings else emb
     return body + head + (emb if embedding else 0)
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
-    """Training FLOPs per token: 6 x matmul params (incl. the LM head) + attention scores."""
-    matmul = cfg.n_layers * (4 * cfg.dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim) + cfg.vocab_size * cfg.dim
+    """Training FLOPs per token: 6 x active matmul params (incl. the LM head and router) + attention scores."""
+    matmul = cfg.n_layers * 4 * cfg.dim * cfg.dim + _mlp_params(cfg)[1] + cfg.vocab_size * cfg.dim
     attention = 12 * cfg.n_layers * cfg.dim * cfg.seq_len / 2  # causal: half the score matrix
     return 6.0 * matmul + attention
 
@@ -131,12 +168,12 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward: nn.Module = MoE(cfg.moe()) if cfg.is_moe(layer) else FeedForward(cfg)
 
     def forward(self, x, cos, sin):
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -155,7 +192,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         cos, sin = rotary_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)

@@ -6,7 +6,8 @@ activation checkpointing and ``torch.compile`` per block, then
 (``dp_shard``, or ``(dp_replicate, dp_shard)`` = HSDP). FSDP is applied at
 every size, even 1, so that every parameter is a DTensor and checkpoints
 look the same whatever the layout. Embeddings, norms and the LM head stay
-replicated over ``tp`` (sharded over dp only).
+replicated over ``tp`` (sharded over dp only). Mixture-of-experts blocks: their experts
+are sharded over ``ep`` and FSDP over the rest of ``dp_shard`` (``marind.trainer.expert_parallel``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from marind.trainer.config import TrainerSpec, validate_for_world
+from marind.trainer.expert_parallel import parallelize_experts, tp_plan_for
 from marind.trainer.grad_norm import clip_grad_norm
 from marind.trainer.model import GPT
 
@@ -36,6 +38,7 @@ class Layout:
     tp: int
     dp_rank: int
     pp: int = 1
+    ep: int = 1
 
     @property
     def dp_size(self) -> int:
@@ -44,7 +47,8 @@ class Layout:
 
     def as_dict(self) -> dict[str, int]:
         """The mesh sizes, as checkpoints record them."""
-        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp}
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp,
+                "ep": self.ep}
 
 
 def build_mesh(spec: TrainerSpec, world_size: int, device_type: str) -> tuple[DeviceMesh, Layout]:
@@ -65,7 +69,7 @@ def build_mesh(spec: TrainerSpec, world_size: int, device_type: str) -> tuple[De
     mesh = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
     dr, ds, _ = sizes
     dp_rank = mesh.get_local_rank("dp_replicate") * ds + mesh.get_local_rank("dp_shard")
-    return mesh, Layout(*sizes, dp_rank=dp_rank)
+    return mesh, Layout(*sizes, dp_rank=dp_rank, ep=spec.parallel.ep)
 
 
 def tp_plan() -> dict[str, ParallelStyle]:
@@ -93,7 +97,7 @@ def parallelize(model: GPT, mesh: DeviceMesh, spec: TrainerSpec) -> GPT:
     blocks = list(model.layers.named_children())   # a ModuleList, or a pipeline stage's ModuleDict
     if mesh["tp"].size() > 1:
         for _, block in blocks:
-            parallelize_module(block, mesh["tp"], tp_plan())
+            parallelize_module(block, mesh["tp"], tp_plan_for(block, tp_plan()))
     if p.activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
         for name, block in blocks:
@@ -105,6 +109,7 @@ def parallelize(model: GPT, mesh: DeviceMesh, spec: TrainerSpec) -> GPT:
     dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if p.mixed_precision == "bf16" else MixedPrecisionPolicy()
+    parallelize_experts(model, mesh, ep=p.ep, mp_policy=mp, dp_size=dp_mesh.size())
     n = len(blocks)
     for i, (_, block) in enumerate(blocks):
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < n - 1)

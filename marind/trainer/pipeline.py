@@ -136,7 +136,7 @@ def build_pipeline_mesh(spec: TrainerSpec, world_size: int, device_type: str) ->
     assert coord is not None
     pp_rank = coord[0]
     dp_rank = coord[1] * ds + coord[2]
-    return PipelineMeshes(world, stages, pp_rank), Layout(dr, ds, tp, dp_rank=dp_rank, pp=pp)
+    return PipelineMeshes(world, stages, pp_rank), Layout(dr, ds, tp, dp_rank=dp_rank, pp=pp, ep=spec.parallel.ep)
 
 
 def split_model(gpt: GPT, plan: StagePlan, pp_rank: int) -> list[StageModel]:
@@ -197,8 +197,9 @@ class Pipeline:
         """The ``(pp, dp_replicate, dp_shard, tp)`` mesh (gradient clipping reduces over its ``pp``)."""
         return self.meshes.world
 
-    def forward_backward(self, run: Run, mode: TrainMode, state: LoopState) -> torch.Tensor:
-        """Accumulate the step's gradients through the schedule; the summed loss on the last stage, else 0."""
+    def forward_backward(self, run: Run, mode: TrainMode, state: LoopState) -> tuple[torch.Tensor, torch.Tensor]:
+        """Accumulate the step's gradients through the schedule: the summed loss on the last stage (else 0)
+        and the router statistics (empty: a pipelined model is dense, ``pipeline_spec``)."""
         loss_acc = torch.zeros((), device=run.device)
         m = self.microbatches
         for r in range(self.rounds):
@@ -210,7 +211,7 @@ class Pipeline:
             self.schedule.step(*args, target=y if self.last else None, losses=losses)
             if self.last:
                 loss_acc += torch.stack([t.detach().float() for t in losses]).sum()
-        return loss_acc
+        return loss_acc, torch.zeros(0, device=run.device, dtype=torch.float64)
 
 
 def build_pipeline(spec: TrainerSpec, cfg: ModelConfig, world_size: int,

@@ -114,6 +114,9 @@ def validate_pipeline(spec: TrainerSpec) -> None:
                         "the first, the LM head on the last); set model.tie_embeddings = false with parallel.pp > 1")
     if spec.fault.mode == "torchft":
         raise SpecError("parallel.pp > 1 does not run under fault.mode = \"torchft\" yet; use fault.mode = \"elastic\"")
+    if m.n_experts:
+        raise SpecError("parallel.pp > 1 does not run mixture-of-experts models yet (their auxiliary losses and "
+                        "router statistics do not cross stages); use parallel.pp = 1 with model.n_experts > 0")
     if m.init_from:
         raise SpecError("model.init_from does not load into pipeline stages yet; start it with parallel.pp = 1 "
                         "and resume with pp from its checkpoint")

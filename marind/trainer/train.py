@@ -124,7 +124,7 @@ class ElasticMode(TrainMode):
         run.log.info("step", step=report.step, loss=round(report.loss, 6), grad_norm=round(norm, 6), lr=report.lr,
                      tokens_per_s=round(report.tokens_per_s, 1),
                      mfu=round(self.flops_tok * report.tokens_per_s / self.peak, 6),
-                     memory_bytes=_memory_bytes(run.device), step_s=round(report.step_s, 4))
+                     memory_bytes=_memory_bytes(run.device), step_s=round(report.step_s, 4), **report.router)
         if self.tb:
             for k, v in (("loss", report.loss), ("grad_norm", norm), ("lr", report.lr),
                          ("tokens_per_s", report.tokens_per_s)):

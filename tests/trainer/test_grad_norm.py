@@ -62,16 +62,18 @@ def data(tmp_path_factory):
     return str(prefix)
 
 
-def _spec(data: str, *, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1) -> dict:
+def _spec(data: str, *, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1, ep: int = 1,
+          preset: str = "tiny") -> dict:
     return load_trainer_spec(f"""
 [job]
 name = "clip-test"
 [model]
-preset = "tiny"
+preset = "{preset}"
 [parallel]
 dp_replicate = {dp_replicate}
 dp_shard = {dp_shard}
 tp = {tp}
+ep = {ep}
 [data]
 path = "{data}"
 seq_len = 16
@@ -86,13 +88,7 @@ micro_batch = 1
 def test_one_all_reduce_per_mesh(data, world, dp_replicate, dp_shard, tp, meshes):
     results = run_torch_workers("tests.trainer.workers:clip_collectives", world, timeout=240,
                                 spec=_spec(data, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp))
-    for res in results:
-        assert res["meshes"] == meshes and res["params"] > meshes
-        for counts in (res["counts"], res["counts2"]):
-            assert sum(counts.values()) == meshes, counts
-            assert all("all_reduce" in k or "allreduce" in k for k in counts), counts
-        assert abs(res["norm"] - res["ref"]) <= 1e-5 * res["ref"], res
-    assert len({r["norm"] for r in results}) == 1
+    _one_all_reduce_per_mesh(results, meshes)
 
 
 @pytest.mark.parametrize("world,pp,dp_shard,tp,meshes", [
@@ -103,10 +99,26 @@ def test_one_all_reduce_per_mesh_across_pipeline_stages(data, world, pp, dp_shar
 
     results = run_torch_workers("tests.trainer.pp_workers:pp_clip_collectives", world, timeout=240,
                                 spec=pp_spec(data, pp=pp, dp_shard=dp_shard, tp=tp))
+    _one_all_reduce_per_mesh(results, meshes)      # every stage clips by the same global norm
+
+
+@pytest.mark.parametrize("world,dp_replicate,dp_shard,tp,ep,meshes", [
+    (2, 1, 2, 1, 2, 2), pytest.param(4, 1, 4, 1, 2, 2, marks=pytest.mark.slow), (4, 1, 2, 2, 2, 3),
+    pytest.param(4, 2, 2, 1, 2, 2, marks=pytest.mark.slow)],
+    ids=["ep2", "ep2xdp_shard4", "ep2xtp2", "hsdp2xep2"])
+def test_moe_one_all_reduce_per_mesh(data, world, dp_replicate, dp_shard, tp, ep, meshes):
+    # the experts' gradients live on their own mesh ((dp_replicate,) edp_shard, ep): one more all-reduce
+    results = run_torch_workers("tests.trainer.workers:clip_collectives", world, timeout=240,
+                                spec=_spec(data, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep,
+                                           preset="moe-tiny"))
+    _one_all_reduce_per_mesh(results, meshes)
+
+
+def _one_all_reduce_per_mesh(results: list[dict], meshes: int) -> None:
     for res in results:
         assert res["meshes"] == meshes and res["params"] > meshes
         for counts in (res["counts"], res["counts2"]):
             assert sum(counts.values()) == meshes, counts
             assert all("all_reduce" in k or "allreduce" in k for k in counts), counts
         assert abs(res["norm"] - res["ref"]) <= 1e-5 * res["ref"], res
-    assert len({r["norm"] for r in results}) == 1      # every stage clips by the same global norm
+    assert len({r["norm"] for r in results}) == 1

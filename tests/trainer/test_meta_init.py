@@ -24,7 +24,7 @@ def data(tmp_path_factory):
 
 
 def _spec(data: str, *, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1, model: str = 'preset = "tiny"',
-          seed: int = 7) -> dict:
+          seed: int = 7, ep: int = 1) -> dict:
     return load_trainer_spec(f"""
 [job]
 name = "meta-init-test"
@@ -34,6 +34,7 @@ name = "meta-init-test"
 dp_replicate = {dp_replicate}
 dp_shard = {dp_shard}
 tp = {tp}
+ep = {ep}
 activation_checkpointing = {"true" if tp > 1 else "false"}
 [data]
 path = "{data}"
@@ -78,6 +79,26 @@ def test_same_initial_weights_in_every_layout(data, single, world, dp_replicate,
     assert len(single["digests"]) >= 10
     for res in results:
         assert res == single
+
+
+MOE = 'preset = "moe-tiny"'
+
+
+@pytest.fixture(scope="module")
+def moe_single(data):
+    return run_torch_workers("tests.trainer.workers:initial_digests", 1, timeout=240, spec=_spec(data, model=MOE))[0]
+
+
+@pytest.mark.parametrize("world,dp_shard,tp,ep", [(2, 2, 1, 2), (4, 4, 1, 2),
+                                                  pytest.param(2, 2, 1, 1, marks=pytest.mark.slow),
+                                                  pytest.param(2, 1, 2, 1, marks=pytest.mark.slow)],
+                         ids=["ep2", "ep2xdp_shard4", "fsdp2", "tp2"])
+def test_moe_same_initial_weights_in_every_layout(data, moe_single, world, dp_shard, tp, ep):
+    results = run_torch_workers("tests.trainer.workers:initial_digests", world, timeout=240,
+                                spec=_spec(data, dp_shard=dp_shard, tp=tp, ep=ep, model=MOE))
+    assert any(k.endswith("feed_forward.experts.w1") for k in moe_single["digests"])
+    for res in results:
+        assert res == moe_single
 
 
 def test_the_seed_changes_the_weights(data, single):

@@ -67,6 +67,7 @@ def test_a_valid_pipeline_spec_and_its_defaults():
      "must be a multiple of parallel.pp = 2 for Interleaved1F1B"),
     ("", "", "model.tie_embeddings = true cannot be split across pipeline stages"),
     ("", 'tie_embeddings = false\ninit_from = "/nowhere"', "model.init_from does not load into pipeline stages"),
+    ("", "tie_embeddings = false\nn_experts = 4\ntop_k = 2", "parallel.pp > 1 does not run mixture-of-experts"),
 ])
 def test_each_pipeline_error(parallel, model, needle):
     assert needle in _err(_text(parallel, model))

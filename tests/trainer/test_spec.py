@@ -165,7 +165,7 @@ def test_dp_replicate_fills_for_hsdp():
     assert "both -1" in _err(BASE.replace("dp_replicate = 1", "dp_replicate = -1"))
 
 
-@pytest.mark.parametrize("name", ["tiny.toml", "gpt-125m.toml", "gpt-1.3b.toml"])
+@pytest.mark.parametrize("name", ["tiny.toml", "moe-tiny.toml", "gpt-125m.toml", "gpt-1.3b.toml"])
 def test_examples_validate(name):
     from pathlib import Path
     spec = load_spec(Path(__file__).resolve().parents[2] / "examples" / name)

@@ -109,3 +109,64 @@ def build_peak_memory(spec: dict) -> dict:
     full = sum(p.numel() * p.element_size() for p in b.model.parameters())
     largest = max(p.numel() * p.element_size() for p in b.model.parameters())
     return {"before": before, "after": after, "local_bytes": local, "full_bytes": full, "largest_bytes": largest}
+
+
+def _full_digests(model, optimizer) -> dict[str, str]:
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    digests = {f"model/{k}": _digest(v) for k, v in model_sd.items()}
+    for fqn, st in optim_sd["state"].items():
+        for name, v in st.items():
+            digests[f"optim/{fqn}/{name}"] = _digest(v if isinstance(v, torch.Tensor) else torch.tensor(v))
+    return digests
+
+
+def _saved_digests(url: str, step: int, model, optimizer) -> dict[str, str]:
+    """Digests of the global arrays of checkpoint ``step`` as stored (read whole, by ``load_arrays``;
+    collective: the full state dict gives the shapes)."""
+    import torch.distributed as dist
+
+    from ckpt_store import CheckpointStore
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    if dist.get_rank() != 0:
+        return {}
+    state = {"model": {k: torch.empty_like(v) for k, v in model_sd.items()},
+             "optim": {fqn: {n: torch.empty_like(v) for n, v in st.items() if isinstance(v, torch.Tensor)}
+                       for fqn, st in optim_sd["state"].items()}}
+    CheckpointStore(url).load_arrays(state, step)
+    out = {f"model/{k}": _digest(v) for k, v in state["model"].items()}
+    for fqn, st in state["optim"].items():
+        out.update({f"optim/{fqn}/{n}": _digest(v) for n, v in st.items()})
+    return out
+
+
+def train_moe(spec: dict) -> dict:
+    """Train, recording each step's router statistics; with a checkpoint to resume from, also the
+    digests of the restored state and of the saved global arrays it came from (rank 0)."""
+    from marind.core.workerenv import WorkerEnv
+    from marind.trainer.build import setup_run
+    from marind.trainer.loop import run_loop
+    from marind.trainer.train import ElasticMode
+    from marind.worker.stop import StopFlag
+
+    typed = TrainerSpec.from_dict(spec, check_worlds=False)
+    routers: list[dict] = []
+    restored: dict = {}
+
+    class Recording(ElasticMode):
+        def start(self, run, state):
+            super().start(run, state)
+            if state.step:
+                restored["step"] = state.step
+                restored["live"] = _full_digests(run.model, run.optimizer)
+                restored["saved"] = _saved_digests(run.ckpt.url, state.step, run.model, run.optimizer)
+
+        def report_step(self, run, state, report):
+            super().report_step(run, state, report)
+            routers.append(report.router)
+
+    mode = Recording()
+    run = setup_run(typed, device_for_local_rank(), WorkerEnv.from_environ(), mode)
+    result = run_loop(run, mode, StopFlag())
+    return {**result.as_dict(), "digests": _full_digests(run.model, run.optimizer), "routers": routers,
+            "restored": restored}
