@@ -54,15 +54,15 @@ def run_save(st: Storage, job: SaveJob, arena: memoryview, on_commit, handoff: S
         meta = [(f"{spec.name}/zarr.json",
                  metadata_bytes(array_metadata(spec, {"marind": job.arrays[spec.name]["layout"]})))
                 for spec in (firsts.get(s.key) for s in job.slots) if spec is not None]
-        write_rank_part(st, d, rank, chunks, job.values, meta, nice=job.background_nice,
-                        handoff=handoff, timeout_s=job.commit_timeout_s)
+        mode = write_rank_part(st, d, rank, chunks, job.values, meta, nice=job.background_nice,
+                               handoff=handoff, timeout_s=job.commit_timeout_s, background=job.background)
     except BaseException as exc:
         # the others stop waiting for a part (rank 0: a commit) that will not come; rank 0
         # names the failing rank in its error (``_collect``), the others in theirs
         fail_part(st, job, str(exc))
         raise
     del chunks
-    timings = {"write_s": time.perf_counter() - t0}
+    timings = {"write_s": time.perf_counter() - t0, **mode}
     if rank == 0:
         commit(st, d, job.step, job.world, list(specs.values()), job.layouts(), job.saved_layout,
                timeout_s=job.commit_timeout_s, fmt=job.fmt, fence=job.fence)
@@ -86,12 +86,14 @@ def run_save(st: Storage, job: SaveJob, arena: memoryview, on_commit, handoff: S
 
 
 def write_rank_part(st: Storage, d: str, rank: int, chunks: list, values: dict, meta: Sequence[tuple[str, bytes]] = (),
-                    nice: int = 0, *, handoff: SnapshotHandoff, timeout_s: float = 600.0) -> dict:
+                    nice: int = 0, *, handoff: SnapshotHandoff, timeout_s: float = 600.0,
+                    background: bool = False) -> dict[str, float]:
     """Encode + write this rank's chunks ``(key, spec, buffer, valid_rows)``, metadata objects
     ``(key, bytes)`` and JSON values, then its object list (``parts/rank-R.json``), then its done
     marker, which names the list and the arrays whose ``zarr.json`` this rank wrote, so that rank
     0 reads O(1 + those arrays) from it (on failure the caller, ``run_save``, writes the error
-    marker: ``fail_part``). Returns the objects written (the list's entries).
+    marker: ``fail_part``). ``background``: an async save (the storage picks its write path
+    by it: ``Storage.begin_part``). Returns the write path's timings (``{"direct_io": 0/1}``).
     ``nice``: run the encoding and writes on I/O threads that much nicer (async saves).
     ``handoff``: chunk ``i`` is written once the caller copied it; the done marker only
     once the whole copy is complete (``handoff.py``)."""
@@ -110,11 +112,14 @@ def write_rank_part(st: Storage, d: str, rank: int, chunks: list, values: dict, 
         st.write(f"{d}/{key}", [data], crc=crc)
         return key, {"size": len(data), "crc32c": crc}
 
+    mode = st.begin_part(background)
+    started = time.perf_counter()
     pool = st.pool(nice)
     futures = [pool.submit(one, i, c) for i, c in enumerate(chunks)] + [pool.submit(small, m) for m in meta]
     wait(futures)  # all writes are over before this returns or raises: the snapshot is free
     for fut in futures:
         key, objects[key] = fut.result()
+    st.end_part(sum(o["size"] for o in objects.values()), time.perf_counter() - started, background)
     handoff.wait_complete(timeout_s)
     data = json.dumps(values, sort_keys=True).encode()
     vkey = values_key(d, rank)
@@ -127,4 +132,4 @@ def write_rank_part(st: Storage, d: str, rank: int, chunks: list, values: dict, 
     part = {"key": pkey, "size": len(listing), "crc32c": crc32c.crc32c(listing), "objects": len(objects)}
     wrote_meta = sorted(key[:-len("/zarr.json")] for key, _ in meta)
     st.write_json_atomic(marker_key(d, "rank", rank), {"rank": rank, "part": part, "meta": wrote_meta})
-    return objects
+    return mode
