@@ -31,6 +31,7 @@ import math
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from marind.testing.procs import kill_all, run_torch_workers
@@ -89,6 +90,9 @@ def main(argv=None) -> int:
     ap.add_argument("--arrays-world", type=int, default=2, help="ranks in the arrays sweep")
     ap.add_argument("--gather", action="store_true", help="keep marind's small-array gathering (default: off)")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir on the machine's disk)")
+    ap.add_argument("--arrays", default=None, help="the arrays sweep's sizes, comma-separated (default 100,1000,10000)")
+    ap.add_argument("--ranks", default=None, help="the ranks sweep's world sizes, comma-separated (default 1,2,4,8; "
+                    "empty: no ranks sweep)")
     args = ap.parse_args(argv)
     if args.arrays_world < 1 or (args.repeats is not None and args.repeats < 1):
         print("ckpt_scale: --arrays-world and --repeats must be >= 1", file=sys.stderr)
@@ -98,9 +102,22 @@ def main(argv=None) -> int:
         array_sizes, rank_sizes, ranks_arrays, rows, cols = [10, 40], [1, 2], 20, 16, 8
     else:
         array_sizes, rank_sizes, ranks_arrays, rows, cols = [100, 1000, 10000], [1, 2, 4, 8], 1000, 64, 16
+    try:
+        if args.arrays is not None:
+            array_sizes = [int(x) for x in args.arrays.split(",") if x]
+        if args.ranks is not None:
+            rank_sizes = [int(x) for x in args.ranks.split(",") if x]
+    except ValueError:
+        print(f"ckpt_scale: --arrays {args.arrays!r} / --ranks {args.ranks!r}: use comma-separated integers",
+              file=sys.stderr)
+        return 2
+    if any(n < 1 for n in array_sizes + rank_sizes):
+        print("ckpt_scale: --arrays and --ranks sizes must be >= 1", file=sys.stderr)
+        return 2
     store_kwargs = {} if args.gather else {"gather_small_bytes": 0}
     root = Path(args.dir or tempfile.mkdtemp(prefix="marind-ckpt-scale-"))
     root.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
     result: dict = {"bench": "ckpt_scale", "quick": args.quick, "repeats": repeats, "store_options": store_kwargs,
                     "array_shape": [rows, cols], "dtype": "float32"}
     try:
@@ -108,6 +125,7 @@ def main(argv=None) -> int:
             root, "arrays", array_sizes, args.arrays_world, rows, cols, repeats, store_kwargs, 3000)}
         result["ranks_sweep"] = {"arrays": ranks_arrays, "points": sweep(
             root, "ranks", rank_sizes, ranks_arrays, rows, cols, repeats, store_kwargs, 3000)}
+        result["seconds"] = round(time.monotonic() - started, 1)
         result["exponents"] = {"arrays": exponents(result["arrays_sweep"]["points"], "arrays"),
                                "ranks": exponents(result["ranks_sweep"]["points"], "world")}
         result["floor_save_exponent_le_1_1"] = {
