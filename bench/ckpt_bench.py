@@ -22,7 +22,7 @@ around it, so a load timed as found would compare memory with disk), bytes
 read per byte needed, and the disk's raw sequential write and read rates.
 Medians over ``--repeats``.
 
-    python bench/ckpt_bench.py --repeats 3   # full (see the README of bench/ for its time)
+    python bench/ckpt_bench.py --repeats 3   # full: local, slow target and S3 (about 25 min on 2 cores)
     python bench/ckpt_bench.py --quick    # tiny state, checks the output shape
 
 The last stdout line is one JSON object (docs/design.md §7). The ranks run
