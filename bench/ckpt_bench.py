@@ -1,7 +1,14 @@
 """Checkpoint benchmark: marind ckpt_store vs torch.distributed.checkpoint (DCP) and torch.save.
 
 4 gloo ranks hold an FSDP2-sharded MLP plus its Adam state (>= 512 MB in
-full mode), saved to a local dir and to a SeaweedFS S3 server started here.
+full mode), saved to a local dir on the machine's disk (``local``), to a slow
+disk the bench sets up and removes (``slow``: a loop-mounted ext4 image capped
+at ``--slow-MBps``, 240 by default, by the block I/O throttle;
+``bench/slow_disk.py``; root only, else one line on stderr and
+``slow_target.error`` in the JSON) and to a SeaweedFS S3 server started here.
+DCP runs as its sync ``save``, its thread-based ``async_save`` (``dcp``) and
+its best async mode, the process-based one with shared-memory staging
+(``dcp_process``: ``AsyncCheckpointerType.PROCESS`` + ``DefaultStager``).
 Measured in the same run: sync save, async blocked time (the save call, plus
 any wait of the next optimizer step for the snapshot copy), async time to
 commit (from the save call to the moment it completed, as seen by rank 0; the
@@ -15,7 +22,7 @@ around it, so a load timed as found would compare memory with disk), bytes
 read per byte needed, and the disk's raw sequential write and read rates.
 Medians over ``--repeats``.
 
-    python bench/ckpt_bench.py            # full (~10 min on 2 cores)
+    python bench/ckpt_bench.py --repeats 3   # full: local, slow target and S3 (about 25 min on 2 cores)
     python bench/ckpt_bench.py --quick    # tiny state, checks the output shape
 
 The last stdout line is one JSON object (docs/design.md §7). The ranks run
@@ -25,15 +32,18 @@ The last stdout line is one JSON object (docs/design.md §7). The ranks run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench.slow_disk import SlowDiskUnavailable, slow_disk
 from marind.testing.procs import kill_all, run_torch_workers
 from marind.testing.s3_server import SeaweedS3
 
@@ -136,19 +146,63 @@ def main(argv=None) -> int:
     ap.add_argument("--store-options", default=None, help="JSON of extra CheckpointStore keywords "
                     '(e.g. \'{"writer_nice": 10}\')')
     ap.add_argument("--dir", default=None, help="local checkpoint dir (default: a temp dir)")
+    ap.add_argument("--no-slow", action="store_true", help="no slow target")
+    ap.add_argument("--slow-MBps", type=float, default=240.0, help="the slow target's read and write cap")
+    ap.add_argument("--slow-base", default=None, help="a dir on a real disk for the slow target's image "
+                    "(default: the system temp dir)")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_term)   # the slow target and the ranks are undone on SIGTERM too
 
     dim, layers = (128, 2) if args.quick else (2048, 12)     # full: 50M params + Adam = 604 MB
     repeats = args.repeats or (1 if args.quick else 3)
     root = Path(args.dir or tempfile.mkdtemp(prefix="marind-ckpt-bench-"))
     root.mkdir(parents=True, exist_ok=True)
-    s3 = None
     store_kwargs = json.loads(args.store_options) if args.store_options else {}
     result: dict = {"bench": "ckpt", "quick": args.quick, "repeats": repeats, "store_options": store_kwargs}
+    with contextlib.ExitStack() as stack:
+        slow = None if args.no_local or args.no_slow else _open_slow(stack, args, result, dim, layers)
+        try:
+            _run(args, result, root, slow, dim, layers, repeats, store_kwargs)
+        finally:
+            kill_all()
+            if not args.dir:
+                shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps(result))
+    return 0
+
+
+def _exit_on_term(_sig, _frame):
+    raise SystemExit(143)
+
+
+def _open_slow(stack: contextlib.ExitStack, args, result: dict, dim: int, layers: int):
+    """Set up the slow target (undone by ``stack``); None, with the reason on stderr and in the
+    JSON, where this machine cannot."""
+    state = 12 * layers * (dim * dim + dim)          # params + Adam's two moments, fp32 bytes
+    size = max(1 << 30, 4 * state + (768 << 20))    # two marind steps, one DCP, the raw-rate files
+    base = args.slow_base or tempfile.gettempdir()
+    try:
+        slow = stack.enter_context(slow_disk(base, size, int(args.slow_MBps * 1e6)))
+    except (SlowDiskUnavailable, OSError) as exc:
+        print(f"ckpt_bench: no slow target: {exc}", file=sys.stderr)
+        result["slow_target"] = {"error": str(exc)}
+        return None
+    result["slow_target"] = {"rate_MBps": args.slow_MBps, "throttle": slow.throttle, "size_bytes": size,
+                             "device": slow.device}
+    return slow
+
+
+def _run(args, result: dict, root: Path, slow, dim: int, layers: int, repeats: int, store_kwargs: dict) -> None:
+    s3 = None
     try:
         raw = disk_write_rate(str(root), 64 if args.quick else 512)
         result["disk_write_MBps"], result["disk_write_MBps_by_path"] = raw["best"], raw
         result["disk_read_MBps"] = disk_read_rate(str(root), 64 if args.quick else 512)
+        if slow:
+            raw = disk_write_rate(slow.path, 32 if args.quick else 256, repeats=1 if args.quick else 2)
+            result["slow_target"].update(disk_write_MBps=raw["best"], disk_write_MBps_by_path=raw,
+                                         disk_read_MBps=disk_read_rate(slow.path, 32 if args.quick else 256,
+                                                                       repeats=1 if args.quick else 2))
         s3_url = s3_opts = None
         if not args.no_s3:
             s3 = SeaweedS3(root / "s3").start()
@@ -157,65 +211,77 @@ def main(argv=None) -> int:
         r = run_torch_workers("bench.ckpt_workers:worker", 4, timeout=3000, env=env, dim=dim, layers=layers,
                               repeats=repeats, local_dir=str(root / "local"), s3_url=s3_url,
                               s3_opts=s3_opts, local=not args.no_local, store_kwargs=store_kwargs,
-                              s3_pid=s3.pid if s3 else None)[0]
+                              s3_pid=s3.pid if s3 else None, slow_dir=f"{slow.path}/ckpt" if slow else None)[0]
         result.update({k: r[k] for k in ("world", "state_bytes", "step_s", "torch_save_s")})
         result["cpus"] = len(os.sched_getaffinity(0))
-        result["local"], result["s3"] = r.get("local"), r.get("s3")
-        if not args.no_local:
-            result["reshard_4_to_2_local"] = run_torch_workers(
-                "bench.ckpt_workers:reshard_worker", 2, timeout=3000, env=env, dim=dim, layers=layers,
-                repeats=repeats, marind_url=f"file://{root}/local/marind",
-                dcp_id=r["local"]["dcp"]["checkpoint_id"], opts=None)[0]
+        result["local"], result["slow"], result["s3"] = r.get("local"), r.get("slow"), r.get("s3")
+        for target, tdir in (("local", str(root / "local")), ("slow", f"{slow.path}/ckpt" if slow else None)):
+            if result[target] and tdir:
+                result[f"reshard_4_to_2_{target}"] = run_torch_workers(
+                    "bench.ckpt_workers:reshard_worker", 2, timeout=3000, env=env, dim=dim, layers=layers,
+                    repeats=repeats, marind_url=f"file://{tdir}/marind",
+                    dcp_id=r[target]["dcp"]["checkpoint_id"], opts=None)[0]
         result["ratios"] = _ratios(result)
     finally:
-        kill_all()
         if s3:
             s3.stop()
-        if not args.dir:
-            shutil.rmtree(root, ignore_errors=True)
-    print(json.dumps(result))
-    return 0
 
 
 def _ratios(res: dict) -> dict:
+    """Every ratio of the run, by target; ``*_vs_dcp`` names DCP's mode it compares with
+    (``dcp``: thread-based async, ``dcp_process``: its checkpoint process)."""
     out: dict = {}
-    for target in ("local", "s3"):
+    for target in ("local", "slow", "s3"):
         t = res.get(target)
         if not t:
             continue
-        m, d = t["marind"], t["dcp"]
+        m, d, dp = t["marind"], t["dcp"], t.get("dcp_process") or {}
         out[target] = {
             "sync_save_vs_dcp": _ratio(m["sync_save_s"], d["sync_save_s"]),
             "load_vs_dcp": _ratio(m["load_s"], d["load_s"]),
             "load_warm_vs_dcp": _ratio(m.get("load_warm_s"), d.get("load_warm_s")),
             "async_blocked_vs_own_sync": _ratio(m["async_blocked_s"], m["sync_save_s"]),
             "async_commit_vs_own_sync": _ratio(m["async_commit_s"], m["sync_save_s"]),
+            "async_commit_vs_dcp_thread": _ratio(m["async_commit_s"], d["async_commit_s"]),
+            "async_commit_vs_dcp_process": _ratio(m["async_commit_s"], dp.get("async_commit_s")),
+            "async_blocked_vs_dcp_process": _ratio(m["async_blocked_s"], dp.get("async_blocked_s")),
             "step_slowdown_during_save": _ratio(m["step_during_save_s"], m["step_before_save_s"]),
             "dcp_step_slowdown_during_save": _ratio(d["step_during_save_s"], d["step_before_save_s"]),
+            "dcp_process_step_slowdown_during_save": _ratio(dp.get("step_during_save_s"),
+                                                            dp.get("step_before_save_s")),
             "sync_save_vs_torch_save": _ratio(m["sync_save_s"], res["torch_save_s"]) if target == "local" else None,
         }
-        if m.get("server_cpu_during_async_s") is not None:
-            # the share of the machine the S3 server itself took while marind's async save ran, and
-            # the step slowdown that share alone forces on a training loop that keeps every core busy
-            share = m["server_cpu_during_async_s"] / (res["cpus"] * m["async_commit_s"])
-            out[target]["server_cpu_share_during_async"] = round(share, 3)
-            out[target]["step_slowdown_from_server_alone"] = round(1 / (1 - share), 3) if share < 1 else None
-        if m.get("writer_cpu_during_async_s") is not None:
-            # the same for marind's own background work (the ranks' writer processes)
-            share = m["writer_cpu_during_async_s"] / (res["cpus"] * m["async_commit_s"])
-            out[target]["writer_cpu_share_during_async"] = round(share, 3)
-            out[target]["step_slowdown_from_writers_alone"] = round(1 / (1 - share), 3) if share < 1 else None
-    rs = res.get("reshard_4_to_2_local") or {}
-    out["reshard_load_vs_dcp"] = _ratio(rs.get("marind_load_s"), rs.get("dcp_load_s"))
-    out["reshard_load_warm_vs_dcp"] = _ratio(rs.get("marind_load_warm_s"), rs.get("dcp_load_warm_s"))
-    if res.get("local") and res.get("disk_write_MBps"):
-        mbps = res["state_bytes"] / 1e6 / res["local"]["marind"]["sync_save_s"]
-        out["local_save_MBps"] = round(mbps, 1)
-        out["local_save_vs_raw_disk"] = round(mbps / (res["disk_write_MBps"] * 1.048576), 3)
-    if res.get("local") and res.get("disk_read_MBps"):
-        mbps = res["state_bytes"] / 1e6 / res["local"]["marind"]["load_s"]
-        out["local_load_MBps"] = round(mbps, 1)
-        out["local_load_vs_raw_disk_read"] = round(mbps / (res["disk_read_MBps"] * 1.048576), 3)
+        for who, key in (("server", "server_cpu_during_async_s"), ("writers", "writer_cpu_during_async_s")):
+            if m.get(key) is not None:
+                # the share of the machine the S3 server (or marind's writer processes) took while
+                # marind's async save ran, and the step slowdown that share alone forces on a
+                # training loop that keeps every core busy
+                share = m[key] / (res["cpus"] * m["async_commit_s"])
+                name = "server" if who == "server" else "writer"
+                out[target][f"{name}_cpu_share_during_async"] = round(share, 3)
+                out[target][f"step_slowdown_from_{who}_alone"] = round(1 / (1 - share), 3) if share < 1 else None
+        rs = res.get(f"reshard_4_to_2_{target}") or {}
+        if rs:
+            out[target]["reshard_load_vs_dcp"] = _ratio(rs.get("marind_load_s"), rs.get("dcp_load_s"))
+            out[target]["reshard_load_warm_vs_dcp"] = _ratio(rs.get("marind_load_warm_s"), rs.get("dcp_load_warm_s"))
+        disk = res if target == "local" else res.get("slow_target", {}) if target == "slow" else {}
+        if disk.get("disk_write_MBps"):
+            mbps = res["state_bytes"] / 1e6 / m["sync_save_s"]
+            out[target]["save_MBps"] = round(mbps, 1)
+            out[target]["save_vs_raw_disk"] = round(mbps / (disk["disk_write_MBps"] * 1.048576), 3)
+        if disk.get("disk_read_MBps"):
+            mbps = res["state_bytes"] / 1e6 / m["load_s"]
+            out[target]["load_MBps"] = round(mbps, 1)
+            out[target]["load_vs_raw_disk_read"] = round(mbps / (disk["disk_read_MBps"] * 1.048576), 3)
+    # the names the earlier figures used (docs, the issue notes)
+    for old, target, key in (("reshard_load_vs_dcp", "local", "reshard_load_vs_dcp"),
+                             ("reshard_load_warm_vs_dcp", "local", "reshard_load_warm_vs_dcp"),
+                             ("local_save_MBps", "local", "save_MBps"),
+                             ("local_save_vs_raw_disk", "local", "save_vs_raw_disk"),
+                             ("local_load_MBps", "local", "load_MBps"),
+                             ("local_load_vs_raw_disk_read", "local", "load_vs_raw_disk_read")):
+        if key in out.get(target, {}):
+            out[old] = out[target][key]
     return out
 
 

@@ -1,7 +1,9 @@
 """The checkpoint benchmark's rank side (bench/ckpt_bench.py): what each of its 4 (then 2) ranks runs.
 
-``worker`` times marind and DCP against a local dir and an S3 prefix
-(``bench_target``: saves sync and async, in turns, then loads) and
+``worker`` times marind and DCP against a local dir, the bench's slow disk
+(``bench/slow_disk.py``) and an S3 prefix (``bench_target``: saves sync and
+async, in turns, DCP's async both thread-based and process-based
+(``bench/ckpt_dcp_process.py``), then loads) and
 torch.save of the gathered state; ``reshard_worker`` loads the 4-rank
 checkpoints on 2 ranks. Both return their figures on rank 0 (``{}``
 elsewhere), as ``marind.testing.procs.run_torch_workers`` expects.
@@ -17,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from bench.ckpt_dcp_process import DcpProcessSaver
 from bench.ckpt_rank_ops import (
     build_model,
     cpu_seconds,
@@ -60,6 +63,7 @@ class Target:
     pruned: list[float] = field(default_factory=list)
     phases: list[dict] = field(default_factory=list)
     writer_cpu: list[float] = field(default_factory=list)
+    dcp_proc: Any = None        # DcpProcessSaver, made by the first process-based save
 
     @property
     def local(self) -> bool:
@@ -184,7 +188,35 @@ def dcp_async(t: Target) -> AsyncSave:
     return AsyncSave(blocked, (finished or [time.perf_counter()])[0] - t0, during, quiet, server)
 
 
-RUNS = {"marind": (marind_sync, marind_async), "dcp": (dcp_sync, dcp_async)}
+def dcp_async_process(t: Target) -> AsyncSave:
+    """DCP's best async mode: its checkpoint process, staged into shared memory."""
+    import torch.distributed as dist
+
+    if t.dcp_proc is None:
+        t.dcp_proc = DcpProcessSaver()
+    state = state_of(t.model, t.optim)
+    cid = fresh_dcp_id(t)
+    quiet = [train_step(t.model, t.optim, t.dim) for _ in range(QUIET_STEPS)]
+    dist.barrier()
+    c0 = cpu_seconds(t.server_pid) if t.server_pid else None
+    t0 = time.perf_counter()
+    fut, staging_wait = t.dcp_proc.save(state, dcp_checkpoint_id(cid), dcp_writer(cid, t.opts), dcp_group(),
+                                        t.optim)
+    blocked = time.perf_counter() - t0
+    finished: list[float] = []
+    fut.add_done_callback(lambda _f: finished.append(time.perf_counter()))
+    during = steps_while(fut.done, t.model, t.optim, t.dim)
+    fut.result()
+    blocked += staging_wait()
+    server = cpu_seconds(t.server_pid) - c0 if t.server_pid else None
+    dist.barrier()
+    t.dcp_checkpoint_id = cid   # the newest DCP checkpoint (either mode) is the one loaded
+    return AsyncSave(blocked, (finished or [time.perf_counter()])[0] - t0, during, quiet, server)
+
+
+#: system -> (sync save, async save); DCP's process-based async has no sync form of its own
+RUNS = {"marind": (marind_sync, marind_async), "dcp": (dcp_sync, dcp_async),
+        "dcp_process": (None, dcp_async_process)}
 
 
 def alternate_saves(t: Target, repeats: int) -> dict[str, dict[str, list]]:
@@ -193,10 +225,11 @@ def alternate_saves(t: Target, repeats: int) -> dict[str, dict[str, list]]:
     got: dict[str, dict[str, list]] = {
         k: {"sync": [], "blocked": [], "commit": [], "during": [], "quiet": [], "server": []} for k in RUNS}
     for i in range(repeats):
-        for system in (("marind", "dcp") if i % 2 == 0 else ("dcp", "marind")):
+        for system in (list(RUNS) if i % 2 == 0 else list(reversed(RUNS))):
             sync_fn, async_fn = RUNS[system]
             g = got[system]
-            g["sync"].append(sync_fn(t))
+            if sync_fn is not None:
+                g["sync"].append(sync_fn(t))
             run = async_fn(t)
             g["blocked"].append(run.blocked)
             g["commit"].append(run.commit)
@@ -209,7 +242,7 @@ def alternate_saves(t: Target, repeats: int) -> dict[str, dict[str, list]]:
 
 def save_fields(g: dict[str, list]) -> dict:
     """One system's save figures: medians, plus every sync and commit time."""
-    out = dict(sync_save_s=statistics.median(g["sync"]),
+    out = dict(sync_save_s=statistics.median(g["sync"]) if g["sync"] else None,
                async_blocked_s=statistics.median(g["blocked"]),
                async_commit_s=statistics.median(g["commit"]),
                step_during_save_s=statistics.median(g["during"]) if g["during"] else None,
@@ -250,12 +283,16 @@ def bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: int
     import torch.distributed.checkpoint as dcp
 
     t = open_target(url, opts, model, optim, dim, store_kwargs, server_pid)
-    marind_sync(t)           # untimed warm-up, each
+    marind_sync(t)           # untimed warm-up, each (the first process-based save starts DCP's daemon)
     dcp_sync(t)
+    dcp_async_process(t)
     t.phases.clear()
     t.pruned.clear()
-    got = alternate_saves(t, repeats)
-    res: dict = {"marind": {}, "dcp": {"checkpoint_id": t.dcp_checkpoint_id}}
+    try:
+        got = alternate_saves(t, repeats)
+    finally:
+        t.dcp_proc.close()
+    res: dict = {"marind": {}, "dcp": {"checkpoint_id": t.dcp_checkpoint_id}, "dcp_process": {}}
     for system, g in got.items():
         res[system].update(save_fields(g))
     res["marind"].update(marind_background_fields(t))
@@ -286,7 +323,7 @@ def _torch_save_full(model, optim, path: str) -> None:
 
 def worker(dim: int, layers: int, repeats: int, local_dir: str, s3_url: str | None,
            s3_opts: dict | None, local: bool = True, store_kwargs: dict | None = None,
-           s3_pid: int | None = None) -> dict:
+           s3_pid: int | None = None, slow_dir: str | None = None) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -303,10 +340,12 @@ def worker(dim: int, layers: int, repeats: int, local_dir: str, s3_url: str | No
     out = {"world": world, "state_bytes": int(nbytes.item()), "step_s": statistics.median(base)}
     if local:
         out["local"] = bench_target("local", local_dir, None, model, optim, dim, repeats, store_kwargs)
+    if slow_dir:
+        out["slow"] = bench_target("slow", slow_dir, None, model, optim, dim, repeats, store_kwargs)
     if s3_url:
         out["s3"] = bench_target("s3", s3_url, s3_opts, model, optim, dim, repeats, store_kwargs, s3_pid)
     if dist.get_rank() == 0:
-        print(json.dumps({"partial": {k: out.get(k) for k in ("local", "s3")}}), file=sys.stderr, flush=True)
+        print(json.dumps({"partial": {k: out.get(k) for k in ("local", "slow", "s3")}}), file=sys.stderr, flush=True)
     os.makedirs(local_dir, exist_ok=True)
     full_path = f"{local_dir}/torch_save.pt"
     out["torch_save_s"] = statistics.median(timed(lambda: _torch_save_full(model, optim, full_path))

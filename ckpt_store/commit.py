@@ -1,10 +1,14 @@
 """The commit protocol's markers and its commit: rank 0 commits, the other ranks wait for it.
 
 Each rank's part ends with its done marker (``{step}/.marind/rank-R.json``,
-listing its objects' sizes and crc32c), or its error marker
+naming its object list ``parts/rank-R.json`` with that file's size and crc32c,
+and the arrays whose ``zarr.json`` it wrote), or its error marker
 (``error-R.json``) if it failed; rank 0 polls for them (``commit``), writes
-the Zarr group metadata, checks that every listed object is there at its
-size, and writes ``manifest.json`` last: the commit. If it cannot, it writes
+the Zarr group metadata (and that of any array no rank wrote), checks that
+every marker and object list is still there at its size, and writes
+``manifest.json`` last: the commit. Nothing rank 0 does here grows with
+arrays x ranks: it reads W small markers, lists two directories of W
+entries, and writes a manifest of the arrays and the W lists. If it cannot, it writes
 the abort marker (``abort.json``). The other ranks poll for the manifest or
 the abort marker (``wait_for_commit``). A storage error while polling is
 retried until the timeout. Storage operations only: no torch, no collectives.
@@ -22,6 +26,7 @@ import crc32c
 from ckpt_store.errors import CheckpointSaveFailed
 from ckpt_store.fence import check_fence
 from ckpt_store.save_job import SaveJob
+from ckpt_store.steps import BEGIN_MARKER
 from ckpt_store.zarr_format import ArraySpec, array_metadata, group_metadata
 
 if TYPE_CHECKING:
@@ -74,11 +79,12 @@ def commit(st: Storage, d: str, step: int, world: int, specs: list[ArraySpec], l
     """Rank 0: wait for every rank's marker, write the group (and any missing array) metadata,
     then manifest.json (only while ``fence`` allows: ``fence.check_fence``)."""
     try:
-        objects = _collect(st, d, world, timeout_s)
+        part_lists, wrote_meta = _collect(st, d, world, timeout_s)
+        objects: dict[str, dict] = {}
         meta: dict[str, dict] = {}
         groups = {""}
         for spec in specs:
-            if f"{spec.name}/zarr.json" not in objects:   # no rank wrote it (an array without chunks)
+            if spec.name not in wrote_meta:   # no rank wrote it (an array without chunks)
                 meta[f"{spec.name}/zarr.json"] = array_metadata(spec, {"marind": layouts[spec.name]})
             parts = spec.name.split("/")
             groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
@@ -93,10 +99,10 @@ def commit(st: Storage, d: str, step: int, world: int, specs: list[ArraySpec], l
             objects[key] = {"size": len(data), "crc32c": crc32c.crc32c(data)}
         st.write_many(items)
         st.make_durable([key for key, _ in items])
-        _check_present(st, d, objects)
+        _check_present(st, d, world, part_lists)
         manifest = {"format": fmt, "step": step, "world": saved_layout, "created_at": saved_layout["saved_at"],
                     "arrays": {s.name: {**s.to_json(), "layout": layouts[s.name]} for s in specs},
-                    "objects": objects}
+                    "objects": objects, "parts": part_lists}
         check_fence(fence)
         st.write_json_atomic(f"{d}/manifest.json", manifest)
         return manifest
@@ -105,33 +111,43 @@ def commit(st: Storage, d: str, step: int, world: int, specs: list[ArraySpec], l
         raise
 
 
-def _check_present(st: Storage, d: str, objects: dict) -> None:
-    """Rank 0, right before the manifest: every object the ranks listed is there, whole.
+def _check_present(st: Storage, d: str, world: int, parts: list[dict]) -> None:
+    """Rank 0, right before the manifest: the step's begin marker (written before any rank
+    wrote anything: ``steps.prepare_step_dir``), every done marker and every object list are
+    still there, the lists at their sizes.
 
-    One listing of the step (a LIST per 1000 objects on S3). It catches what no
-    rank saw fail: a step directory deleted or renamed under a save in flight
-    (another store's retention on the same URL) must fail the save, never
-    commit a checkpoint with holes.
+    Two listings of W entries each (``.marind/`` and ``parts/``). They catch what no
+    rank saw fail: a step directory deleted or renamed under a save in flight (another
+    store's retention on the same URL) must fail the save, never commit a checkpoint with
+    holes, even where the writes that came after the delete made the directory anew. A
+    local delete renames the whole directory first; an object store's prefix delete lists
+    the keys first, and the begin marker, older than every object, is among them.
     """
     for attempt in range(3):    # a listing that fails (a storage blip) is tried again
         try:
-            present = st.object_sizes(d)
+            markers = set(st.list_dir(f"{d}/{MARKERS}"))
+            lists = st.object_sizes(f"{d}/parts")
             break
         except Exception:
             if attempt == 2:
                 raise
             time.sleep(0.5 * (attempt + 1))
-    bad = sorted(k for k, o in objects.items() if present.get(k) != o["size"])
+    bad = [f"{d}/{BEGIN_MARKER}"] if BEGIN_MARKER.rsplit("/", 1)[1] not in markers else []
+    bad += [marker_key(d, "rank", r) for r in range(world)
+            if marker_key(d, "rank", r).rsplit("/", 1)[1] not in markers]
+    bad += [f"{d}/{p['key']}" for p in parts if lists.get(p["key"][len("parts/"):]) != p["size"]]
     if bad:
         raise CheckpointSaveFailed(
             f"{len(bad)} objects of {d} are missing or cut short right before its commit (first {bad[0]!r}); "
             "was the step deleted under the save, e.g. by another job saving to the same URL?")
 
 
-def _collect(st: Storage, d: str, world: int, timeout_s: float) -> dict:
+def _collect(st: Storage, d: str, world: int, timeout_s: float) -> tuple[list[dict], set[str]]:
     """Wait for every rank's done marker; one listing of the marker dir per poll. A storage
-    error while polling is retried until the deadline (a blip must not fail the save)."""
-    objects: dict = {}
+    error while polling is retried until the deadline (a blip must not fail the save).
+    Returns each rank's object list entry (by rank) and the arrays whose metadata they wrote."""
+    parts: dict[int, dict] = {}
+    wrote_meta: set[str] = set()
     waiting = set(range(world))
     markers = f"{d}/{MARKERS}"
 
@@ -144,14 +160,16 @@ def _collect(st: Storage, d: str, world: int, timeout_s: float) -> dict:
                 raise CheckpointSaveFailed(f"rank {r} failed to write its part: {err}")
             marker = marker_key(d, "rank", r)
             if marker.rsplit("/", 1)[1] in present:
-                objects.update(st.read_json(marker)["objects"])
+                got = st.read_json(marker)
+                parts[r] = got["part"]
+                wrote_meta.update(got["meta"])
                 waiting.discard(r)
         return not waiting
 
     _poll_until(done, timeout_s, _poll(st),
                 lambda: f"ranks {sorted(waiting)} did not finish their part within {timeout_s}s",
                 "crashed or storage unreachable")
-    return objects
+    return [parts[r] for r in range(world)], wrote_meta
 
 
 def _poll_until(done: Callable[[int], bool], timeout_s: float, interval: float,

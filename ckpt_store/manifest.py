@@ -3,12 +3,20 @@
 A step exists for readers once its manifest does (docs/design.md §4). ``read_manifest``
 refuses one of a newer format and names what is malformed, so that every reader (load,
 verify, ``ckpt ls``/``inspect``) trusts the fields it uses.
+
+Format 2 keeps the per-object list out of the manifest: each rank writes its own
+(``parts/rank-R.json``) and the manifest names those files with their sizes and crc32c,
+so that nothing rank 0 reads or writes at the commit grows with arrays x ranks.
+``read_manifest`` reads and checks the parts and returns the manifest with every object
+under ``objects`` (the parts files included), as a format-1 manifest has them.
 """
 
 from __future__ import annotations
 
 import json
 from typing import TYPE_CHECKING, TypeGuard
+
+import crc32c
 
 from ckpt_store.errors import CheckpointCorrupt, CheckpointFormatUnsupported, CheckpointNotFound
 from ckpt_store.zarr_format import ITEMSIZE
@@ -17,8 +25,15 @@ if TYPE_CHECKING:
     from ckpt_store.storage import Storage
 
 MANIFEST = "manifest.json"
-#: the checkpoint format this marind writes (``manifest.json``'s "format") and the only one it reads
-FORMAT = 1
+#: the checkpoint format this marind writes (``manifest.json``'s "format")
+FORMAT = 2
+#: the formats it reads (1: every object listed in the manifest itself)
+READS = (1, 2)
+
+
+def part_key(rank: int) -> str:
+    """Rank ``rank``'s object list, relative to the step dir (format 2)."""
+    return f"parts/rank-{rank:05d}.json"
 
 
 def read_manifest(st: Storage, d: str) -> dict:
@@ -43,7 +58,36 @@ def read_manifest(st: Storage, d: str) -> dict:
     problem = _manifest_problem(manifest)
     if problem:
         raise CheckpointCorrupt(key, f"malformed manifest ({problem})")
+    if manifest["format"] >= 2:
+        manifest["objects"] = {**manifest["objects"], **_read_parts(st, d, manifest["parts"])}
     return manifest
+
+
+def _read_parts(st: Storage, d: str, parts: list[dict]) -> dict:
+    """Every object the ranks' lists name, plus the lists themselves; each list checked
+    against the manifest's size and crc32c (``CheckpointCorrupt`` naming it)."""
+    def one(part: dict) -> dict:
+        key = f"{d}/{part['key']}"
+        try:
+            raw = st.read(key)
+        except FileNotFoundError:
+            raise CheckpointCorrupt(key, "missing (an object list the manifest names)") from None
+        if len(raw) != part["size"] or crc32c.crc32c(raw) != part["crc32c"]:
+            raise CheckpointCorrupt(key, f"{len(raw)} bytes with crc32c {crc32c.crc32c(raw)}, the manifest "
+                                         f"says {part['size']} and {part['crc32c']}")
+        try:
+            objects = json.loads(raw)["objects"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointCorrupt(key, f"unreadable object list ({exc})") from exc
+        problem = _objects_problem(objects)
+        if problem:
+            raise CheckpointCorrupt(key, f"malformed object list ({problem})")
+        return {**objects, part["key"]: {"size": part["size"], "crc32c": part["crc32c"]}}
+
+    merged: dict = {}
+    for objects in st.pool().map(one, parts):
+        merged.update(objects)
+    return merged
 
 
 def _is_int(v: object) -> TypeGuard[int]:
@@ -54,22 +98,38 @@ def _ints(v, least: int) -> bool:
     return isinstance(v, list) and all(_is_int(i) and i >= least for i in v)
 
 
+def _objects_problem(objects) -> str | None:
+    """What is wrong with an ``objects`` map (None: every entry has an integer size and crc32c)."""
+    if not isinstance(objects, dict):
+        return "'objects' is not an object"
+    for name, obj in objects.items():
+        if not isinstance(obj, dict) or not _is_int(obj.get("size")) or obj["size"] < 0 \
+                or not _is_int(obj.get("crc32c")):
+            return f"object entry {name!r} lacks an integer 'size' or 'crc32c'"
+        if not _is_int(obj.get("chunks_crc32c", 0)):
+            return f"object entry {name!r} has a non-integer 'chunks_crc32c'"
+    return None
+
+
 def _manifest_problem(m: dict) -> str | None:
     """What is wrong with a parsed manifest (None: every field a reader uses is there and typed)."""
-    if not _is_int(m.get("format")) or m["format"] != FORMAT:
-        return f"format {m.get('format')!r} is not a known checkpoint format (this marind reads {FORMAT})"
+    if not _is_int(m.get("format")) or m["format"] not in READS:
+        return f"format {m.get('format')!r} is not a known checkpoint format (this marind reads {READS})"
     if not _is_int(m.get("step")):
         return "no integer 'step'"
     if not isinstance(m.get("world", {}), dict):
         return "'world' is not an object"
     if not isinstance(m.get("arrays"), dict) or not isinstance(m.get("objects"), dict):
         return "'arrays' or 'objects' missing or not an object"
-    for name, obj in m["objects"].items():
-        if not isinstance(obj, dict) or not _is_int(obj.get("size")) or obj["size"] < 0 \
-                or not _is_int(obj.get("crc32c")):
-            return f"object entry {name!r} lacks an integer 'size' or 'crc32c'"
-        if not _is_int(obj.get("chunks_crc32c", 0)):
-            return f"object entry {name!r} has a non-integer 'chunks_crc32c'"
+    problem = _objects_problem(m["objects"])
+    if problem:
+        return problem
+    if m["format"] >= 2:
+        parts = m.get("parts")
+        if not isinstance(parts, list) or not all(
+                isinstance(p, dict) and isinstance(p.get("key"), str) and p["key"].startswith("parts/")
+                and _is_int(p.get("size")) and _is_int(p.get("crc32c")) for p in parts):
+            return "'parts' missing or an entry lacks a 'parts/...' 'key', an integer 'size' or 'crc32c'"
     for name, a in m["arrays"].items():
         if not isinstance(a, dict):
             return f"array entry {name!r} is not an object"

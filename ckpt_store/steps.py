@@ -79,6 +79,10 @@ def apply_retention(st: Storage, keep_last: int | None, keep_every: int | None,
     return sorted(doomed)
 
 
+#: written by rank 0 before any rank writes; gone at the commit = the step was deleted under its save
+BEGIN_MARKER = ".marind/begin.json"
+
+
 def prepare_step_dir(st: Storage, url: str, step: int, rank: int) -> None:
     """Refuse a committed step; rank 0 clears leftovers of an earlier failed attempt.
 
@@ -104,6 +108,9 @@ def prepare_step_dir(st: Storage, url: str, step: int, rank: int) -> None:
         if st.list_dir(d):
             log.info("ckpt_clear_leftover", step=step)
             st.delete_prefix(d)
+        # before any rank writes (the agreement's barrier is next): the commit finds it still
+        # there, or the step was deleted under the save (``commit._check_present``)
+        st.write(f"{d}/{BEGIN_MARKER}", [b"{}"])
         newer = next((s for s in reversed(all_step_dirs(st)) if s > step
                       and st.exists(f"{step_dir(s)}/manifest.json")), None)
         if newer is not None:

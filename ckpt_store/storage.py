@@ -56,6 +56,15 @@ class Storage(Protocol):
         """Write one object from the buffers ``pieces``; ``crc``: its crc32c, checked by S3."""
         ...
 
+    def begin_part(self, background: bool) -> dict[str, float]:
+        """A rank's part of a save starts (``background``: an async save): the backend picks its
+        write path (local disks: ``write_mode``); returns timings to report (``{"direct_io": 0/1}``)."""
+        ...
+
+    def end_part(self, nbytes: int, seconds: float, background: bool) -> None:
+        """The part's chunk objects, ``nbytes`` in all, took ``seconds`` to write."""
+        ...
+
     def write_many(self, items: list[tuple[str, list]]) -> None:
         """Write ``(key, pieces)`` objects with bounded concurrency; raises the first failure."""
         ...
@@ -114,7 +123,7 @@ class Storage(Protocol):
 
 
 def open_storage(url: str, storage_options: dict | None = None, io_threads: int = 4,
-                 rate_limit: float | None = None, direct_io: bool = True) -> Storage:
+                 rate_limit: float | None = None, direct_io: bool | str = "auto") -> Storage:
     """The storage backend for ``url``.
 
     Args:
@@ -122,7 +131,9 @@ def open_storage(url: str, storage_options: dict | None = None, io_threads: int 
         storage_options: fsspec options (S3 gets ``s3_defaults`` where the caller set none).
         io_threads: I/O threads per set (foreground, and each background niceness).
         rate_limit: cap all writes together at this many bytes/s (None: no cap).
-        direct_io: local disks: write objects of ``DIRECT_MIN_BYTES`` and more with O_DIRECT.
+        direct_io: local disks: write objects of ``DIRECT_MIN_BYTES`` and more with O_DIRECT
+            (True), through the page cache (False), or "auto": O_DIRECT for async saves, the
+            path that wrote faster here for sync saves (``write_mode``).
 
     Returns:
         A ``LocalStorage`` for a local filesystem, else an ``FsspecStorage``.

@@ -62,6 +62,13 @@ class StorageBase:
     def write(self, key: str, pieces: list, crc: int | None = None) -> None:
         raise NotImplementedError
 
+    def begin_part(self, background: bool) -> dict[str, float]:
+        """A rank's part of a save starts; object stores have one write path."""
+        return {}
+
+    def end_part(self, nbytes: int, seconds: float, background: bool) -> None:
+        """The part's chunk writes are over (``nbytes`` in ``seconds``)."""
+
     def write_many(self, items: list[tuple[str, list]]) -> None:
         """Write objects with bounded concurrency; raises the first failure."""
         for fut in [self._pool.submit(self.write, k, p) for k, p in items]:

@@ -18,6 +18,7 @@ import threading
 from typing import Any
 
 from ckpt_store.storage_base import StorageBase, json_bytes
+from ckpt_store.write_mode import WriteModes
 
 _IOV_MAX = 512
 
@@ -28,10 +29,25 @@ class LocalStorage(StorageBase):
     local = True
 
     def __init__(self, url: str, fs: Any, root: str, io_threads: int = 4, rate_limit: float | None = None,
-                 direct_io: bool = True):
+                 direct_io: bool | str = "auto"):
         super().__init__(url, fs, root, io_threads, rate_limit)
-        # objects of DIRECT_MIN_BYTES and more bypass the page cache (see _write_direct)
-        self.direct = _O_DIRECT is not None and direct_io
+        # objects of DIRECT_MIN_BYTES and more bypass the page cache (see _write_direct) while
+        # ``direct``; "auto" sets it per save (``begin_part``, ``write_mode``)
+        self.direct_ok = _O_DIRECT is not None and direct_io is not False
+        self.auto = direct_io == "auto"
+        self.direct = self.direct_ok
+        self.modes = WriteModes()
+
+    def begin_part(self, background: bool) -> dict[str, float]:
+        """Pick this part's write path ("auto": ``write_mode.choose_direct``)."""
+        if self.auto and self.direct_ok:
+            self.direct, _why = self.modes.choose(background)
+        return {"direct_io": 1.0 if self.direct else 0.0}
+
+    def end_part(self, nbytes: int, seconds: float, background: bool) -> None:
+        """Record the part's write rate on the path it took (sync saves: ``write_mode``)."""
+        if self.auto and self.direct_ok:
+            self.modes.record(self.direct, nbytes, seconds, background)
 
     # -- writes --------------------------------------------------------------------------
     def write(self, key: str, pieces: list, crc: int | None = None) -> None:
@@ -49,7 +65,7 @@ class LocalStorage(StorageBase):
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                self.direct = False     # this filesystem refuses O_DIRECT: the page cache from now on
+                self.direct = self.direct_ok = False   # this filesystem refuses O_DIRECT: the page cache from now on
         with open(path, "wb") as fh:
             for piece in pieces:
                 fh.write(piece)

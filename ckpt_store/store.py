@@ -89,8 +89,10 @@ class CheckpointStore:
         background_nice: niceness added, during async saves only, to the threads that
             encode and write (training keeps the CPU; a sync save, which the caller waits
             for, runs at full priority).
-        direct_io: local disks: write chunk objects with O_DIRECT (no page cache; falls back
-            by itself where the filesystem refuses it).
+        direct_io: local disks: write chunk objects with O_DIRECT (True: no page cache; falls
+            back by itself where the filesystem refuses it), through the page cache (False), or
+            "auto" (the default): O_DIRECT for async saves, and for sync saves the path that
+            wrote faster on this disk (``write_mode.py``).
         gather_small_bytes: sharded arrays of at most this many bytes are gathered and
             written whole by one rank (one object instead of one per shard; 0: never).
         fence_file: a local JSON file ``{"valid_until": unix_seconds}`` (marind's run
@@ -108,7 +110,7 @@ class CheckpointStore:
                  keep_every: int | None = None, commit_timeout_s: float = 600.0,
                  io_threads: int = 4, inner_chunk_bytes: int = 1 << 20,
                  io_rate_limit: float | None = None, writer: str = "auto", writer_nice: int = 0,
-                 background_nice: int = BACKGROUND_NICE, direct_io: bool = True,
+                 background_nice: int = BACKGROUND_NICE, direct_io: bool | str = "auto",
                  gather_small_bytes: int = SMALL_ARRAY_BYTES, fence_file: str | None = None,
                  fence_margin_s: float = 2.0):
         self.url = url
@@ -116,6 +118,8 @@ class CheckpointStore:
         keep_every = retention_count("keep_every", keep_every, minimum=1)
         if not commit_timeout_s or commit_timeout_s <= 0:
             raise ValueError(f"commit_timeout_s={commit_timeout_s!r}: use a number of seconds > 0")
+        if direct_io not in (True, False, "auto"):
+            raise ValueError(f"direct_io={direct_io!r}: use True, False or \"auto\"")
         self.storage: Storage = open_storage(url, storage_options, io_threads=io_threads,
                                              rate_limit=io_rate_limit, direct_io=direct_io)
         self.keep_last = keep_last

@@ -79,7 +79,7 @@ def main() -> int:
     if cfg.get("nice"):
         os.nice(cfg["nice"])
     st = open_storage(cfg["url"], cfg.get("storage_options"), io_threads=cfg["io_threads"],
-                      rate_limit=cfg.get("rate_limit"), direct_io=cfg.get("direct_io", True))
+                      rate_limit=cfg.get("rate_limit"), direct_io=cfg.get("direct_io", "auto"))
     reply = os.fdopen(cfg["reply_fd"], "w", buffering=1)
     jobs: queue.Queue = queue.Queue()
     worker = threading.Thread(target=_work, args=(st, cfg["arena_fd"], jobs, reply), daemon=True)

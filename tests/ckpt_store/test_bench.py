@@ -34,3 +34,15 @@ def test_ckpt_bench_quick_prints_one_json_object():
         # (the quick state's saves may cost a writer less than one clock tick: >= 0, not None)
         assert result[target]["marind"]["writer_cpu_during_async_s"] >= 0, result[target]["marind"]
     assert "step_slowdown_from_server_alone" in result["ratios"]["s3"]
+    for target in ("local", "s3"):   # DCP's best async mode, named, beside the thread-based one
+        assert result[target]["dcp_process"]["async_commit_s"] > 0, result[target]
+        assert "async_commit_vs_dcp_process" in result["ratios"][target]
+    slow = result["slow_target"]
+    if "error" not in slow:   # root here: the throttled loop target ran beside the machine's disk, and is gone
+        assert slow["throttle"] and slow["disk_write_MBps"] > 0, slow
+        for who in ("marind", "dcp", "dcp_process"):
+            assert result["slow"][who]["async_commit_s"] > 0, result["slow"]
+        assert {"sync_save_vs_dcp", "load_vs_dcp", "reshard_load_vs_dcp"} <= set(result["ratios"]["slow"])
+        assert slow["device"] not in subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
+    else:
+        assert result["slow"] is None and slow["error"]

@@ -46,7 +46,7 @@ def test_a_newer_format_is_refused_everywhere_and_never_quarantined(tmp_path):
     for read in (lambda: store.manifest(2), lambda: store.load(_target(), step=2),
                  lambda: store.load(_target()), lambda: export_safetensors(store, 2, str(tmp_path / "m.st"))):
         with pytest.raises(CheckpointFormatUnsupported, match=r"format 99, newer than this marind reads "
-                                                              r"\(1\): upgrade marind"):
+                                                              r"\(2\): upgrade marind"):
             read()
     report = store.verify(2)
     assert not report.ok and "format 99" in report.problems[0]

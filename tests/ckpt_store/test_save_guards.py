@@ -146,7 +146,7 @@ def test_sub_mesh_copies_write_each_chunk_once_and_load_exactly(tmp_path):
 
     root = tmp_path / "ckpt"
     run_torch_workers("tests.ckpt_store.workers:sub_meshes", 4, timeout=150, url=f"file://{root}")
-    markers = sorted((root / "step-0000000001" / ".marind").glob("rank-*.json"))
+    markers = sorted((root / "step-0000000001" / "parts").glob("rank-*.json"))   # each rank's object list
     writes: dict = {}
     for marker in markers:
         for key in json.loads(marker.read_text())["objects"]:

@@ -1,7 +1,8 @@
 """Reading a checkpoint root the way docs/design.md §4 lays it out, without ckpt_store.
 
 ``{url}/step-{step:010d}/`` holds a checkpoint; it is committed once its
-``manifest.json`` (``{format, step, arrays, objects: {key: {size, crc32c}}, world}``)
+``manifest.json`` (``{format, step, arrays, objects: {key: {size, crc32c}}, world}``;
+format 2 adds ``parts``, the ranks' object lists, whose objects count as listed)
 exists. The injectors read this layout directly so that they keep working
 (and can corrupt things) whatever state ckpt_store's own code is in.
 """
@@ -77,9 +78,14 @@ def committed_steps(fs, root: str) -> list[int]:
 
 
 def read_manifest(fs, root: str, step: int) -> dict:
-    """A committed step's ``manifest.json``, parsed."""
+    """A committed step's ``manifest.json``, parsed; format 2's per-rank object lists
+    (``parts``) merged into ``objects``, as format 1 has them."""
     with fs.open(f"{root}/{step_dir_name(step)}/{MANIFEST}", "rb") as fh:
-        return json.loads(fh.read())
+        manifest = json.loads(fh.read())
+    for part in manifest.get("parts") or []:
+        with fs.open(f"{root}/{step_dir_name(step)}/{part['key']}", "rb") as fh:
+            manifest["objects"].update(json.loads(fh.read())["objects"])
+    return manifest
 
 
 def uncommitted_above(dirs: dict[int, str], committed: set[int]) -> set[int]:
