@@ -58,6 +58,23 @@ def read_lease(run_dir: str | Path) -> float | None:
         return None
 
 
+def renewal_late(run_dir: str | Path, now: float) -> bool:
+    """Has the agent gone more than half the TTL without renewing the node's lease?
+
+    Renewals come every TTL/3; a later one means etcd is out of this node's reach (its control
+    network may be cut, and the storage with it). False without a (valid) lease file.
+
+    Args:
+        run_dir: the job's run directory on this node.
+        now: the current Unix time.
+    """
+    doc = read_json_object(lease_path(run_dir))
+    try:
+        return doc is not None and now - float(doc["renewed_at"]) > float(doc["ttl"]) / 2
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
 def commit_margin(ttl: float) -> float:
     """The lease a commit must leave: ``COMMIT_MARGIN_S``, at most a quarter of the TTL (pure)."""
     return min(COMMIT_MARGIN_S, ttl / 4)

@@ -297,6 +297,40 @@ def test_control_partition_shorter_than_grace_keeps_training(bed_cluster):
     assert not cluster.kinds(job, "node_lost") and not cluster.kinds(job, "host_fenced"), cluster.events(job)
 
 
+@pytest.mark.slow
+def test_control_partition_during_a_save_keeps_training(bed_cluster):
+    """The rank-0 host loses etcd and S3 in the middle of a save, for longer than its lease TTL.
+
+    The save's upload and commit wait on S3 in the background; the steps go on: a save due
+    meanwhile is skipped (the previous one is in flight while the lease is not renewed) or gives
+    up on the silent storage after ``PREPARE_TIMEOUT_S``, so no step stalls and nobody takes the
+    host for lost. A commit that comes after the lease expired is refused by the commit fence.
+    """
+    from marind.testing.chaos.ckpt import open_root, wait_for_save
+    cluster = bed_cluster
+    steps, every = 600, 100       # saves fall due during the 15 s cut (~10 steps/s here)
+    baseline = _baseline(cluster, "2", steps, every)
+    job, url = _submit(cluster, "ctl-save-cut", "2", steps, every=every)
+    _training_on_all(cluster, job, 2)
+    victim = cluster.host_of_rank(job, 0)
+    fs, root = open_root(url, cluster.s3.storage_options)
+    saving = wait_for_save(fs, root, url, 300, log)
+    before = cluster.step(job)
+    cluster.bed.cut(victim, "control")
+    try:
+        time.sleep(LEASE_TTL + 5)
+    finally:
+        cluster.bed.restore(victim, "control")
+    assert cluster.step(job) > before + 3, "the job stepped on through the control outage"
+    state = cluster.wait_done(job, timeout=900)
+    assert state["state"] == "SUCCEEDED", state
+    store = _check_checkpoints(cluster, url, steps)
+    assert saving > 0
+    assert final_tensor_objects(store, url, cluster.s3) == baseline["objects"]
+    assert cluster.restarts_per_node(job) == {n: 0 for n in cluster.nodes}, cluster.events(job)
+    assert not cluster.kinds(job, "node_lost") and not cluster.kinds(job, "host_fenced"), cluster.events(job)
+
+
 # -- (e) the rank-0 host's data network cut in the middle of a save -----------------------------------
 @pytest.mark.slow
 def test_rank0_data_partition_during_a_save(bed_cluster):
