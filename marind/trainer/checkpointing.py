@@ -225,18 +225,17 @@ class Checkpointer:
                 raise CheckpointSaveFailed(f"checkpoint step {step} did not commit (see checkpoint_failed)")
 
     def _skip_while_cut_off(self, step: int) -> bool:
-        """Under an agent: skip this save, on every rank, when on some rank the previous save is
-        still in flight while the agent cannot renew the node's lease (etcd, and likely the
-        storage, out of reach): waiting for it would stall the step. One all-reduce per save."""
+        """Under an agent: skip this save, on every rank, when on some rank the agent has not renewed
+        the node's lease for more than half its TTL (etcd, and likely the storage, out of reach):
+        its storage calls could stall the step (waiting on the previous save too), and its commit
+        would wait for a renewal anyway (the commit fence). One all-reduce per save."""
         if self.run_dir is None:
             return False
-        busy = (self.pending is not None and not self.pending.done()
-                and renewal_late(self.run_dir, time.time()))
-        if all_ranks_ok(not busy):
+        if all_ranks_ok(not renewal_late(self.run_dir, time.time())):
             return False
         self.failures += 1
         log.error("checkpoint_skipped", step=step, failures=self.failures,
-                  reason="the previous save is still in flight and the control plane is out of reach")
+                  reason="the node's lease is not being renewed: the control plane is out of reach")
         return True
 
     def wait(self, timeout: float | None = None) -> None:
