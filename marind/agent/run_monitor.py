@@ -145,8 +145,9 @@ class RunMonitor:
         verdict, self.gen_pids, _ = classify_workers(launched, self.gen_pids)
         if verdict == Generation.NEW:
             self._new_generation(now)
-        if workers:
-            self.worker_pids = frozenset(w.pid for w in workers)
+        if workers:     # every worker of the round seen so far: one may exit before another is seen
+            pids = frozenset(w.pid for w in workers)
+            self.worker_pids = pids if verdict == Generation.NEW else self.worker_pids | pids
         records = prog.current(prog.read_records(self.sup.run_dir), {w.pid for w in workers})
         if self.awaiting_running_since is not None:
             running, _ = workers_running((r.phase for r in records), awaiting_since=self.awaiting_running_since,
