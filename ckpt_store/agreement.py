@@ -99,6 +99,15 @@ def agree_layout(step: int, tensors: dict) -> None:
                           "with the same step and the same arrays (shapes, dtypes, placements)")
 
 
+def all_ranks_ok(ok: bool) -> bool:
+    """True on every rank when ``ok`` is True on every rank (one all-reduce, MIN; no collective alone)."""
+    if not distributed():
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=_collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(int(flag[0]))
+
+
 def layout_difference(per_rank: list) -> str:
     """The first difference between the ranks' ``layout_rows`` (``per_rank[r]``: rank r's), in words."""
     steps = {r: rows[0] for r, rows in enumerate(per_rank)}

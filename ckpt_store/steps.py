@@ -6,6 +6,7 @@ Torch-free (the writer process applies retention after it commits).
 from __future__ import annotations
 
 import operator
+import threading
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -147,3 +148,33 @@ def retention_count(name: str, value: Any, minimum: int) -> int | None:
     if n < minimum:
         raise ValueError(f"{name}={n}: use an integer >= {minimum} or None")
     return n
+
+
+def prepare_step_dir_within(st: Storage, url: str, step: int, rank: int, timeout_s: float) -> bool:
+    """``prepare_step_dir``, waited on for at most ``timeout_s`` (a silent storage must not stall a step).
+
+    Past the timeout the storage calls go on in a daemon thread until the storage answers;
+    the caller does not save this step (every rank agrees first: ``agreement.all_ranks_ok``).
+
+    Returns:
+        True when it finished in time; False when it is still waiting on the storage.
+
+    Raises:
+        Whatever ``prepare_step_dir`` raised, when it finished in time.
+    """
+    outcome: list[BaseException | None] = []
+
+    def work() -> None:
+        try:
+            prepare_step_dir(st, url, step, rank)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            outcome.append(exc)
+    thread = threading.Thread(target=work, name="ckpt-prepare", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not outcome:
+        return False
+    if outcome[0] is not None:
+        raise outcome[0]
+    return True

@@ -46,6 +46,7 @@ from ckpt_store.steps import (
     committed_steps,
     parse_step_dir,
     prepare_step_dir,
+    prepare_step_dir_within,
     retention_count,
     step_dir,
     step_number,
@@ -101,6 +102,10 @@ class CheckpointStore:
             have been replaced never commits (``ckpt_store.fence``). A missing or malformed
             file does not fence.
         fence_margin_s: see ``fence_file``.
+        prepare_timeout_s: async saves only: how long ``save()`` waits on the storage calls it
+            makes in the caller's thread (the step directory's check); past it, on any rank,
+            every rank's ``save()`` raises ``CheckpointSaveFailed`` and nothing is saved, so a
+            storage that went silent (a cut network) does not stall training. None: no bound.
 
     Raises:
         ValueError, TypeError: a retention count, timeout or writer that makes no sense.
@@ -112,7 +117,7 @@ class CheckpointStore:
                  io_rate_limit: float | None = None, writer: str = "auto", writer_nice: int = 0,
                  background_nice: int = BACKGROUND_NICE, direct_io: bool | str = "auto",
                  gather_small_bytes: int = SMALL_ARRAY_BYTES, fence_file: str | None = None,
-                 fence_margin_s: float = 2.0):
+                 fence_margin_s: float = 2.0, prepare_timeout_s: float | None = None):
         self.url = url
         keep_last = retention_count("keep_last", keep_last, minimum=0)
         keep_every = retention_count("keep_every", keep_every, minimum=1)
@@ -126,6 +131,7 @@ class CheckpointStore:
         self.keep_every = keep_every
         self.commit_timeout_s = commit_timeout_s
         self.fence = (str(fence_file), float(fence_margin_s)) if fence_file else None
+        self.prepare_timeout_s = prepare_timeout_s
         self.background_nice = background_nice
         self.inner_chunk_bytes = inner_chunk_bytes
         self.gather_small_bytes = gather_small_bytes
@@ -197,7 +203,15 @@ class CheckpointStore:
         rank, world = agreement.rank_world()
         t0 = time.perf_counter()
         tensors, values = flatten(state)
-        prepare_step_dir(self.storage, self.url, step, rank)   # then the agreement: the barrier after it
+        bounded = async_ and self.prepare_timeout_s is not None
+        if bounded:
+            assert self.prepare_timeout_s is not None
+            ready = prepare_step_dir_within(self.storage, self.url, step, rank, self.prepare_timeout_s)
+            if not agreement.all_ranks_ok(ready):
+                raise CheckpointSaveFailed(f"checkpoint step {step} not saved: the storage did not answer within "
+                                           f"{self.prepare_timeout_s:g}s (on rank {rank} or another)")
+        else:
+            prepare_step_dir(self.storage, self.url, step, rank)   # then the agreement: the barrier after it
         if world > 1:
             agreement.agree_layout(step, tensors)
         plans = [plan_array(name, tensors[name], rank, world, salt=i, inner_bytes=self.inner_chunk_bytes)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from marind.agent import progress as prog
 from marind.agent.config import AgentConfig, endpoint_file
+from marind.agent.data_watch import DataNetwork
 from marind.agent.decisions import (
     Admission,
     ExitAction,
@@ -81,6 +82,7 @@ class Agent:
         self._warned: set[tuple[str, str]] = set()     # (what, job) logged once
         self.link: Link | None = None
         self.doctor: DoctorProbes | None = None      # `marind doctor --cluster` probes
+        self.data: DataNetwork | None = None         # probes of the peers' data endpoints
         self.etcd_server: LocalEtcd | None = None
         self.metrics_server: MetricsServer | None = None
         self.endpoint = config.etcd
@@ -161,6 +163,7 @@ class Agent:
         self.link = Link.open(self.config, self.endpoint, slots=self.slots, online=lambda: self.etcd_ok,
                               offline=self._offline, on_keepalive_failure=self._keepalive_failed)
         self.doctor = DoctorProbes(self.link.client, self.config, self.endpoint)
+        self.data = DataNetwork(self.node, self.link.outbox, self.link.registry, fresh_s=self.config.lease_ttl)
         registry = self.link.registry
         last_log = 0.0
         while not self.stop_event.is_set():
@@ -204,8 +207,9 @@ class Agent:
                 link.outbox.leaving(job, run.members, "agent stopping")
                 link.outbox.event(job, "node_left", {"reason": "agent stopping"})
         self.runs.clear()
-        if self.doctor is not None:
-            self.doctor.stop()
+        for probes in (self.doctor, self.data):
+            if probes is not None:
+                probes.stop()
         if link is not None:
             link.outbox.flush()
             link.watch.stop()
@@ -319,7 +323,7 @@ class Agent:
         if verdict == Admission.TOO_BIG:
             if self._first("job_too_big", view.id):
                 self.log.warning("job_too_big", job=view.id, nproc_per_node=spec.job.nproc_per_node, slots=self.slots)
-        if verdict != Admission.START:
+        if verdict != Admission.START or (self.data is not None and not self.data.may_start(view.id, self.runs)):
             return
         run_dir = self.jobs_dir / view.id
         ready, ft = link.ft_pending.ready(view.id, spec, run_dir)
@@ -371,11 +375,14 @@ class Agent:
         records = run.supervise(now)
         if now - run.last_report >= self.config.report_interval:
             self._report(run, now, records=records)
-        if run.pending_losses and self.etcd_ok:
-            try:
-                run.act_on_losses(now, stall_window(self._link().registry.ttl))
-            except ControlPlaneUnavailable:
-                self.etcd_ok = False
+        stall_s = stall_window(self._link().registry.ttl)
+        try:
+            if run.pending_losses and self.etcd_ok:
+                run.act_on_losses(now, stall_s)
+            if self.data is not None:     # the commit fence always; the verdict with etcd
+                self.data.tick(run, now, stall_s=stall_s, fencing=self.fencing, runs=self.runs, online=self.etcd_ok)
+        except ControlPlaneUnavailable:
+            self.etcd_ok = False
 
     def _control_plane_down(self) -> bool:
         try:

@@ -19,6 +19,9 @@ pattern as ``hang.HangDetector`` and ``lifecycle.transition``.
 * ``on_node_loss``: a node of the job lost its lease; restart this node's workers into a
   new round now, only drop it from the rendezvous, or wait (training goes on)?
 * ``fence_due``: this node's lease must have expired; stop its workers (fence) or not?
+
+The data network's loss (a node whose lease lives on) has its own verdicts in
+``marind.agent.data_decisions`` (``cut_off``, ``on_data_loss``, ``commit_fence_due``).
 """
 
 from __future__ import annotations

@@ -94,7 +94,8 @@ class Fencing:
         """Each run's ``lease.json``: how long its workers may still commit (``marind.core.lease_file``)."""
         for run in runs.values():
             try:
-                write_lease(run.sup.run_dir, renewed_at=renewed_at, ttl=ttl, node=self.node)
+                write_lease(run.sup.run_dir, renewed_at=renewed_at, ttl=ttl, node=self.node,
+                            until=run.data.commit_fence_at if run.data is not None else None)
             except OSError as exc:
                 self.log.warning("lease_file_failed", job=run.job, error=str(exc))
         self._lease_written = renewed_at if runs else 0.0
@@ -121,6 +122,16 @@ class Fencing:
         """
         self._fence(run, why, now, self.link.registry.last_renewal)
         self._register_anew = True             # the others count this incarnation gone
+
+    def fence_data(self, run: RunMonitor, why: str, now: float) -> None:
+        """This node lost its data network (``marind.agent.data_watch``): the others replace its world.
+
+        The same fence as a lapsed lease, while the lease still lives: the node registers anew
+        (its incarnation is counted lost) and the agent holds the job until the data network
+        answers again.
+        """
+        self._fence(run, why, now, self.link.registry.last_renewal)
+        self._register_anew = True
 
     def _fence(self, run: RunMonitor, why: str, now: float, last_renewal: float) -> None:
         self.log.warning("host_fenced", job=run.job, reason=why, round=run.generations, step=run.step)

@@ -35,7 +35,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from marind.agent import progress as prog
 from marind.agent.decisions import (
@@ -62,6 +62,9 @@ from marind.core.etcd_client import EtcdClient
 from marind.core.log import get_logger
 from marind.core.spec import RunSpec
 from marind.metrics import Metrics
+
+if TYPE_CHECKING:
+    from marind.agent.data_watch import DataWatch
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,7 @@ class RunMonitor:
         self._marker: object = None
         self.pending_losses: dict[str, Loss] = {}       # lost nodes not acted on yet
         self._waiting_logged: set[str] = set()
+        self.data: DataWatch | None = None              # the data-network watch (``data_watch``)
         self.log = get_logger(__name__, node=node, job=job)
 
     @property
@@ -141,8 +145,9 @@ class RunMonitor:
         verdict, self.gen_pids, _ = classify_workers(launched, self.gen_pids)
         if verdict == Generation.NEW:
             self._new_generation(now)
-        if workers:
-            self.worker_pids = frozenset(w.pid for w in workers)
+        if workers:     # every worker of the round seen so far: one may exit before another is seen
+            pids = frozenset(w.pid for w in workers)
+            self.worker_pids = pids if verdict == Generation.NEW else self.worker_pids | pids
         records = prog.current(prog.read_records(self.sup.run_dir), {w.pid for w in workers})
         if self.awaiting_running_since is not None:
             running, _ = workers_running((r.phase for r in records), awaiting_since=self.awaiting_running_since,
@@ -324,6 +329,8 @@ class RunMonitor:
             record["incarnation"] = self.members.incarnation      # registered anew after a fence
         if self.ft is not None:
             record["ft"] = self.ft.report()
+        if self.data is not None:
+            record["data"] = self.data.record_part(now)
         return record
 
     def report(self, client: EtcdClient, registry: NodeRegistry, now: float,

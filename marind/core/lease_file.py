@@ -28,7 +28,8 @@ def lease_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / "lease.json"
 
 
-def write_lease(run_dir: str | Path, *, renewed_at: float, ttl: float, node: str) -> None:
+def write_lease(run_dir: str | Path, *, renewed_at: float, ttl: float, node: str,
+                until: float | None = None) -> None:
     """Atomically (re)write the run's lease file.
 
     Args:
@@ -36,12 +37,16 @@ def write_lease(run_dir: str | Path, *, renewed_at: float, ttl: float, node: str
         renewed_at: when the node's lease was last renewed (the request's send time).
         ttl: the lease's TTL in seconds.
         node: the node's name (informational).
+        until: an earlier end (the node lost its data network then: ``marind.agent.data_watch``);
+            ``valid_until`` is the earlier of it and ``renewed_at + ttl``, and ``fenced_at`` records it.
 
     Raises:
         OSError: the file could not be written.
     """
-    write_json_atomic(lease_path(run_dir), {"valid_until": renewed_at + ttl, "renewed_at": renewed_at,
-                                            "ttl": ttl, "node": node})
+    doc = {"valid_until": renewed_at + ttl, "renewed_at": renewed_at, "ttl": ttl, "node": node}
+    if until is not None:
+        doc.update(valid_until=min(until, renewed_at + ttl), fenced_at=until)
+    write_json_atomic(lease_path(run_dir), doc)
 
 
 def read_lease(run_dir: str | Path) -> float | None:
@@ -51,6 +56,23 @@ def read_lease(run_dir: str | Path) -> float | None:
         return None if doc is None else float(doc["valid_until"])
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def renewal_late(run_dir: str | Path, now: float) -> bool:
+    """Has the agent gone more than half the TTL without renewing the node's lease?
+
+    Renewals come every TTL/3; a later one means etcd is out of this node's reach (its control
+    network may be cut, and the storage with it). False without a (valid) lease file.
+
+    Args:
+        run_dir: the job's run directory on this node.
+        now: the current Unix time.
+    """
+    doc = read_json_object(lease_path(run_dir))
+    try:
+        return doc is not None and now - float(doc["renewed_at"]) > float(doc["ttl"]) / 2
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 def commit_margin(ttl: float) -> float:

@@ -26,13 +26,18 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ckpt_store import CheckpointSaveFailed, CheckpointStore, PendingSave
+from ckpt_store.agreement import all_ranks_ok
 from marind.core import workerenv as WE
-from marind.core.lease_file import lease_path
+from marind.core.lease_file import lease_path, renewal_late
 from marind.core.log import get_logger
 from marind.trainer.config import TrainerSpec
 from marind.trainer.pipeline_ckpt import StageArrays
 
 log = get_logger(__name__)
+
+#: under an agent, an async save waits at most this long on the storage in the training thread
+#: (a silent storage, e.g. a cut control network, would stall the step and the node be taken for lost)
+PREPARE_TIMEOUT_S = 2.0
 
 
 def checkpoint_url(url: str) -> str:
@@ -105,11 +110,13 @@ class Checkpointer:
         self.rank, self.world_size, self.layout = rank, world_size, layout
         c = spec.checkpoint
         self.store: CheckpointStore | None = None
+        self.run_dir = os.environ.get(WE.RUN_DIR)   # under an agent: never commit for a replaced world
         if c.url:
-            run_dir = os.environ.get(WE.RUN_DIR)   # under an agent: never commit for a replaced world
+            run_dir = self.run_dir
             self.store = CheckpointStore(checkpoint_url(c.url), keep_last=c.keep_last or None,
                                          keep_every=c.keep_every or None,
-                                         fence_file=str(lease_path(run_dir)) if run_dir else None)
+                                         fence_file=str(lease_path(run_dir)) if run_dir else None,
+                                         prepare_timeout_s=PREPARE_TIMEOUT_S if run_dir else None)
             if hasattr(optimizer, "register_step_pre_hook"):
                 self.store.protect(optimizer)   # async snapshots overlap the next forward/backward
         self.pending: PendingSave | None = None
@@ -200,11 +207,20 @@ class Checkpointer:
         if self.store is None:
             return
         if self.started_step != step:
+            if not wait and self._skip_while_cut_off(step):
+                return
             if self.pending is not None:
                 self._settle(self.spec.checkpoint.wait_timeout)
             state = self.build_state(step, data_position)
             async_ = self.spec.checkpoint.async_ and not wait
-            self.pending = self.store.save(step, state, async_=async_)
+            try:
+                self.pending = self.store.save(step, state, async_=async_)
+            except CheckpointSaveFailed as exc:
+                if not async_:
+                    raise
+                self.failures += 1      # the storage did not answer in time: training goes on
+                log.error("checkpoint_failed", step=step, error=str(exc), failures=self.failures)
+                return
             self.started_step = step
             self.last_saved_at = time.monotonic()
             log.debug("checkpoint_started", step=step, async_=async_,
@@ -213,6 +229,20 @@ class Checkpointer:
             self.wait()
             if self.last_step != step:
                 raise CheckpointSaveFailed(f"checkpoint step {step} did not commit (see checkpoint_failed)")
+
+    def _skip_while_cut_off(self, step: int) -> bool:
+        """Under an agent: skip this save, on every rank, when on some rank the agent has not renewed
+        the node's lease for more than half its TTL (etcd, and likely the storage, out of reach):
+        its storage calls could stall the step (waiting on the previous save too), and its commit
+        would wait for a renewal anyway (the commit fence). One all-reduce per save."""
+        if self.run_dir is None:
+            return False
+        if all_ranks_ok(not renewal_late(self.run_dir, time.time())):
+            return False
+        self.failures += 1
+        log.error("checkpoint_skipped", step=step, failures=self.failures,
+                  reason="the node's lease is not being renewed: the control plane is out of reach")
+        return True
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait (bounded) for the save in flight; failures are logged.

@@ -43,3 +43,17 @@ def test_the_file_round_trips_and_a_bad_one_reads_as_absent(tmp_path):
 @pytest.mark.unit
 def test_the_margin_is_at_most_a_quarter_of_the_ttl():
     assert commit_margin(10) == COMMIT_MARGIN_S and commit_margin(4) == 1.0 and commit_margin(2) == 0.5
+
+
+@pytest.mark.unit
+def test_a_data_network_fence_ends_the_lease_early_and_a_save_refuses(tmp_path):
+    from ckpt_store.errors import CheckpointSaveFailed
+    from ckpt_store.fence import check_fence
+    write_lease(tmp_path, renewed_at=1000.0, ttl=10, node="a", until=1003.0)
+    assert read_lease(tmp_path) == 1003.0
+    with pytest.raises(CheckpointSaveFailed, match="replaced"):
+        check_fence((str(lease_path(tmp_path)), COMMIT_MARGIN_S), now=1002.0)
+    write_lease(tmp_path, renewed_at=1000.0, ttl=10, node="a", until=2000.0)    # never past the lease
+    assert read_lease(tmp_path) == 1010.0
+    write_lease(tmp_path, renewed_at=1000.0, ttl=10, node="a")                  # lifted
+    check_fence((str(lease_path(tmp_path)), COMMIT_MARGIN_S), now=1002.0)

@@ -1,0 +1,243 @@
+"""Acting on a dead data network: a node whose lease lives on but whose peers' workers cannot reach it.
+
+The agent keeps one ``DataNetwork`` (its ``DataProber``: listener and probes,
+``marind.agent.data_probe``) and one ``DataWatch`` per elastic run. Each tick,
+for each run:
+
+1. the watch probes the data endpoints that the job's other nodes publish in
+   their job records (``data``; read by ``Membership.poll`` on every report);
+2. a run that has reached none of its peers for ``COMMIT_FENCE_S`` fences its
+   commits at once: its ``lease.json`` ends at the isolation's start
+   (``marind.core.lease_file``), so no checkpoint of a world that may be
+   replaced gets committed; the fence lifts when a peer answers again;
+3. the node publishes its own row in its job record (``record_part``): its
+   endpoint, its link's carrier, the peers it probes and since when each is
+   silent. The fence of step 2 is written before a row that shows the
+   isolation is;
+4. every node judges the rows alike (``data_decisions.cut_off``) and acts
+   (``data_decisions.on_data_loss``): a survivor marks the cut-off node's
+   torchrun lost for the rendezvous (``rdzv/lost/{desc}``), and the agent whose
+   claim of ``departed/{node}/{incarnation}`` wins writes ``node_lost`` (cause
+   ``data_network_gone``) and, when its workers stalled, SIGKILLs them: a new
+   round without it, no ``hang_timeout``. The cut-off node fences its run
+   (``Fencing.fence_data``: everything SIGKILLed, queued writes dropped, a new
+   registration, ``host_fenced``) and **holds** the job: it starts it again
+   (``node_rejoined``) only once a peer's data endpoint answers again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from marind.agent.data_decisions import (
+    DATA_NETWORK_GONE,
+    DataAction,
+    ReachRow,
+    commit_fence_due,
+    cut_off,
+    on_data_loss,
+)
+from marind.agent.data_probe import DataProber, link_up
+from marind.agent.membership import Loss
+from marind.core.lease_file import write_lease
+from marind.core.log import get_logger
+
+if TYPE_CHECKING:
+    from marind.agent.fencing import Fencing
+    from marind.agent.outbox import Outbox
+    from marind.agent.registry import NodeRegistry
+    from marind.agent.run_monitor import RunMonitor
+
+
+class DataWatch:
+    """One run's view of its peers' data endpoints and what it did about them.
+
+    Args:
+        run: the run.
+        prober: the agent's prober.
+    """
+
+    def __init__(self, run: RunMonitor, prober: DataProber):
+        self.run, self.prober = run, prober
+        self.acted: set[tuple[str, str]] = set()    # (node, incarnation) acted on
+        self.commit_fence_at: float | None = None
+
+    def peers(self) -> dict[str, tuple[str, int]]:
+        """The job's other nodes' data endpoints (as last polled), less the ones acted on."""
+        members = self.run.members
+        if members is None:
+            return {}
+        out = {}
+        for node, rec in members.records.items():
+            data = rec.get("data")
+            if node == self.run.node or not isinstance(data, dict) or (node, str(members.known.get(node))) in self.acted:
+                continue
+            try:
+                out[node] = (str(data["addr"]), int(data["port"]))
+            except (KeyError, TypeError, ValueError):
+                continue
+        return out
+
+    def refresh(self) -> tuple[dict[str, float], frozenset[str]]:
+        """Probe the current peers; (peer -> silent since, the peers probed so far)."""
+        peers = self.peers()
+        self.prober.want(self.run.job, peers)
+        states = self.prober.states(self.run.job)
+        return ({p: s.down_since for p, s in states.items() if s.down_since is not None},
+                frozenset(states))
+
+    def update_fence(self, now: float, registry: NodeRegistry) -> None:
+        """Set or lift the commit fence and rewrite ``lease.json`` when it changes."""
+        down, probed = self.refresh()
+        fence_at = commit_fence_due(down, probed, now)
+        if (fence_at is None) == (self.commit_fence_at is None):
+            return
+        self.commit_fence_at = fence_at
+        get_logger(__name__, node=self.run.node).warning(
+            "data_commit_fence", job=self.run.job, fenced=fence_at is not None, down=sorted(down))
+        try:
+            write_lease(self.run.sup.run_dir, renewed_at=registry.last_renewal, ttl=registry.ttl,
+                        node=self.run.node, until=fence_at)
+        except OSError:
+            pass
+
+    def record_part(self, now: float) -> dict:
+        """This node's row for its job record (``data``): endpoint, carrier, probes."""
+        down, probed = self.refresh()
+        return {**self.prober.endpoint(), "at": now, "probed": sorted(probed), "down": down}
+
+    def rows(self, now: float) -> dict[str, ReachRow]:
+        """Every node's row: the others' as last polled, this node's as of now."""
+        members = self.run.members
+        if members is None:
+            return {}
+        rows = {}
+        for node, rec in members.records.items():
+            row = ReachRow.from_record(node, rec)
+            if row is not None and node != self.run.node and (node, str(members.known.get(node))) not in self.acted:
+                rows[node] = row
+        me = ReachRow.from_record(self.run.node, {"data": self.record_part(now)})
+        if me is not None:
+            rows[self.run.node] = me
+        return rows
+
+
+@dataclass(frozen=True)
+class Hold:
+    """A job this node fenced because its data network was gone: not started until a peer answers."""
+
+    since: float
+    peers: tuple[str, ...]
+
+
+class DataNetwork:
+    """The agent's data-network watch over all its runs.
+
+    Args:
+        node: this node's name.
+        outbox: the agent's outbox (events).
+        registry: this node's registration (lease times for ``lease.json``).
+        fresh_s: rows published longer ago are ignored.
+    """
+
+    def __init__(self, node: str, outbox: Outbox, registry: NodeRegistry, *, fresh_s: float):
+        self.node, self.outbox, self.registry, self.fresh_s = node, outbox, registry, fresh_s
+        self.prober = DataProber().start()
+        self.holds: dict[str, Hold] = {}
+        self.log = get_logger(__name__, node=node)
+
+    def attach(self, run: RunMonitor) -> None:
+        """Watch ``run``'s peers (elastic runs; torchft's replica groups heal on their own)."""
+        if run.ft is None and run.members is not None:
+            run.data = DataWatch(run, self.prober)
+
+    def may_start(self, job: str, runs: dict[str, RunMonitor]) -> bool:
+        """False while ``job`` is held: fenced for a dead data network that no peer answers on yet."""
+        self.prune(runs)
+        hold = self.holds.get(job)
+        if hold is None:
+            return True
+        states = self.prober.states(f"hold:{job}")
+        back = [p for p, s in states.items() if s.ok_at is not None and s.ok_at > hold.since and s.down_since is None]
+        if (back or not hold.peers) and link_up(self.prober.addr):
+            self.log.info("data_network_back", job=job, reached=back, held_s=round(time.time() - hold.since, 1))
+            del self.holds[job]
+            self.prober.drop(f"hold:{job}")
+            return True
+        return False
+
+    def prune(self, runs: dict[str, RunMonitor]) -> None:
+        """Stop probing for jobs no longer run here (held ones go on)."""
+        for job in self.prober.jobs():
+            if not job.startswith("hold:") and job not in runs:
+                self.prober.drop(job)
+
+    def tick(self, run: RunMonitor, now: float, *, stall_s: float, fencing: Fencing,
+             runs: dict[str, RunMonitor], online: bool) -> None:
+        """The commit fence, the verdict and this node's action for one run (raises ControlPlaneUnavailable).
+
+        Args:
+            run: the run.
+            now: the current time.
+            stall_s: the stall that counts as stuck.
+            fencing: the agent's fencing (this node cut off).
+            runs: the agent's runs (a fenced one is removed).
+            online: etcd is reachable (otherwise only the commit fence is kept).
+        """
+        self.prune(runs)
+        if run.data is None:
+            self.attach(run)
+        watch, members = run.data, run.members
+        if watch is None or members is None:
+            return
+        watch.update_fence(now, self.registry)
+        if not online:
+            return
+        rows = watch.rows(now)
+        cut, verdict = cut_off(rows, now=now, window=stall_s, fresh_s=self.fresh_s)
+        if not cut:
+            return
+        in_round = frozenset(n for n in cut if n == run.node or members.in_current_round(
+            self._loss(run, n), members.rdzv_desc(self._loss(run, n))))
+        action, nodes, why = on_data_loss(me=run.node, cut=cut, acted=frozenset(n for n, _ in watch.acted),
+                                          in_round=in_round, workers_running=bool(run.sup.worker_pids()),
+                                          progress_at=run.progress_at, now=now, stall_s=stall_s)
+        if action == DataAction.FENCE:
+            peers = {p: ep for p, ep in watch.peers().items() if p not in cut}
+            self.holds[run.job] = Hold(since=now, peers=tuple(sorted(peers)))
+            self.prober.want(f"hold:{run.job}", peers)
+            self.prober.drop(run.job)
+            fencing.fence_data(run, f"{why} ({verdict})", now)
+            runs.pop(run.job, None)
+        elif action in (DataAction.RESTART, DataAction.MARK):
+            for node in sorted(nodes):
+                self._act(run, node, action, f"{why} ({verdict})", rows.get(node))
+
+    @staticmethod
+    def _loss(run: RunMonitor, node: str) -> Loss:
+        members = run.members
+        assert members is not None
+        return Loss(node, str(members.known.get(node, "?")), DATA_NETWORK_GONE, members.records.get(node, {}))
+
+    def _act(self, run: RunMonitor, node: str, action: DataAction, why: str, row: ReachRow | None) -> None:
+        members, watch = run.members, run.data
+        assert members is not None and watch is not None
+        loss = self._loss(run, node)
+        desc = members.rdzv_desc(loss)
+        members.mark_lost(loss, desc)
+        first = members.claim(loss, {"action": action.value})
+        watch.acted.add((node, loss.incarnation))
+        self.log.warning("node_lost", job=run.job, lost=node, cause=DATA_NETWORK_GONE, action=action.value,
+                         reason=why, recorded=first, rdzv_node=desc)
+        if not first:
+            return
+        killed = run.kill_workers() if action == DataAction.RESTART else []
+        self.outbox.event(run.job, "node_lost", {
+            "node": node, "cause": DATA_NETWORK_GONE, "action": action.value, "reason": why, "killed": killed,
+            "link_up": row.link_up if row is not None else None})
+
+    def stop(self) -> None:
+        """Stop the prober."""
+        self.prober.stop()

@@ -1,0 +1,115 @@
+"""Unit tests of the data-network verdicts (``marind.agent.data_decisions``): no process, no etcd."""
+
+from __future__ import annotations
+
+import pytest
+
+from marind.agent.data_decisions import (
+    DataAction,
+    ReachRow,
+    commit_fence_due,
+    cut_off,
+    on_data_loss,
+)
+
+pytestmark = pytest.mark.unit
+NOW, WINDOW, FRESH = 1000.0, 5.0, 10.0
+
+
+def row(node: str, peers: list[str], down: dict[str, float] | None = None, *, link_up: bool = True,
+        at: float = NOW) -> ReachRow:
+    return ReachRow(node=node, at=at, link_up=link_up, probed=frozenset(peers), down=down or {})
+
+
+def verdict(*rows: ReachRow) -> frozenset[str]:
+    return cut_off({r.node: r for r in rows}, now=NOW, window=WINDOW, fresh_s=FRESH)[0]
+
+
+def test_everyone_reaching_everyone_cuts_nobody():
+    assert verdict(row("a", ["b", "c"]), row("b", ["a", "c"]), row("c", ["a", "b"])) == frozenset()
+
+
+def test_majority_names_the_node_that_reaches_nobody():
+    long_ago = NOW - WINDOW - 1
+    rows = (row("a", ["b", "c"], {"b": long_ago, "c": long_ago}),
+            row("b", ["a", "c"], {"a": long_ago}), row("c", ["a", "b"], {"a": long_ago}))
+    assert verdict(*rows) == frozenset({"a"})
+
+
+def test_silence_shorter_than_the_window_decides_nothing():
+    recent = NOW - WINDOW + 1
+    rows = (row("a", ["b", "c"], {"b": recent, "c": recent}),
+            row("b", ["a", "c"], {"a": recent}), row("c", ["a", "b"], {"a": recent}))
+    assert verdict(*rows) == frozenset()
+
+
+def test_two_nodes_are_told_apart_by_their_own_link():
+    long_ago = NOW - WINDOW - 1
+    a = row("a", ["b"], {"b": long_ago}, link_up=False)
+    b = row("b", ["a"], {"a": long_ago})
+    assert verdict(a, b) == frozenset({"a"})
+    both_up = cut_off({"a": row("a", ["b"], {"b": long_ago}), "b": b}, now=NOW, window=WINDOW, fresh_s=FRESH)
+    assert both_up[0] == frozenset() and "cannot tell" in both_up[1]
+
+
+def test_a_node_still_reached_by_a_peer_is_not_cut_off():
+    long_ago = NOW - WINDOW - 1
+    rows = (row("a", ["b", "c"], {"b": long_ago, "c": long_ago}),
+            row("b", ["a", "c"], {"a": long_ago}), row("c", ["a", "b"]))      # c still reaches a
+    assert verdict(*rows) == frozenset()
+
+
+def test_stale_rows_have_no_say():
+    long_ago = NOW - WINDOW - 1
+    a = row("a", ["b"], {"b": long_ago}, link_up=False)
+    b = row("b", ["a"], {"a": long_ago}, at=NOW - FRESH - 1)
+    assert verdict(a, b) == frozenset()
+
+
+def test_a_row_without_data_or_malformed_is_none():
+    assert ReachRow.from_record("a", {"step": 3}) is None
+    assert ReachRow.from_record("a", {"data": {"at": "x"}}) is None
+    parsed = ReachRow.from_record("a", {"data": {"at": 5, "link_up": False, "probed": ["b"], "down": {"b": 1}}})
+    assert parsed == ReachRow("a", 5.0, False, frozenset({"b"}), {"b": 1.0})
+
+
+def decide(**kw):
+    args = dict(me="b", cut=frozenset({"a"}), acted=frozenset(), in_round=frozenset({"a"}), workers_running=True,
+                progress_at=NOW - WINDOW - 1, now=NOW, stall_s=WINDOW)
+    args.update(kw)
+    return on_data_loss(**args)
+
+
+def test_survivor_with_stalled_workers_restarts_without_the_cut_node():
+    action, nodes, _ = decide()
+    assert action == DataAction.RESTART and nodes == frozenset({"a"})
+
+
+def test_survivor_still_stepping_waits():
+    assert decide(progress_at=NOW - 1)[0] == DataAction.WAIT
+
+
+def test_survivor_not_in_a_round_with_it_only_marks():
+    assert decide(in_round=frozenset())[0] == DataAction.MARK
+    assert decide(workers_running=False)[0] == DataAction.MARK
+
+
+def test_the_cut_node_fences_itself_once_its_workers_stalled():
+    assert decide(me="a")[0] == DataAction.FENCE
+    assert decide(me="a", progress_at=NOW - 1)[0] == DataAction.WAIT
+    assert decide(me="a", workers_running=False)[0] == DataAction.FENCE
+
+
+def test_acted_on_and_torchft_do_nothing():
+    assert decide(acted=frozenset({"a"}))[0] == DataAction.NONE
+    assert decide(torchft=True)[0] == DataAction.NONE
+    assert decide(cut=frozenset())[0] == DataAction.NONE
+
+
+def test_commit_fence_after_every_peer_silent_for_a_while():
+    probed = frozenset({"b", "c"})
+    assert commit_fence_due({}, probed, NOW) is None
+    assert commit_fence_due({"b": NOW - 5}, probed, NOW) is None            # c answers
+    assert commit_fence_due({"b": NOW - 5, "c": NOW - 1}, probed, NOW) is None   # not long enough
+    assert commit_fence_due({"b": NOW - 5, "c": NOW - 3}, probed, NOW) == NOW - 3
+    assert commit_fence_due({}, frozenset(), NOW) is None                   # no peer: nothing to fence

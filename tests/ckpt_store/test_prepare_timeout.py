@@ -1,0 +1,42 @@
+"""An async save does not wait on a silent storage in the caller's thread (``prepare_timeout_s``).
+
+A SIGSTOPped S3 server is silent: connections open (the kernel's backlog) and nothing answers,
+as when the network to it is cut without a reset.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from ckpt_store import CheckpointSaveFailed, CheckpointStore
+
+
+def test_an_async_save_gives_up_on_a_silent_storage_and_the_next_one_saves(s3_private):
+    url = s3_private.url("silent")
+    store = CheckpointStore(url, storage_options=s3_private.storage_options, prepare_timeout_s=1.0)
+    state = {"model": {"w": torch.arange(4096, dtype=torch.float32)}}
+    store.save(1, state, async_=False)
+    assert s3_private.proc is not None
+    pid = s3_private.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(CheckpointSaveFailed, match="did not answer within 1s"):
+            store.save(2, state)            # async: the step directory's check is bounded
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    store.save(3, {"model": {"w": state["model"]["w"] + 1}}, async_=False)
+    assert store.steps() == [1, 3]
+    assert CheckpointStore(url, storage_options=s3_private.storage_options).verify(3).ok
+
+
+def test_the_bounded_check_still_refuses_a_committed_step(s3_private):
+    store = CheckpointStore(s3_private.url("bound"), storage_options=s3_private.storage_options,
+                            prepare_timeout_s=5.0)
+    state = {"model": {"w": torch.ones(16)}}
+    store.save(1, state, async_=False)
+    with pytest.raises(Exception, match="already committed"):
+        store.save(1, state)                # the bounded check raises what the check raised

@@ -1,0 +1,45 @@
+"""The agent's data-network probes on the bed: a cut data link is seen as silence and a lost carrier,
+and the peer answers again once the link is healed (``marind.agent.data_probe``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.agent.helpers import wait_for
+from tests.hosts.conftest import bed  # noqa: F401 - the fixture
+
+pytestmark = pytest.mark.hosts
+
+
+def _lines(path) -> list[dict]:
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{") and '"outcome"' in line]
+
+
+def test_probes_see_a_cut_data_link_and_its_heal(bed, tmp_path):  # noqa: F811 - the fixture
+    listener = bed.popen("host2", [sys.executable, "-m", "tests.hosts.dataprobe", "listen"], stdout=subprocess.PIPE)
+    assert listener.stdout is not None
+    endpoint = json.loads(listener.stdout.readline())
+    assert endpoint["addr"] == bed.addr("host2", "data"), endpoint     # the hostname's address: data
+    out, stop = tmp_path / "watch.out", tmp_path / "stop"
+    with open(out, "w") as fh:
+        bed.popen("host1", [sys.executable, "-m", "tests.hosts.dataprobe", "watch", endpoint["addr"],
+                            str(endpoint["port"]), str(stop)], stdout=fh)
+    try:
+        wait_for(lambda: any(r["outcome"] == "ok" for r in _lines(out)), 60, "host2 reached on data")
+        assert _lines(out)[-1]["addr"] == bed.addr("host1", "data") and _lines(out)[-1]["link_up"]
+        seen = len(_lines(out))
+        bed.cut("host1", "data")
+        wait_for(lambda: any(r["down_since"] and not r["link_up"] for r in _lines(out)[seen:]), 60,
+                 "the cut seen: host2 silent, host1's own data link down")
+        assert all(r["outcome"] != "refused" for r in _lines(out)[seen:]), "a cut link is silent"
+        seen = len(_lines(out))
+        bed.restore("host1", "data")
+        wait_for(lambda: any(r["outcome"] == "ok" and r["down_since"] is None and r["link_up"]
+                             for r in _lines(out)[seen:]), 60, "host2 answering again")
+    finally:
+        stop.touch()
