@@ -106,18 +106,29 @@ def dispatch_and_run(x: torch.Tensor, counts: torch.Tensor,
     return _AllToAll.apply(back, send, recv, group)
 
 
+#: the expert meshes made so far, by (id of the mesh, ep): (that mesh, its expert mesh)
+_EXPERT_MESHES: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh]] = {}
+
+
 def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
-    """The trainer's mesh with ``dp_shard`` unflattened into ``(edp_shard, ep)`` (collective).
+    """The trainer's mesh with ``dp_shard`` unflattened into ``(edp_shard, ep)`` (collective the first
+    time for ``mesh``: a pipeline makes every stage's on every rank first, ``marind.trainer.pipeline``).
 
     Args:
-        mesh: the ``(dp_replicate, dp_shard, tp)`` mesh of ``marind.trainer.parallel.build_mesh``.
+        mesh: the ``(dp_replicate, dp_shard, tp)`` mesh of ``marind.trainer.parallel.build_mesh`` (or
+            a pipeline stage's, or the pipeline's world mesh with ``pp`` in front).
         ep: expert-parallel ranks (divides ``dp_shard``; checked at submit).
 
     Returns:
         The ``(dp_replicate, edp_shard, ep, tp)`` mesh.
     """
+    hit = _EXPERT_MESHES.get((id(mesh), ep))
+    if hit is not None and hit[0] is mesh:   # built once per mesh: the unflatten creates process groups
+        return hit[1]
     ds = mesh["dp_shard"].size()
-    return mesh._unflatten("dp_shard", (ds // ep, ep), ("edp_shard", "ep"))
+    full = mesh._unflatten("dp_shard", (ds // ep, ep), ("edp_shard", "ep"))
+    _EXPERT_MESHES[(id(mesh), ep)] = (mesh, full)
+    return full
 
 
 def tp_plan_for(block: nn.Module, dense_plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
