@@ -21,7 +21,9 @@ Gradients: an expert's gradient on its owner already sums the contributions of t
 all ``ep`` ranks (through the all-to-all's backward), so FSDP reduces it over the ranks that
 replicate the expert (``dp_replicate x edp_shard``) and divides by the whole data-parallel size
 (``set_gradient_divide_factor(dp_size)``, with sum-only collectives so gloo runs it too), the same mean over every rank's tokens that the
-dense gradients get. Checkpoints save expert arrays under their global names with their global
+dense gradients get. With ``ep = dp_shard`` (one ``edp_shard`` rank) there is no reduce-scatter
+and the sum-only mode stays off: torch 2.13's FSDP divides a one-rank group's gradient by the
+factor twice under it. Checkpoints save expert arrays under their global names with their global
 ``[E, ...]`` shape (``get_state_dict`` of the DTensors), restorable into any layout.
 """
 
@@ -172,4 +174,5 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, ep: int, mp_polic
         ex.ep_group = ep_mesh.get_group()
         fully_shard(ex, mesh=dp_mesh, mp_policy=mp_policy)
         ex.set_gradient_divide_factor(float(dp_size))  # type: ignore[operator]
-        ex.set_force_sum_reduction_for_comms(True)     # type: ignore[operator]  # SUM then divide: gloo too
+        if full["edp_shard"].size() > 1:   # SUM then divide: gloo too. Not with one edp_shard rank: FSDP
+            ex.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]  # would divide twice (torch 2.13)

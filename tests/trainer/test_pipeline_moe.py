@@ -4,8 +4,9 @@ between pipeline, expert, tensor and data parallel layouts, and an interrupted r
 for bit.
 
 Layouts (world, ``[parallel]`` keys): ``single`` 1 rank; ``pp2`` 2 ranks, one block per stage;
-``pp2xdp2`` pp 2 x dp_shard 2; ``ep2xdp2`` dp_shard 2 with ep 2 (no pipeline); ``tp2xpp2``
-tp 2 x pp 2; ``pp2xep2`` pp 2 x dp_shard 2 with ep 2 inside each stage. The auxiliary loss
+``pp2xdp2`` pp 2 x dp_shard 2; ``ep2xdp2`` dp_shard 4 = ep 2 x 2 (no pipeline); ``tp2xpp2``
+tp 2 x pp 2; ``pp2xep2`` pp 2 x dp_shard 2 with ep 2 inside each stage; ``ep2`` dp_shard 2 = ep 2;
+``hsdp-ep2`` dp_replicate 2 x dp_shard 2 = ep 2. The auxiliary loss
 coefficients are raised (``load_balance_coef = 1``, ``router_z_loss_coef = 0.1``) so that a
 pipeline that lost them would leave the single rank's loss curve by far more than float noise.
 """
@@ -28,12 +29,14 @@ SEQ_LEN = 32
 ASSIGNED = GLOBAL_BATCH * SEQ_LEN * 2 * 2   # tokens x top_k x MoE blocks, per step
 LAYOUTS: dict[str, tuple[int, dict]] = {
     "single": (1, {}), "pp2": (2, {"pp": 2}), "pp2xdp2": (4, {"pp": 2, "dp_shard": 2}),
-    "ep2xdp2": (4, {"dp_shard": 2, "ep": 2}), "tp2xpp2": (4, {"pp": 2, "tp": 2, "dp_shard": 1}),
+    "ep2xdp2": (4, {"dp_shard": 4, "ep": 2}), "ep2": (2, {"dp_shard": 2, "ep": 2}), "tp2xpp2": (4, {"pp": 2, "tp": 2, "dp_shard": 1}),
     "pp2xep2": (4, {"pp": 2, "dp_shard": 2, "ep": 2}),
+    "hsdp-ep2": (4, {"dp_replicate": 2, "dp_shard": 2, "ep": 2}),
 }
 
 
-def moe_spec(data: str, ckpt: str = "", *, pp: int = 1, dp_shard: int = -1, ep: int = 1, tp: int = 1) -> dict:
+def moe_spec(data: str, ckpt: str = "", *, pp: int = 1, dp_shard: int = -1, ep: int = 1, tp: int = 1,
+             dp_replicate: int = 1) -> dict:
     """``moe-tiny`` (untied, strong aux losses) in any layout, checkpointing every 2 steps when ``ckpt``."""
     checkpoint = f'[checkpoint]\nurl = "file://{ckpt}"\nevery_steps = 2\nkeep_last = 0\n' if ckpt else ""
     return load_trainer_spec(f"""
@@ -45,6 +48,7 @@ tie_embeddings = false
 load_balance_coef = 1.0
 router_z_loss_coef = 0.1
 [parallel]
+dp_replicate = {dp_replicate}
 dp_shard = {dp_shard}
 ep = {ep}
 tp = {tp}
@@ -127,6 +131,25 @@ def test_pp2_moe_with_ep_or_tp_learns_like_one_rank(saved, name):
     check_learns_like_one_rank(saved, name)
 
 
+@pytest.mark.parametrize("name", ["ep2", pytest.param("pp2xep2", marks=pytest.mark.slow),
+                                  pytest.param("hsdp-ep2", marks=pytest.mark.slow),
+                                  pytest.param("ep2xdp2", marks=pytest.mark.slow)])
+def test_expert_gradients_are_the_one_rank_mean(data, name):
+    # The step's gradients (aux losses included) equal the single rank's, experts too: with one
+    # edp_shard rank (ep = dp_shard) FSDP once divided the experts' gradients twice (half of the mean;
+    # Adam hid it until a resume into another layout met the halved moments).
+    single = run_torch_workers("tests.trainer.pp_workers:step_grad_norms", 1, timeout=240,
+                               spec=moe_spec(data))[0]
+    world, layout = LAYOUTS[name]
+    got: dict = {}
+    for res in run_torch_workers("tests.trainer.pp_workers:step_grad_norms", world, timeout=400,
+                                 spec=moe_spec(data, **layout)):
+        got.update(res)
+    assert set(got) == set(single) and any("experts.w1" in k for k in got)
+    bad = {k: (got[k], single[k]) for k in single if abs(got[k] - single[k]) > 1e-4 * abs(single[k])}
+    assert not bad, bad
+
+
 def check_reshard(data: str, saved, tmp_path, src: str, dst: str) -> None:
     """Resume ``src``'s step-4 checkpoint in layout ``dst``: the restored parameters and optimizer
     state are the saved global arrays bit for bit, the data position is restored, and the loss
@@ -160,7 +183,7 @@ MATRIX = ("pp2xdp2", "ep2xdp2", "tp2xpp2", "single")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("src,dst", [(a, b) for a in MATRIX for b in MATRIX if a != b]
-                         + [("pp2xep2", "single"), ("single", "pp2xep2")])
+                         + [("pp2xep2", "single"), ("single", "pp2xep2"), ("ep2", "single")])
 def test_reshard_matrix_moe(data, saved, tmp_path, src, dst):
     check_reshard(data, saved, tmp_path, src, dst)
 
