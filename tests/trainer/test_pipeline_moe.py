@@ -6,7 +6,8 @@ for bit.
 Layouts (world, ``[parallel]`` keys): ``single`` 1 rank; ``pp2`` 2 ranks, one block per stage;
 ``pp2xdp2`` pp 2 x dp_shard 2; ``ep2xdp2`` dp_shard 4 = ep 2 x 2 (no pipeline); ``tp2xpp2``
 tp 2 x pp 2; ``pp2xep2`` pp 2 x dp_shard 2 with ep 2 inside each stage; ``ep2`` dp_shard 2 = ep 2;
-``hsdp-ep2`` dp_replicate 2 x dp_shard 2 = ep 2. The auxiliary loss
+``hsdp-ep2`` dp_replicate 2 x dp_shard 2 = ep 2; ``pp2ac`` pp 2 with activation checkpointing;
+``pp2i4`` pp 2 Interleaved1F1B with 4 blocks (against ``single4``). The auxiliary loss
 coefficients are raised (``load_balance_coef = 1``, ``router_z_loss_coef = 0.1``) so that a
 pipeline that lost them would leave the single rank's loss curve by far more than float noise.
 """
@@ -26,17 +27,20 @@ STEPS = 6
 SAVED_AT = 4
 GLOBAL_BATCH = 8
 SEQ_LEN = 32
-ASSIGNED = GLOBAL_BATCH * SEQ_LEN * 2 * 2   # tokens x top_k x MoE blocks, per step
+ASSIGNED = GLOBAL_BATCH * SEQ_LEN * 2        # tokens x top_k, per MoE block and step
 LAYOUTS: dict[str, tuple[int, dict]] = {
     "single": (1, {}), "pp2": (2, {"pp": 2}), "pp2xdp2": (4, {"pp": 2, "dp_shard": 2}),
     "ep2xdp2": (4, {"dp_shard": 4, "ep": 2}), "ep2": (2, {"dp_shard": 2, "ep": 2}), "tp2xpp2": (4, {"pp": 2, "tp": 2, "dp_shard": 1}),
     "pp2xep2": (4, {"pp": 2, "dp_shard": 2, "ep": 2}),
     "hsdp-ep2": (4, {"dp_replicate": 2, "dp_shard": 2, "ep": 2}),
+    "pp2ac": (2, {"pp": 2, "ac": True}), "single4": (1, {"n_layers": 4}),
+    "pp2i4": (2, {"pp": 2, "schedule": "Interleaved1F1B", "microbatches": 4, "n_layers": 4}),
 }
 
 
 def moe_spec(data: str, ckpt: str = "", *, pp: int = 1, dp_shard: int = -1, ep: int = 1, tp: int = 1,
-             dp_replicate: int = 1) -> dict:
+             dp_replicate: int = 1, n_layers: int = 2, schedule: str = "1F1B", microbatches: int = 0,
+             ac: bool = False) -> dict:
     """``moe-tiny`` (untied, strong aux losses) in any layout, checkpointing every 2 steps when ``ckpt``."""
     checkpoint = f'[checkpoint]\nurl = "file://{ckpt}"\nevery_steps = 2\nkeep_last = 0\n' if ckpt else ""
     return load_trainer_spec(f"""
@@ -45,6 +49,7 @@ name = "pp-moe-test"
 [model]
 preset = "moe-tiny"
 tie_embeddings = false
+n_layers = {n_layers}
 load_balance_coef = 1.0
 router_z_loss_coef = 0.1
 [parallel]
@@ -53,6 +58,9 @@ dp_shard = {dp_shard}
 ep = {ep}
 tp = {tp}
 pp = {pp}
+pp_schedule = "{schedule}"
+pp_microbatches = {microbatches}
+activation_checkpointing = {str(ac).lower()}
 [data]
 path = "{data}"
 seq_len = {SEQ_LEN}
@@ -101,9 +109,10 @@ def saved(data, tmp_path_factory):
     return get
 
 
-def check_learns_like_one_rank(saved, name: str) -> None:
-    """``name``'s loss curve is the single rank's within float noise; so are its router statistics."""
-    results, single = saved(name)[0], saved("single")[0][0]
+def check_learns_like_one_rank(saved, name: str, ref: str = "single") -> None:
+    """``name``'s loss curve is the single rank's (``ref``) within float noise; so are its router statistics."""
+    results, single = saved(name)[0], saved(ref)[0][0]
+    blocks = LAYOUTS[ref][1].get("n_layers", 2)   # every block of moe-tiny is MoE
     want = single["losses"]
     assert len(want) == STEPS and want[-1] < 0.9 * want[0], want
     for res in results:   # every rank logs the same loss and router statistics
@@ -116,7 +125,7 @@ def check_learns_like_one_rank(saved, name: str) -> None:
     # the same weights route the same tokens: the first step's statistics are the single rank's
     assert routers[0]["moe_tokens_per_expert"] == single["routers"][0]["moe_tokens_per_expert"]
     for r, ref in zip(routers, single["routers"], strict=True):
-        assert sum(r["moe_tokens_per_expert"]) == ASSIGNED and r["moe_dropped"] == 0, r  # each micro-batch once
+        assert sum(r["moe_tokens_per_expert"]) == ASSIGNED * blocks and r["moe_dropped"] == 0, r  # each once
         for key in ("moe_balance_loss", "moe_z_loss"):   # summed over both stages' blocks, per sample
             assert abs(r[key] - ref[key]) <= 1e-3 * abs(ref[key]), (key, r, ref)
 
@@ -126,9 +135,12 @@ def test_pp2_moe_learns_like_one_rank(saved):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["pp2xep2", "tp2xpp2"])
-def test_pp2_moe_with_ep_or_tp_learns_like_one_rank(saved, name):
-    check_learns_like_one_rank(saved, name)
+@pytest.mark.parametrize("name,ref", [("pp2xep2", "single"), ("tp2xpp2", "single"), ("pp2ac", "single"),
+                                      ("pp2i4", "single4")])
+def test_pp2_moe_other_layouts_learn_like_one_rank(saved, name, ref):
+    # ep or tp inside the stages, activation checkpointing (a recompute records nothing twice),
+    # Interleaved1F1B (two virtual stages per rank, 4 blocks)
+    check_learns_like_one_rank(saved, name, ref)
 
 
 @pytest.mark.parametrize("name", ["ep2", pytest.param("pp2xep2", marks=pytest.mark.slow),
