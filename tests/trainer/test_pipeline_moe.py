@@ -213,3 +213,48 @@ def test_pp2_moe_interrupted_and_resumed_is_bit_identical(data, saved, tmp_path,
     assert second[0]["routers"] == full[0]["routers"][2:]
     assert _union(second) == _union(full)
     assert any(k.endswith("experts.w1/exp_avg_sq") for k in _union(full))
+
+
+@pytest.mark.unit
+def test_attach_aux_adds_the_scaled_aux_gradient_and_records_once():
+    import torch
+
+    from marind.trainer.pipeline_moe import AuxSink, attach_aux, paused
+
+    x = torch.tensor([1.0, -2.0], requires_grad=True)
+    w = torch.tensor([3.0], requires_grad=True)
+    sink = AuxSink(0, scale=0.25)
+    stats = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    out = attach_aux(x * 2, (w ** 2).sum(), sink, stats)
+    assert torch.equal(out, x.detach() * 2) and sink.total is None   # forward: identity, nothing recorded
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.tensor([2.0, 2.0]))           # the activations' gradient unchanged
+    assert torch.equal(w.grad, torch.tensor([0.25 * 2 * 3.0]))     # d(scale x aux)/dw
+    assert torch.equal(sink.take(), stats) and sink.take() is None
+    with paused([sink]):                                            # metadata inference: not counted
+        attach_aux(x * 2, (w ** 2).sum(), sink, stats).sum().backward()
+    assert sink.take() is None
+
+
+@pytest.mark.unit
+def test_router_stats_lay_a_stage_into_the_unsplit_layout():
+    import torch
+    from torch import nn
+
+    from marind.trainer.model import GPT, ModelConfig
+    from marind.trainer.pipeline import StageModel
+    from marind.trainer.pipeline_moe import install_sinks, moe_layer_count, router_stats
+
+    cfg = ModelConfig(vocab_size=32, dim=16, n_layers=4, n_heads=2, ffn_dim=32, seq_len=8, tie_embeddings=False,
+                      n_experts=2, top_k=1, moe_every=2, moe_ffn_dim=8)
+    with torch.device("meta"):
+        gpt = GPT(cfg)
+    second = StageModel(gpt, range(2, 4), first=False, last=True)      # blocks 2, 3: MoE block 3 only
+    sinks = install_sinks([second], n_experts=2, moe_every=2, scale=0.5)
+    assert [s.index for s in sinks] == [1] and moe_layer_count(n_layers=4, n_experts=2, moe_every=2) == 2
+    assert isinstance(second.layers, nn.ModuleDict)
+    sinks[0].record(torch.arange(5, dtype=torch.float64))
+    sinks[0].record(torch.ones(5, dtype=torch.float64))
+    got = router_stats(sinks, n_moe=2, n_experts=2, device=torch.device("cpu"))
+    assert got.tolist() == [0.0] * 5 + [1.0, 2.0, 3.0, 4.0, 5.0]   # row 1: the sum of both micro-batches
+    assert router_stats(sinks, n_moe=2, n_experts=2, device=torch.device("cpu")).abs().sum() == 0   # reset
