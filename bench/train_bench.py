@@ -10,7 +10,13 @@
 * layouts (2 ranks, same model, untied embeddings): dense FSDP (``dp_shard = 2``) beside
   pipeline parallel (``pp = 2``, 1F1B): tokens/s, rank 0's peak memory, and the pipeline's
   bubble fraction as its schedule sets it, ``(pp - 1) / (microbatches + pp - 1)`` per schedule run
-  (not measured idle time).
+  (not measured idle time);
+* mixture of experts (2 ranks): ``moe-tiny`` with expert parallelism (``dp_shard = 2, ep = 2``)
+  beside the dense FSDP run (``dp_shard = 2``) of the same ACTIVE parameter count (the dense
+  MLP's width matched to the router, ``top_k`` routed and shared experts one token uses), and
+  (full run only) ``moe-tiny`` under ``pp = 2``: tokens/s, rank 0's peak memory, parameters
+  (total and active) and the router statistics of the measured steps (medians of the load
+  spread, balance and z-losses; dropped assignments summed).
 
 ``--quick`` runs a reduced matrix (tiny only, 1 rank, 1 repeat) so a test
 can check the output shape; its figures mean little.
@@ -61,13 +67,14 @@ PRESETS = {  # preset -> (seq_len, global_batch, micro_batch, steps, warmup step
 
 
 def run_job(preset: str, ranks: int, work: Path, data: str, *, ckpt_every: int = 0,
-            steps: int | None = None, model_extra: str = "") -> dict:
+            steps: int | None = None, model_extra: str = "", model_preset: str = "") -> dict:
+    """One torchrun job of ``preset``'s shape (``model_preset``: the ``[model] preset`` key, default ``preset``)."""
     seq_len, gb, mb, default_steps, drop = PRESETS[preset]
     steps = steps or default_steps
     tag = f"{preset}-r{ranks}-c{ckpt_every}-{time.monotonic_ns()}"
     url = f"file://{work / tag / 'ckpt'}" if ckpt_every else ""
     spec = work / f"{tag}.toml"
-    spec.write_text(SPEC.format(preset=preset, data=data, seq_len=seq_len, global_batch=gb, micro_batch=mb,
+    spec.write_text(SPEC.format(preset=model_preset or preset, data=data, seq_len=seq_len, global_batch=gb, micro_batch=mb,
                                 steps=steps, url=url, every=ckpt_every or 20, model_extra=model_extra))
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "MARIND_LOG_JSON": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -89,7 +96,15 @@ def run_job(preset: str, ranks: int, work: Path, data: str, *, ckpt_every: int =
         raise RuntimeError(f"no step lines from {tag}")
     tokens = seq_len * gb * len(measured)
     wall = sum(e["step_s"] for e in measured)
-    return {"preset": preset, "ranks": ranks, "steps_measured": len(measured),
+    router = {}
+    if "moe_load_min" in measured[0]:   # a mixture-of-experts run: its step lines carry the router's statistics
+        router = {"router": {"load_min": statistics.median(e["moe_load_min"] for e in measured),
+                             "load_max": statistics.median(e["moe_load_max"] for e in measured),
+                             "dropped": sum(e["moe_dropped"] for e in measured),
+                             "balance_loss": statistics.median(e["moe_balance_loss"] for e in measured),
+                             "z_loss": statistics.median(e["moe_z_loss"] for e in measured),
+                             "tokens_per_expert_last": measured[-1]["moe_tokens_per_expert"]}}
+    return {**router, "preset": preset, "ranks": ranks, "steps_measured": len(measured),
             "tokens_per_s": round(tokens / wall, 1),
             "tokens_per_s_median_step": round(statistics.median(e["tokens_per_s"] for e in measured), 1),
             "mfu": round(statistics.median(e["mfu"] for e in measured), 6),
@@ -131,6 +146,48 @@ def layouts(work: Path, data: str, *, steps: int | None) -> list[dict]:
     return rows
 
 
+def matched_dense_ffn(*, dim: int, n_experts: int, top_k: int, moe_ffn_dim: int, n_shared_experts: int) -> int:
+    """The dense MLP width whose parameters equal one MoE MLP's active ones (router included)."""
+    from marind.trainer.moe import moe_param_counts
+    active = moe_param_counts(dim=dim, n_experts=n_experts, top_k=top_k, moe_ffn_dim=moe_ffn_dim,
+                              n_shared_experts=n_shared_experts)[1]
+    return round(active / (3 * dim))
+
+
+def moe_layouts(work: Path, data: str, *, steps: int | None, quick: bool) -> list[dict]:
+    """moe-tiny with ep = 2 (and pp = 2 unless quick) beside dense FSDP of the same active parameters."""
+    from marind.trainer.moe_spec import MOE_PRESETS
+    m = MOE_PRESETS["moe-tiny"]
+    dims = {"dim": m["dim"], "n_experts": m["n_experts"], "top_k": m["top_k"], "moe_ffn_dim": m["moe_ffn_dim"],
+            "n_shared_experts": m["n_shared_experts"]}
+    ffn = matched_dense_ffn(**dims)
+    runs = [("dense-fsdp", "tiny", f"dim = {m['dim']}\nn_layers = {m['n_layers']}\nn_heads = {m['n_heads']}\n"
+                                   f"ffn_dim = {ffn}", "dp_shard = 2"),
+            ("moe-ep2", "moe-tiny", "", "dp_shard = 2\nep = 2")]
+    if not quick:
+        runs.append(("moe-pp2", "moe-tiny", "", 'dp_shard = 1\npp = 2\npp_schedule = "1F1B"'))
+    rows = []
+    for name, preset, model, parallel in runs:
+        extra = f"{model}\ntie_embeddings = false\n[parallel]\n{parallel}"
+        res = run_job("tiny", 2, work, data, steps=steps, model_extra=extra, model_preset=preset)
+        res.update(layout=name, **_param_counts(preset, model))
+        rows.append(res)
+        print(f"{name:>10} x2: {res['tokens_per_s']:10.1f} tokens/s  active {res['active_params']}", flush=True)
+    return rows
+
+
+def _param_counts(preset: str, model: str) -> dict:
+    """Total and active parameters of a bench model without the embedding and the LM head (its spec
+    resolved as the trainer does; the vocabulary does not matter then)."""
+    from marind.trainer.config import load_trainer_spec
+    from marind.trainer.model import ModelConfig, param_count
+    spec = load_trainer_spec(f'[job]\nname = "p"\n[model]\npreset = "{preset}"\n{model}\ntie_embeddings = true\n'
+                             f'[data]\npath = "x"\nglobal_batch = 2\nmicro_batch = 1\n', check_worlds=False)
+    cfg = ModelConfig.from_spec(spec.model, seq_len=spec.data.seq_len, data_vocab_size=256)
+    return {"total_params": param_count(cfg, embedding=False), "active_params": param_count(cfg, embedding=False,
+                                                                                             active=True)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="reduced matrix for a shape check")
@@ -160,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         overheads.append(checkpoint_overhead(work, data, ck_ranks, steps=12 if args.quick else 60,
                                              repeats=repeats))
     layout_rows = layouts(work, data, steps=12 if args.quick else None)
+    moe_rows = moe_layouts(work, data, steps=12 if args.quick else None, quick=args.quick)
     import torch
     out = {
         "bench": "train",
@@ -169,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         "throughput": throughput,
         "checkpoint_overhead": overheads,
         "layouts": layout_rows,
+        "moe": moe_rows,
         "floor": {"overhead_pct_max": 5.0, "ok": all(o["overhead_pct"] <= 5.0 for o in overheads)},
     }
     print(json.dumps(out))

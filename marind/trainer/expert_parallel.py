@@ -21,7 +21,9 @@ Gradients: an expert's gradient on its owner already sums the contributions of t
 all ``ep`` ranks (through the all-to-all's backward), so FSDP reduces it over the ranks that
 replicate the expert (``dp_replicate x edp_shard``) and divides by the whole data-parallel size
 (``set_gradient_divide_factor(dp_size)``, with sum-only collectives so gloo runs it too), the same mean over every rank's tokens that the
-dense gradients get. Checkpoints save expert arrays under their global names with their global
+dense gradients get. With ``ep = dp_shard`` (one ``edp_shard`` rank) there is no reduce-scatter
+and the sum-only mode stays off: torch 2.13's FSDP divides a one-rank group's gradient by the
+factor twice under it. Checkpoints save expert arrays under their global names with their global
 ``[E, ...]`` shape (``get_state_dict`` of the DTensors), restorable into any layout.
 """
 
@@ -106,18 +108,29 @@ def dispatch_and_run(x: torch.Tensor, counts: torch.Tensor,
     return _AllToAll.apply(back, send, recv, group)
 
 
+#: the expert meshes made so far, by (id of the mesh, ep): (that mesh, its expert mesh)
+_EXPERT_MESHES: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh]] = {}
+
+
 def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
-    """The trainer's mesh with ``dp_shard`` unflattened into ``(edp_shard, ep)`` (collective).
+    """The trainer's mesh with ``dp_shard`` unflattened into ``(edp_shard, ep)`` (collective the first
+    time for ``mesh``: a pipeline makes every stage's on every rank first, ``marind.trainer.pipeline``).
 
     Args:
-        mesh: the ``(dp_replicate, dp_shard, tp)`` mesh of ``marind.trainer.parallel.build_mesh``.
+        mesh: the ``(dp_replicate, dp_shard, tp)`` mesh of ``marind.trainer.parallel.build_mesh`` (or
+            a pipeline stage's, or the pipeline's world mesh with ``pp`` in front).
         ep: expert-parallel ranks (divides ``dp_shard``; checked at submit).
 
     Returns:
         The ``(dp_replicate, edp_shard, ep, tp)`` mesh.
     """
+    hit = _EXPERT_MESHES.get((id(mesh), ep))
+    if hit is not None and hit[0] is mesh:   # built once per mesh: the unflatten creates process groups
+        return hit[1]
     ds = mesh["dp_shard"].size()
-    return mesh._unflatten("dp_shard", (ds // ep, ep), ("edp_shard", "ep"))
+    full = mesh._unflatten("dp_shard", (ds // ep, ep), ("edp_shard", "ep"))
+    _EXPERT_MESHES[(id(mesh), ep)] = (mesh, full)
+    return full
 
 
 def tp_plan_for(block: nn.Module, dense_plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
@@ -161,4 +174,5 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, ep: int, mp_polic
         ex.ep_group = ep_mesh.get_group()
         fully_shard(ex, mesh=dp_mesh, mp_policy=mp_policy)
         ex.set_gradient_divide_factor(float(dp_size))  # type: ignore[operator]
-        ex.set_force_sum_reduction_for_comms(True)     # type: ignore[operator]  # SUM then divide: gloo too
+        if full["edp_shard"].size() > 1:   # SUM then divide: gloo too. Not with one edp_shard rank: FSDP
+            ex.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]  # would divide twice (torch 2.13)

@@ -14,7 +14,10 @@ stage holds other parameters on its own meshes, all with the same dimension name
 all-reduce of a mesh then runs over that mesh *and* ``pp`` at once (the world mesh's slice
 ``("pp", *names)``), so the sum covers every stage and it is still one all-reduce per mesh,
 issued in the order of the meshes' names on every rank (every stage has the same kinds of
-meshes: each holds at least one transformer block).
+meshes: each holds at least one transformer block and, with expert parallelism, one MoE block,
+``marind.trainer.pipeline_spec``). Expert gradients are on ``(edp_shard, ep)`` meshes, so their
+slice comes from the world mesh with ``dp_shard`` unflattened the same way (``pp_mesh`` may
+name several world meshes).
 """
 
 from __future__ import annotations
@@ -119,6 +122,14 @@ def _mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     return _flat[mesh]
 
 
+def _pp_slice(pp_meshes: Sequence[DeviceMesh], names: tuple[str, ...]) -> DeviceMesh:
+    """The ``("pp", *names)`` slice of the first of ``pp_meshes`` that has every one of ``names``."""
+    for mesh in pp_meshes:
+        if set(names) <= set(mesh.mesh_dim_names or ()):
+            return mesh[("pp", *names)]
+    raise ValueError(f"no pipeline world mesh has the gradient mesh dimensions {names}")
+
+
 def _local(grad: torch.Tensor) -> torch.Tensor:
     if isinstance(grad, DTensor):
         if any(isinstance(p, Partial) for p in grad.placements):   # not made by FSDP2/TP; kept correct
@@ -130,7 +141,7 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float, *,
-                   pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
+                   pp_mesh: DeviceMesh | Sequence[DeviceMesh] | None = None) -> torch.Tensor:
     """Global L2 norm of the gradients (DTensors on any meshes), clipped to ``max_norm`` if > 0.
 
     Collective: one all-reduce per device mesh of more than one rank (see the module docstring).
@@ -138,8 +149,9 @@ def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float, *,
     Args:
         params: the parameters (in the same order on every rank).
         max_norm: the clipping threshold; 0 or less only measures.
-        pp_mesh: under pipeline parallelism, the world mesh (dimension ``pp`` first): each
-            mesh's all-reduce spans the stages too.
+        pp_mesh: under pipeline parallelism, the world mesh (dimension ``pp`` first), or several
+            (with expert parallelism also the one with ``(edp_shard, ep)``): each mesh's all-reduce
+            spans the stages too, over the first of them that has its dimension names.
 
     Returns:
         The norm before clipping (float32, the same on every rank); a non-finite norm is
@@ -158,7 +170,8 @@ def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float, *,
         parts = [torch.linalg.vector_norm(locals_[i], dtype=torch.float32) ** 2 for i in red.counted]
         sq = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float32, device=device)
         if pp_mesh is not None:
-            dist.all_reduce(sq, group=_mesh_group(pp_mesh[("pp", *_dim_names(red.mesh))]))
+            pp_meshes = (pp_mesh,) if isinstance(pp_mesh, DeviceMesh) else tuple(pp_mesh)
+            dist.all_reduce(sq, group=_mesh_group(_pp_slice(pp_meshes, _dim_names(red.mesh))))
         elif red.all_reduce:
             assert isinstance(red.mesh, DeviceMesh)
             dist.all_reduce(sq, group=_mesh_group(red.mesh))

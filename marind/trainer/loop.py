@@ -226,7 +226,7 @@ def _router(run: Run, stats: torch.Tensor) -> dict[str, Any]:
     if stats.numel() == 0:
         return {}
     return router_summary(stats.reshape(-1, run.cfg.n_experts + 3).cpu(), replicas=run.layout.tp,
-                          samples=run.world * run.accum)
+                          samples=run.world // run.layout.pp * run.accum)   # a layer's ranks: one stage's
 
 
 def _save(run: Run, mode: TrainMode, state: LoopState, *, wait: bool = False) -> None:
@@ -279,7 +279,7 @@ def run_loop(run: Run, mode: TrainMode, stop: StopFlag) -> Result:
         pipe = run.pipeline   # pipeline parallelism: the schedule runs the micro-batches (marind.trainer.pipeline)
         loss_acc, router = pipe.forward_backward(run, mode, state) if pipe else _forward_backward(run, mode, state)
         mode.on_gradients(run, state)
-        norm = clip_grad_norm(run.params, o.grad_clip, pp_mesh=pipe.world_mesh if pipe else None)
+        norm = clip_grad_norm(run.params, o.grad_clip, pp_mesh=pipe.norm_meshes if pipe else None)
         committed = mode.commit(run, state, norm)
         if committed:
             run.optimizer.step()

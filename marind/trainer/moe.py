@@ -19,6 +19,10 @@ drops, ``P_e`` its mean router probability; 1.0 when perfectly balanced) and the
 loop adds ``load_balance_coef x balance + router_z_loss_coef x z`` (summed over MoE layers)
 to the loss and reports the raw values with the router statistics.
 
+Under pipeline parallelism a stage's MoE layer carries an ``aux_sink`` instead
+(``marind.trainer.pipeline_moe``): its aux loss joins the stage's backward and its statistics
+are recorded there, since the pipeline's schedule, not the loop, runs the micro-batches.
+
 Expert parallelism (``marind.trainer.expert_parallel``) shards the experts' leading axis and
 sets :attr:`GroupedExperts.ep_group`; the dispatch then crosses ranks by all-to-all.
 """
@@ -27,11 +31,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from marind.trainer.pipeline_moe import AuxSink
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,7 @@ class MoE(nn.Module):
         self.shared = SharedExperts(cfg.dim, cfg.n_shared_experts * cfg.moe_ffn_dim) \
             if cfg.n_shared_experts else None
         self.last: MoEOutputs | None = None
+        self.aux_sink: AuxSink | None = None   # pipeline stages: aux loss and stats in the backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
@@ -174,8 +183,12 @@ class MoE(nn.Module):
         aux = c.load_balance_coef * balance + c.router_z_loss_coef * z
         stats = torch.cat([counts.double(), dropped.double().reshape(1),
                            balance.detach().double().reshape(1), z.detach().double().reshape(1)])
+        result = out.reshape(shape).to(x.dtype)
+        if self.aux_sink is not None:   # under pipeline parallelism (marind.trainer.pipeline_moe)
+            from marind.trainer.pipeline_moe import attach_aux
+            return attach_aux(result, aux, self.aux_sink, stats)
         self.last = MoEOutputs(aux, stats[None])
-        return out.reshape(shape).to(x.dtype)
+        return result
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -19,7 +19,9 @@ activations and the loss; gradient clipping sums over it (``marind.trainer.grad_
 micro-batches of a step run as ``run.accum / pp_microbatches`` schedule runs, each micro-batch's
 loss ``lm_loss / run.accum`` as in the unsplit loop (so gradients match it up to float order);
 only the last stage has a loss, the other ranks return zero (the loop divides the all-reduced
-loss by the ranks that hold the last stage).
+loss by the ranks that hold the last stage). A mixture-of-experts model's auxiliary losses join
+each stage's backward and its router statistics come back in the unsplit model's layout
+(``marind.trainer.pipeline_moe``); expert parallelism runs inside each stage's mesh.
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from marind.trainer.config import TrainerSpec, validate_for_world
+from marind.trainer.expert_parallel import expert_mesh
 from marind.trainer.meta_init import init_parameters
 from marind.trainer.model import GPT, ModelConfig, lm_loss, rotary_tables
 from marind.trainer.parallel import MESH_DIMS, Layout, parallelize
+from marind.trainer.pipeline_moe import MoEStage, install_sinks, moe_layer_count, router_stats
 from marind.trainer.pipeline_spec import StagePlan, microbatches, stage_plan
 
 if TYPE_CHECKING:
@@ -102,11 +106,20 @@ class PipelineMeshes:
         world: ``(pp, dp_replicate, dp_shard, tp)`` over every rank (its ``pp`` slice carries the pipeline).
         stages: per stage rank group, its own ``(dp_replicate, dp_shard, tp)`` mesh (every rank builds all).
         pp_rank: this rank's pipeline coordinate.
+        expert_world: with expert parallelism, ``world`` with ``dp_shard`` unflattened into
+            ``(edp_shard, ep)`` (the experts' gradients are on such meshes); else None.
     """
 
     world: DeviceMesh
     stages: tuple[DeviceMesh, ...]
     pp_rank: int
+    expert_world: DeviceMesh | None = None
+
+    @property
+    def norm_meshes(self) -> tuple[DeviceMesh, ...]:
+        """What gradient clipping slices its per-mesh all-reduces from (``grad_norm``): the world mesh,
+        and with expert parallelism the world mesh with ``dp_shard`` unflattened into ``(edp_shard, ep)``."""
+        return (self.world,) if self.expert_world is None else (self.world, self.expert_world)
 
     @property
     def stage(self) -> DeviceMesh:
@@ -132,11 +145,16 @@ def build_pipeline_mesh(spec: TrainerSpec, world_size: int, device_type: str) ->
     pp = spec.parallel.pp
     world = init_device_mesh(device_type, (pp, dr, ds, tp), mesh_dim_names=PP_MESH_DIMS)
     stages = tuple(DeviceMesh(device_type, world.mesh[s], mesh_dim_names=MESH_DIMS) for s in range(pp))
+    expert_world = None
+    if spec.parallel.ep > 1 and spec.model.n_experts:   # the unflatten is collective: every rank, every stage
+        expert_world = expert_mesh(world, spec.parallel.ep)
+        for stage in stages:
+            expert_mesh(stage, spec.parallel.ep)
     coord = world.get_coordinate()
     assert coord is not None
     pp_rank = coord[0]
     dp_rank = coord[1] * ds + coord[2]
-    return PipelineMeshes(world, stages, pp_rank), Layout(dr, ds, tp, dp_rank=dp_rank, pp=pp, ep=spec.parallel.ep)
+    return PipelineMeshes(world, stages, pp_rank, expert_world), Layout(dr, ds, tp, dp_rank=dp_rank, pp=pp, ep=spec.parallel.ep)
 
 
 def split_model(gpt: GPT, plan: StagePlan, pp_rank: int) -> list[StageModel]:
@@ -179,8 +197,14 @@ class Pipeline:
         self.last = meshes.pp_rank == spec.parallel.pp - 1
         group = meshes.world["pp"].get_group()
         stage_ids = self.plan.rank_stages(meshes.pp_rank)
-        self.stages: list[Any] = [PipelineStage(piece, s, self.plan.stages, device, group=group)
-                                  for piece, s in zip(pieces, stage_ids)]
+        m = spec.model
+        self.n_moe = moe_layer_count(n_layers=m.n_layers, n_experts=m.n_experts, moe_every=m.moe_every)
+        self.n_experts = m.n_experts
+        piece_sinks = [install_sinks([piece], n_experts=m.n_experts, moe_every=m.moe_every, scale=1.0 / accum)
+                       for piece in pieces]
+        self.sinks = [sink for sinks in piece_sinks for sink in sinks]
+        self.stages: list[Any] = [MoEStage(piece, s, self.plan.stages, device, group=group, sinks=sinks)
+                                  for piece, s, sinks in zip(pieces, stage_ids, piece_sinks)]
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = \
             lambda out, target: lm_loss(out, target) / accum   # the unsplit loop's scaling
         kind = spec.parallel.pp_schedule
@@ -194,12 +218,18 @@ class Pipeline:
 
     @property
     def world_mesh(self) -> DeviceMesh:
-        """The ``(pp, dp_replicate, dp_shard, tp)`` mesh (gradient clipping reduces over its ``pp``)."""
+        """The ``(pp, dp_replicate, dp_shard, tp)`` mesh."""
         return self.meshes.world
+
+    @property
+    def norm_meshes(self) -> tuple[DeviceMesh, ...]:
+        """The meshes gradient clipping reduces over with ``pp`` (``PipelineMeshes.norm_meshes``)."""
+        return self.meshes.norm_meshes
 
     def forward_backward(self, run: Run, mode: TrainMode, state: LoopState) -> tuple[torch.Tensor, torch.Tensor]:
         """Accumulate the step's gradients through the schedule: the summed loss on the last stage (else 0)
-        and the router statistics (empty: a pipelined model is dense, ``pipeline_spec``)."""
+        and this rank's router statistics in the unsplit model's layout (``pipeline_moe.router_stats``;
+        empty for a dense model)."""
         loss_acc = torch.zeros((), device=run.device)
         m = self.microbatches
         for r in range(self.rounds):
@@ -211,7 +241,7 @@ class Pipeline:
             self.schedule.step(*args, target=y if self.last else None, losses=losses)
             if self.last:
                 loss_acc += torch.stack([t.detach().float() for t in losses]).sum()
-        return loss_acc, torch.zeros(0, device=run.device, dtype=torch.float64)
+        return loss_acc, router_stats(self.sinks, n_moe=self.n_moe, n_experts=self.n_experts, device=run.device)
 
 
 def build_pipeline(spec: TrainerSpec, cfg: ModelConfig, world_size: int,

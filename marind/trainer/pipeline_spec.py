@@ -11,6 +11,9 @@
 * Layers split evenly: ``pp x pp_stages_per_rank`` must divide ``model.n_layers``; the embedding
   sits on the first stage, the final norm and the LM head on the last (so embeddings cannot be
   tied across stages).
+* Mixture of experts: with ``parallel.ep > 1`` every stage must hold a MoE block (the experts'
+  gradients live on meshes of their own, and gradient clipping reduces each kind of mesh over
+  all stages at once: ``marind.trainer.grad_norm``).
 """
 
 from __future__ import annotations
@@ -114,9 +117,15 @@ def validate_pipeline(spec: TrainerSpec) -> None:
                         "the first, the LM head on the last); set model.tie_embeddings = false with parallel.pp > 1")
     if spec.fault.mode == "torchft":
         raise SpecError("parallel.pp > 1 does not run under fault.mode = \"torchft\" yet; use fault.mode = \"elastic\"")
-    if m.n_experts:
-        raise SpecError("parallel.pp > 1 does not run mixture-of-experts models yet (their auxiliary losses and "
-                        "router statistics do not cross stages); use parallel.pp = 1 with model.n_experts > 0")
+    if m.n_experts and p.ep > 1:
+        plan = stage_plan(spec)
+        bare = [s for s in range(plan.stages) if not any((layer + 1) % m.moe_every == 0
+                                                          for layer in plan.stage_layers(s))]
+        if bare:
+            raise SpecError(f"parallel.ep = {p.ep} with parallel.pp = {p.pp}: pipeline stage {bare[0]} (layers "
+                            f"{plan.stage_layers(bare[0]).start}-{plan.stage_layers(bare[0]).stop - 1}) holds no "
+                            f"MoE block (model.moe_every = {m.moe_every}); every stage needs one, so lower "
+                            "moe_every, raise the layers per stage or set parallel.ep = 1")
     if m.init_from:
         raise SpecError("model.init_from does not load into pipeline stages yet; start it with parallel.pp = 1 "
                         "and resume with pp from its checkpoint")

@@ -71,3 +71,32 @@ def pp_clip_collectives(spec: dict) -> dict:
     return {"norm": float(norm), "ref": float(ref.sqrt()), "meshes": len(names), "params": len(params),
             "counts": {str(k): v for k, v in comm.get_comm_counts().items()},
             "counts2": {str(k): v for k, v in comm2.get_comm_counts().items()}}
+
+
+def step_grad_norms(spec: dict) -> dict[str, float]:
+    """One step's accumulated gradients (the loop's micro-batches, or the pipeline's schedule) without
+    clipping or update: the norm of each full gradient this rank holds, by global parameter name."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import DTensor
+
+    from marind.trainer.build import build
+    from marind.trainer.config import grad_accum_steps
+    from marind.trainer.loop import _forward_backward
+
+    typed = TrainerSpec.from_dict(spec, check_worlds=False)
+    b = build(typed, device_for_local_rank())
+    lay = b.layout
+    run = SimpleNamespace(sampler=b.sampler, device=torch.device("cpu"), model=b.model,
+                          accum=grad_accum_steps(typed, lay.dp_size))
+    mode = SimpleNamespace(sample_indices=lambda _run, _state, k: [lay.dp_rank + k * lay.dp_size])
+    if b.pipeline is not None:
+        b.pipeline.forward_backward(run, mode, None)   # type: ignore[arg-type]
+    else:
+        _forward_backward(run, mode, None)   # type: ignore[arg-type]
+    out = {}
+    for name, p in b.model.named_parameters():
+        if p.grad is not None:
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            out[name] = float(g.norm())
+    return out

@@ -24,3 +24,11 @@ def test_train_bench_quick_shape():
     assert fsdp["layout"] == "fsdp" and pp["layout"] == "pp" and pp["pp"] == 2
     assert {"tokens_per_s", "memory_bytes_rank0", "bubble_fraction"} <= set(pp)
     assert 0 < pp["bubble_fraction"] < 1 and fsdp["bubble_fraction"] == 0
+    dense, moe = out["moe"]   # --quick: the ep=2 row and its dense twin of the same active parameters
+    assert dense["layout"] == "dense-fsdp" and moe["layout"] == "moe-ep2"
+    assert abs(dense["active_params"] - moe["active_params"]) <= 0.01 * moe["active_params"]
+    assert moe["total_params"] > moe["active_params"] and "router" not in dense
+    assert {"tokens_per_s", "memory_bytes_rank0"} <= set(moe)
+    r = moe["router"]
+    assert 0 <= r["load_min"] <= 1 <= r["load_max"] and r["dropped"] == 0 and r["balance_loss"] > 0
+    assert sum(r["tokens_per_expert_last"]) > 0

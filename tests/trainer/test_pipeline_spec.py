@@ -67,10 +67,22 @@ def test_a_valid_pipeline_spec_and_its_defaults():
      "must be a multiple of parallel.pp = 2 for Interleaved1F1B"),
     ("", "", "model.tie_embeddings = true cannot be split across pipeline stages"),
     ("", 'tie_embeddings = false\ninit_from = "/nowhere"', "model.init_from does not load into pipeline stages"),
-    ("", "tie_embeddings = false\nn_experts = 4\ntop_k = 2", "parallel.pp > 1 does not run mixture-of-experts"),
 ])
 def test_each_pipeline_error(parallel, model, needle):
     assert needle in _err(_text(parallel, model))
+
+
+def test_moe_through_pipeline_stages():
+    moe = "tie_embeddings = false\nn_experts = 4\ntop_k = 2"
+    assert load_trainer_spec(_text(model=moe)).model.n_experts == 4
+    spec = load_trainer_spec(_text("ep = 2", moe, nproc=4))          # world 4 = pp 2 x dp_shard 2, ep 2
+    assert validate_for_world(spec, 4) == (1, 2, 1)
+    # ep borrows from a stage's dp_shard: world 2 / pp 2 leaves dp_shard = 1
+    assert "parallel.ep = 2 must divide parallel.dp_shard = 1" in _err(_text("ep = 2", moe, nproc=2))
+    # moe_every = 4 leaves stage 0 (layers 0-1) without experts: refused only with ep > 1
+    assert load_trainer_spec(_text(model=moe + "\nmoe_every = 4", nproc=4)).model.moe_every == 4
+    msg = _err(_text("ep = 2", moe + "\nmoe_every = 4", nproc=4))
+    assert "pipeline stage 0 (layers 0-1) holds no MoE block (model.moe_every = 4)" in msg
 
 
 def test_pipeline_under_torchft_is_refused():
