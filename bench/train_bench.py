@@ -188,6 +188,10 @@ def _param_counts(preset: str, model: str) -> dict:
                                                                                              active=True)}
 
 
+#: what one run can measure (``--sections``)
+SECTIONS = ("throughput", "overhead", "layouts")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="reduced matrix for a shape check")
@@ -195,7 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--presets", default="tiny,125m")
     ap.add_argument("--ranks", default="1,2,4")
     ap.add_argument("--ckpt-ranks", default="1,2", help="rank counts of the checkpoint-overhead pairs")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)")
     args = ap.parse_args(argv)
+    sections = set(args.sections.split(","))
+    if not sections <= set(SECTIONS):
+        ap.error(f"--sections {args.sections!r}: use some of {', '.join(SECTIONS)}")
     presets = ["tiny"] if args.quick else args.presets.split(",")
     ranks_list = [1] if args.quick else [int(r) for r in args.ranks.split(",")]
     repeats = 1 if args.quick else args.repeats
@@ -206,18 +215,20 @@ def main(argv: list[str] | None = None) -> int:
     prepare([], data, example=True, example_docs=200 if args.quick else 600)
 
     throughput = []
-    for preset in presets:
+    for preset in presets if "throughput" in sections else []:
         for ranks in ranks_list:
             res = run_job(preset, ranks, work, data, steps=12 if args.quick else None)
             throughput.append(res)
             print(f"{preset:>5} x{ranks}: {res['tokens_per_s']:10.1f} tokens/s  mfu {res['mfu']:.4f}", flush=True)
 
     overheads = []
-    for ck_ranks in ([1] if args.quick else [int(r) for r in args.ckpt_ranks.split(",")]):
+    for ck_ranks in ([] if "overhead" not in sections else [1] if args.quick
+                     else [int(r) for r in args.ckpt_ranks.split(",")]):
         overheads.append(checkpoint_overhead(work, data, ck_ranks, steps=12 if args.quick else 60,
                                              repeats=repeats))
-    layout_rows = layouts(work, data, steps=12 if args.quick else None)
-    moe_rows = moe_layouts(work, data, steps=12 if args.quick else None, quick=args.quick)
+    run_layouts = "layouts" in sections
+    layout_rows = layouts(work, data, steps=12 if args.quick else None) if run_layouts else []
+    moe_rows = moe_layouts(work, data, steps=12 if args.quick else None, quick=args.quick) if run_layouts else []
     import torch
     out = {
         "bench": "train",
@@ -228,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint_overhead": overheads,
         "layouts": layout_rows,
         "moe": moe_rows,
+        "sections": sorted(sections),
         "floor": {"overhead_pct_max": 5.0, "ok": all(o["overhead_pct"] <= 5.0 for o in overheads)},
     }
     print(json.dumps(out))

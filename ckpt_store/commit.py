@@ -119,9 +119,9 @@ def _check_present(st: Storage, d: str, world: int, parts: list[dict]) -> None:
     Two listings of W entries each (``.marind/`` and ``parts/``). They catch what no
     rank saw fail: a step directory deleted or renamed under a save in flight (another
     store's retention on the same URL) must fail the save, never commit a checkpoint with
-    holes, even where the writes that came after the delete made the directory anew. A
-    local delete renames the whole directory first; an object store's prefix delete lists
-    the keys first, and the begin marker, older than every object, is among them.
+    holes, even where the writes that came after the delete made the directory anew: a
+    delete (a local recursive removal, an object store's listed prefix delete) takes the
+    begin marker, older than every object, with it.
     """
     for attempt in range(3):    # a listing that fails (a storage blip) is tried again
         try:

@@ -119,7 +119,7 @@ def write_rank_part(st: Storage, d: str, rank: int, chunks: list, values: dict, 
     wait(futures)  # all writes are over before this returns or raises: the snapshot is free
     for fut in futures:
         key, objects[key] = fut.result()
-    st.end_part(sum(o["size"] for o in objects.values()), time.perf_counter() - started, background)
+    mode |= st.end_part(sum(o["size"] for o in objects.values()), time.perf_counter() - started, background)
     handoff.wait_complete(timeout_s)
     data = json.dumps(values, sort_keys=True).encode()
     vkey = values_key(d, rank)

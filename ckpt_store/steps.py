@@ -150,17 +150,18 @@ def retention_count(name: str, value: Any, minimum: int) -> int | None:
     return n
 
 
-def prepare_step_dir_within(st: Storage, url: str, step: int, rank: int, timeout_s: float) -> bool:
+def prepare_step_dir_within(st: Storage, url: str, step: int, rank: int,
+                            timeout_s: float) -> tuple[threading.Thread | None, BaseException | None]:
     """``prepare_step_dir``, waited on for at most ``timeout_s`` (a silent storage must not stall a step).
 
     Past the timeout the storage calls go on in a daemon thread until the storage answers;
-    the caller does not save this step (every rank agrees first: ``agreement.all_ranks_ok``).
+    the caller does not save this step (every rank agrees first: ``agreement.all_ranks_ok``)
+    and must let that thread end before it prepares any step again (it may still clear and
+    mark the step directory).
 
     Returns:
-        True when it finished in time; False when it is still waiting on the storage.
-
-    Raises:
-        Whatever ``prepare_step_dir`` raised, when it finished in time.
+        ``(None, None)``: prepared in time; ``(None, exc)``: ``prepare_step_dir`` raised ``exc``
+        in time; ``(thread, None)``: still waiting on the storage in ``thread``.
     """
     outcome: list[BaseException | None] = []
 
@@ -168,13 +169,11 @@ def prepare_step_dir_within(st: Storage, url: str, step: int, rank: int, timeout
         try:
             prepare_step_dir(st, url, step, rank)
             outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
             outcome.append(exc)
     thread = threading.Thread(target=work, name="ckpt-prepare", daemon=True)
     thread.start()
     thread.join(timeout_s)
     if not outcome:
-        return False
-    if outcome[0] is not None:
-        raise outcome[0]
-    return True
+        return thread, None
+    return None, outcome[0]

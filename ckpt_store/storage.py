@@ -61,8 +61,9 @@ class Storage(Protocol):
         write path (local disks: ``write_mode``); returns timings to report (``{"direct_io": 0/1}``)."""
         ...
 
-    def end_part(self, nbytes: int, seconds: float, background: bool) -> None:
-        """The part's chunk objects, ``nbytes`` in all, took ``seconds`` to write."""
+    def end_part(self, nbytes: int, seconds: float, background: bool) -> dict[str, float]:
+        """The part's chunk objects, ``nbytes`` in all, took ``seconds`` to write; returns the
+        write path they took (``{"direct_io": 0/1}`` on a local disk, else empty)."""
         ...
 
     def write_many(self, items: list[tuple[str, list]]) -> None:

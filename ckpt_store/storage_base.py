@@ -66,8 +66,9 @@ class StorageBase:
         """A rank's part of a save starts; object stores have one write path."""
         return {}
 
-    def end_part(self, nbytes: int, seconds: float, background: bool) -> None:
-        """The part's chunk writes are over (``nbytes`` in ``seconds``)."""
+    def end_part(self, nbytes: int, seconds: float, background: bool) -> dict[str, float]:
+        """The part's chunk writes are over (``nbytes`` in ``seconds``): the path they took."""
+        return {}
 
     def write_many(self, items: list[tuple[str, list]]) -> None:
         """Write objects with bounded concurrency; raises the first failure."""

@@ -44,10 +44,12 @@ class LocalStorage(StorageBase):
             self.direct, _why = self.modes.choose(background)
         return {"direct_io": 1.0 if self.direct else 0.0}
 
-    def end_part(self, nbytes: int, seconds: float, background: bool) -> None:
-        """Record the part's write rate on the path it took (sync saves: ``write_mode``)."""
+    def end_part(self, nbytes: int, seconds: float, background: bool) -> dict[str, float]:
+        """Record the part's write rate on the path it took (sync saves: ``write_mode``) and
+        return that path (a filesystem that refused O_DIRECT mid-part took the page cache)."""
         if self.auto and self.direct_ok:
             self.modes.record(self.direct, nbytes, seconds, background)
+        return {"direct_io": 1.0 if self.direct else 0.0}
 
     # -- writes --------------------------------------------------------------------------
     def write(self, key: str, pieces: list, crc: int | None = None) -> None:

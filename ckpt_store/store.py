@@ -31,6 +31,7 @@ from ckpt_store.errors import (
     CheckpointError,
     CheckpointFormatUnsupported,
     CheckpointSaveFailed,
+    CheckpointStorageUnavailable,
 )
 from ckpt_store.gather import SMALL_ARRAY_BYTES, gather_small
 from ckpt_store.load_newest import load_newest
@@ -132,6 +133,7 @@ class CheckpointStore:
         self.commit_timeout_s = commit_timeout_s
         self.fence = (str(fence_file), float(fence_margin_s)) if fence_file else None
         self.prepare_timeout_s = prepare_timeout_s
+        self._stale_prepare: threading.Thread | None = None   # a timed-out prepare still waiting on the storage
         self.background_nice = background_nice
         self.inner_chunk_bytes = inner_chunk_bytes
         self.gather_small_bytes = gather_small_bytes
@@ -204,13 +206,26 @@ class CheckpointStore:
         t0 = time.perf_counter()
         tensors, values = flatten(state)
         bounded = async_ and self.prepare_timeout_s is not None
+        stale = self._stale_prepare
         if bounded:
             assert self.prepare_timeout_s is not None
-            ready = prepare_step_dir_within(self.storage, self.url, step, rank, self.prepare_timeout_s)
+            failure: BaseException | None = None
+            if stale is not None and stale.is_alive():       # an earlier prepare still waits on the storage
+                ready = False
+            else:
+                self._stale_prepare, failure = prepare_step_dir_within(self.storage, self.url, step, rank,
+                                                                     self.prepare_timeout_s)
+                ready = self._stale_prepare is None and failure is None
             if not agreement.all_ranks_ok(ready):
+                if isinstance(failure, CheckpointError) and not isinstance(failure, CheckpointStorageUnavailable):
+                    raise failure                               # e.g. the step is committed already
                 raise CheckpointSaveFailed(f"checkpoint step {step} not saved: the storage did not answer within "
-                                           f"{self.prepare_timeout_s:g}s (on rank {rank} or another)")
+                                           f"{self.prepare_timeout_s:g}s or failed (on rank {rank} or another)"
+                                           + (f": {type(failure).__name__}: {failure}" if failure else "")) from failure
         else:
+            if stale is not None:
+                stale.join()      # a timed-out prepare ends before this one clears or marks any step
+                self._stale_prepare = None
             prepare_step_dir(self.storage, self.url, step, rank)   # then the agreement: the barrier after it
         if world > 1:
             agreement.agree_layout(step, tensors)

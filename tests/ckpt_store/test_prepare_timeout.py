@@ -26,8 +26,11 @@ def test_an_async_save_gives_up_on_a_silent_storage_and_the_next_one_saves(s3_pr
     try:
         with pytest.raises(CheckpointSaveFailed, match="did not answer within 1s"):
             store.save(2, state)            # async: the step directory's check is bounded
+        with pytest.raises(CheckpointSaveFailed, match="did not answer within 1s"):
+            store.save(3, state)            # step 2's check still waits: no second one beside it
     finally:
         os.kill(pid, signal.SIGCONT)
+    # a sync save lets the timed-out check end first: it cannot clear or mark a step under this save
     store.save(3, {"model": {"w": state["model"]["w"] + 1}}, async_=False)
     assert store.steps() == [1, 3]
     assert CheckpointStore(url, storage_options=s3_private.storage_options).verify(3).ok
