@@ -18,6 +18,7 @@ import signal
 import time
 
 import psutil
+import pytest
 
 from marind.cli import main
 from marind.core.lease_file import read_lease
@@ -51,6 +52,7 @@ def _progress(client, job: str) -> dict:
     return client.get_json(client.key("jobs", job, "progress")) or {}
 
 
+@pytest.mark.slow     # ~110 s; CI has its 2-host form on the bed (tests/chaos/test_host_scenarios.py (a))
 def test_silent_loss_of_the_rank0_node_then_fence_and_rejoin(tmp_path, etcd, etcd_client, etcd_prefix, capsys,
                                                               monkeypatch):
     monkeypatch.setenv("MARIND_ETCD", etcd.endpoint)
