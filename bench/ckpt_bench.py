@@ -4,7 +4,7 @@
 full mode), saved to a local dir on the machine's disk (``local``), to a slow
 disk the bench sets up and removes (``slow``: a loop-mounted ext4 image capped
 at ``--slow-MBps``, 240 by default, by the block I/O throttle;
-``bench/slow_disk.py``; root only, else one line on stderr and
+``marind/testing/slow_disk.py``; root only, else one line on stderr and
 ``slow_target.error`` in the JSON) and to a SeaweedFS S3 server started here.
 DCP runs as its sync ``save``, its thread-based ``async_save`` (``dcp``) and
 its best async mode, the process-based one with shared-memory staging
@@ -43,9 +43,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.slow_disk import SlowDiskUnavailable, slow_disk
 from marind.testing.procs import kill_all, run_torch_workers
 from marind.testing.s3_server import SeaweedS3
+from marind.testing.slow_disk import SlowDiskUnavailable, slow_disk
 
 
 def disk_write_rate(directory: str, mb: int, repeats: int = 3) -> dict:

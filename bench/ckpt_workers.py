@@ -1,7 +1,7 @@
 """The checkpoint benchmark's rank side (bench/ckpt_bench.py): what each of its 4 (then 2) ranks runs.
 
 ``worker`` times marind and DCP against a local dir, the bench's slow disk
-(``bench/slow_disk.py``) and an S3 prefix (``bench_target``: saves sync and
+(``marind/testing/slow_disk.py``) and an S3 prefix (``bench_target``: saves sync and
 async, in turns, DCP's async both thread-based and process-based
 (``bench/ckpt_dcp_process.py``), then loads) and
 torch.save of the gathered state; ``reshard_worker`` loads the 4-rank
