@@ -413,7 +413,7 @@ class Agent:
         if rc != 0 and not etcd_down and self._declared_lost(run):
             # back from a freeze: the others replaced this node's world before its agent looked
             reason = f"torchrun exited {rc}: the other agents declared this node lost while it was away"
-            self.fencing.fence_exited(run, reason, time.time())
+            self.fencing.fence_replaced(run, reason, time.time())
             return
         limit = run.spec.job.max_restarts
         decision = after_exit(rc, node=self.node, job=run.job, etcd_down=etcd_down,

@@ -20,7 +20,7 @@ for each run:
    claim of ``departed/{node}/{incarnation}`` wins writes ``node_lost`` (cause
    ``data_network_gone``) and, when its workers stalled, SIGKILLs them: a new
    round without it, no ``hang_timeout``. The cut-off node fences its run
-   (``Fencing.fence_data``: everything SIGKILLed, queued writes dropped, a new
+   (``Fencing.fence_replaced``: everything SIGKILLed, queued writes dropped, a new
    registration, ``host_fenced``) and **holds** the job: it starts it again
    (``node_rejoined``) only once a peer's data endpoint answers again.
 """
@@ -209,7 +209,7 @@ class DataNetwork:
             self.holds[run.job] = Hold(since=now, peers=tuple(sorted(peers)))
             self.prober.want(f"hold:{run.job}", peers)
             self.prober.drop(run.job)
-            fencing.fence_data(run, f"{why} ({verdict})", now)
+            fencing.fence_replaced(run, f"{why} ({verdict})", now)
             runs.pop(run.job, None)
         elif action in (DataAction.RESTART, DataAction.MARK):
             for node in sorted(nodes):

@@ -112,23 +112,16 @@ class Fencing:
         """The job starts here again: what was fenced of it (None: it was not)."""
         return self.fenced.pop(job, None)
 
-    def fence_exited(self, run: RunMonitor, why: str, now: float) -> None:
-        """A torchrun that exited because the other agents declared this node lost.
+    def fence_replaced(self, run: RunMonitor, why: str, now: float) -> None:
+        """Fence a run whose world the other agents replaced while this node's lease may still live.
 
-        Its workers may have resumed before this agent could look (a frozen host back,
-        whose workers wrote progress again), so the stall test of ``tick`` did not fence
-        it; the exit is the same fence: what is left is killed, the queued writes are
-        dropped, the node registers anew and runs the job again (``node_rejoined``).
-        """
-        self._fence(run, why, now, self.link.registry.last_renewal)
-        self._register_anew = True             # the others count this incarnation gone
-
-    def fence_data(self, run: RunMonitor, why: str, now: float) -> None:
-        """This node lost its data network (``marind.agent.data_watch``): the others replace its world.
-
-        The same fence as a lapsed lease, while the lease still lives: the node registers anew
-        (its incarnation is counted lost) and the agent holds the job until the data network
-        answers again.
+        Two callers: a torchrun that exited because the others declared this node lost (its
+        workers may have resumed before this agent looked, so the stall test of ``tick`` did
+        not fence it), and a node that lost its data network (``marind.agent.data_watch``;
+        the agent then holds the job until the data network answers). The same fence as a
+        lapsed lease: what is left is killed, the queued writes are dropped, and the node
+        registers anew (its incarnation is counted lost) before it runs the job again
+        (``node_rejoined``).
         """
         self._fence(run, why, now, self.link.registry.last_renewal)
         self._register_anew = True
