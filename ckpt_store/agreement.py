@@ -79,10 +79,12 @@ def agree_layout(step: int, tensors: dict) -> None:
 
     One all-reduce of a 62-bit digest of ``layout_rows``; only when the digests
     differ do the ranks exchange the rows themselves, to name the difference.
-    Ranks that save different steps, or hold different arrays (a pipeline
-    stage's own layers: not supported, every rank must hold every array, sharded
-    or replicated), would otherwise commit a checkpoint with holes, or wait on
-    each other in a collective that never matches.
+    Ranks that save different steps, or hold different arrays (every rank must
+    present every array, sharded or replicated; a pipeline stage presents the
+    other stages' arrays as DTensors placed on their holders' ranks, of which it
+    writes nothing, as ``marind.trainer.pipeline_ckpt`` does), would otherwise
+    commit a checkpoint with holes, or wait on each other in a collective that
+    never matches.
 
     Raises:
         CheckpointError: on every rank, naming the first difference.

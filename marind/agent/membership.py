@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from marind.core.etcd_client import EtcdClient
+from marind.core.rdzv_keys import lost_key, members_key, round_key
 
 #: ``Loss.cause`` values.
 LEASE_EXPIRED = "lease_expired"          # its node registration is gone too: silent, powered off, cut off
@@ -114,7 +115,7 @@ class Membership:
 
     def rdzv_desc(self, loss: Loss) -> str | None:
         """The lost torchrun's rendezvous node descriptor, or None when it never published one."""
-        member = self.client.get_json(self.client.key("jobs", self.job, "rdzv", "members", loss.node))
+        member = self.client.get_json(members_key(self.client, self.job, loss.node))
         if not isinstance(member, dict) or not member.get("desc"):
             return None
         if str(member.get("pid")) != str(loss.record.get("torchrun_pid", member.get("pid"))):
@@ -127,7 +128,7 @@ class Membership:
         Read from ``rdzv/round`` (published by each round's rank 0); without it or without
         the descriptor, from the node's last record (it ran workers).
         """
-        current = self.client.get_json(self.client.key("jobs", self.job, "rdzv", "round"))
+        current = self.client.get_json(round_key(self.client, self.job))
         if desc is None or not isinstance(current, dict) or not isinstance(current.get("participants"), list):
             return loss.in_round
         return desc in current["participants"]
@@ -143,13 +144,13 @@ class Membership:
         departed = self.client.get_json(self._departed_key(self.node, self.incarnation))
         if isinstance(departed, dict) and departed.get("how") == "lost":
             return True
-        member = self.client.get_json(self.client.key("jobs", self.job, "rdzv", "members", self.node))
+        member = self.client.get_json(members_key(self.client, self.job, self.node))
         if not isinstance(member, dict) or not member.get("desc") or str(member.get("pid")) != str(torchrun_pid):
             return False
-        return self.client.get_json(self.client.key("jobs", self.job, "rdzv", "lost", str(member["desc"]))) is not None
+        return self.client.get_json(lost_key(self.client, self.job, str(member["desc"]))) is not None
 
     def mark_lost(self, loss: Loss, desc: str | None) -> None:
         """Tell the rendezvous the node's torchrun is gone: ``rdzv/lost/{desc}`` (put; idempotent)."""
         if desc is not None:
-            self.client.put_json(self.client.key("jobs", self.job, "rdzv", "lost", desc),
+            self.client.put_json(lost_key(self.client, self.job, desc),
                                  {"node": loss.node, "cause": loss.cause, "by": self.node, "at": time.time()})

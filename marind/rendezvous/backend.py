@@ -20,12 +20,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 
 from marind.core.errors import ControlPlaneUnavailable
 from marind.core.etcd_client import EtcdClient
+from marind.core.rdzv_keys import state_key
 from marind.rendezvous.retry import DEFAULT_GRACE, with_grace
-
-
-def state_key(client: EtcdClient, run_id: str) -> str:
-    """The rendezvous state's key, ``{prefix}/jobs/{run_id}/rdzv/state``."""
-    return client.key("jobs", run_id, "rdzv", "state")
 
 
 class Etcd3RendezvousBackend(RendezvousBackend):

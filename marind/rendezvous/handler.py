@@ -45,6 +45,7 @@ from marind.core import workerenv as WE
 from marind.core.errors import ControlPlaneUnavailable
 from marind.core.etcd_client import DEFAULT_PREFIX, EtcdClient, EtcdTLS
 from marind.core.log import get_logger
+from marind.core.rdzv_keys import state_key
 from marind.rendezvous.backend import Etcd3RendezvousBackend
 from marind.rendezvous.lost import LossAwareStateHolder, LostNodes, publish_member
 from marind.rendezvous.store import Etcd3Store
@@ -161,7 +162,7 @@ def connect(options: Etcd3Options, run_id: str = "") -> EtcdClient:
         client = EtcdClient(options.endpoints, prefix=options.prefix, user=options.user,
                             password=options.password, tls=options.tls, timeout=options.read_timeout)
         client.ping()
-        client.get(client.key("jobs", run_id or "_", "rdzv", "state"))  # auth reaches the prefix
+        client.get(state_key(client, run_id or "_"))  # auth reaches the prefix
     except ControlPlaneUnavailable as exc:
         # the wrapper's advice names marind's own flags; under torchrun it is --rdzv-endpoint
         detail = str(exc).replace("or pass --etcd / set MARIND_ETCD", "and --rdzv-endpoint")

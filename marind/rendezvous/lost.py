@@ -42,27 +42,13 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from marind.core.errors import ControlPlaneUnavailable
 from marind.core.etcd_client import EtcdClient
 from marind.core.log import get_logger
+from marind.core.rdzv_keys import lost_prefix, members_key, round_key
 
 log = get_logger(__name__)
 
 _EXPIRED = datetime(1970, 1, 1, tzinfo=UTC)
 #: seconds between reads of the lost markers when no watch event asked for one
 REREAD_S = 5.0
-
-
-def members_key(client: EtcdClient, run_id: str, node: str) -> str:
-    """``{p}/jobs/{run_id}/rdzv/members/{node}``: the node's torchrun's descriptor."""
-    return client.key("jobs", run_id, "rdzv", "members", node)
-
-
-def lost_prefix(client: EtcdClient, run_id: str) -> str:
-    """``{p}/jobs/{run_id}/rdzv/lost/``: one key per lost torchrun, named by its descriptor."""
-    return client.key("jobs", run_id, "rdzv", "lost") + "/"
-
-
-def round_key(client: EtcdClient, run_id: str) -> str:
-    """``{p}/jobs/{run_id}/rdzv/round``: the last completed round and its participants."""
-    return client.key("jobs", run_id, "rdzv", "round")
 
 
 def publish_round(client: EtcdClient, run_id: str, round_: int, participants: frozenset[str]) -> None:

@@ -29,14 +29,11 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from marind.core.etcd_client import EtcdClient
+from marind.core.rdzv_keys import store_base
 from marind.rendezvous.retry import DEFAULT_GRACE, with_grace
 
 _ROUND_PREFIX = "torch.rendezvous."
 
-
-def store_base(client: EtcdClient, run_id: str) -> str:
-    """The key prefix of a rendezvous' store, ``{prefix}/jobs/{run_id}/rdzv/store/``."""
-    return client.key("jobs", run_id, "rdzv", "store") + "/"
 
 
 def _as_bytes(value) -> bytes:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from marind.agent.membership import LEASE_EXPIRED, RECORD_DROPPED, Loss, Membership, vanished
-from marind.rendezvous.lost import LostNodes, lost_prefix, members_key, publish_member, publish_round
+from marind.core.rdzv_keys import lost_prefix, members_key
+from marind.rendezvous.lost import LostNodes, publish_member, publish_round
 
 
 @pytest.mark.unit

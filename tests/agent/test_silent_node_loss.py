@@ -22,7 +22,7 @@ import pytest
 
 from marind.cli import main
 from marind.core.lease_file import read_lease
-from marind.rendezvous.lost import lost_prefix, members_key
+from marind.core.rdzv_keys import lost_prefix, members_key
 from tests.agent.helpers import agent_log, done_record, job_state, node_registered, start_agent, tiny_spec, wait_for
 
 # long keep-alive expiry and last call: torch alone would not drop the node or re-form quickly

@@ -14,8 +14,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousState,
 )
 
+from marind.core.rdzv_keys import lost_prefix, round_key
 from marind.rendezvous import Etcd3RendezvousBackend
-from marind.rendezvous.lost import LossAwareStateHolder, LostNodes, lost_prefix, round_key
+from marind.rendezvous.lost import LossAwareStateHolder, LostNodes
 from tests.agent.helpers import wait_for
 
 A, B, C = (_NodeDesc("host", pid, 0) for pid in (10, 20, 30))
