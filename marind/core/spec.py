@@ -74,6 +74,7 @@ class CheckpointSpec:
     keep_last: int = spec_field(3, "int")         # 0 = keep all
     keep_every: int = spec_field(0, "int")        # also keep every step divisible by this, for good; 0 = off
     wait_timeout: float = spec_field(600.0, "duration")
+    prepare_timeout: float = spec_field(2.0, "duration")   # under an agent: an async save's storage check; 0 = unbounded
 
 
 FAULT_MODES = ("elastic", "torchft")
@@ -326,6 +327,7 @@ def validate_spec(spec: RunSpec) -> None:
         positive(c.every_seconds, "checkpoint.every_seconds")
     positive(c.keep_last, "checkpoint.keep_last", zero_ok=True)
     positive(c.keep_every, "checkpoint.keep_every", zero_ok=True)
+    positive(c.prepare_timeout, "checkpoint.prepare_timeout", zero_ok=True)
     positive(spec.fault.nan_at_step, "fault.nan_at_step", zero_ok=True)
     _validate_fault(spec)
 

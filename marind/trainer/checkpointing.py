@@ -35,9 +35,11 @@ from marind.trainer.pipeline_ckpt import StageArrays
 
 log = get_logger(__name__)
 
-#: under an agent, an async save waits at most this long on the storage in the training thread
-#: (a silent storage, e.g. a cut control network, would stall the step and the node be taken for lost)
-PREPARE_TIMEOUT_S = 2.0
+def _prepare_bound(seconds: float, run_dir: str | None) -> float | None:
+    """How long an async save may wait on the storage in the training thread
+    (``checkpoint.prepare_timeout``): only under an agent, where a silent storage (a cut
+    control network) would stall the step until the node is taken for lost; 0 = unbounded."""
+    return seconds if run_dir and seconds > 0 else None
 
 
 def checkpoint_url(url: str) -> str:
@@ -116,7 +118,7 @@ class Checkpointer:
             self.store = CheckpointStore(checkpoint_url(c.url), keep_last=c.keep_last or None,
                                          keep_every=c.keep_every or None,
                                          fence_file=str(lease_path(run_dir)) if run_dir else None,
-                                         prepare_timeout_s=PREPARE_TIMEOUT_S if run_dir else None)
+                                         prepare_timeout_s=_prepare_bound(c.prepare_timeout, run_dir))
             if hasattr(optimizer, "register_step_pre_hook"):
                 self.store.protect(optimizer)   # async snapshots overlap the next forward/backward
         self.pending: PendingSave | None = None

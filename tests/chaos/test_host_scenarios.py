@@ -302,7 +302,7 @@ def test_control_partition_during_a_save_keeps_training(bed_cluster):
     """The rank-0 host loses etcd and S3 in the middle of a save, for longer than its lease TTL.
 
     The save's upload and commit wait on S3 in the background; the steps go on: a save due
-    meanwhile gives up on the storage after ``PREPARE_TIMEOUT_S`` or, once the lease has gone
+    meanwhile gives up on the storage after ``checkpoint.prepare_timeout`` (2 s) or, once the lease has gone
     unrenewed for TTL/2, is skipped, so no step stalls and nobody takes the host for lost. A
     commit that comes after the lease expired is refused by the commit fence.
     """

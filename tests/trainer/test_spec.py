@@ -171,3 +171,14 @@ def test_examples_validate(name):
     spec = load_spec(Path(__file__).resolve().parents[2] / "examples" / name)
     for world in spec.world_sizes():
         validate_for_world(spec, world)
+
+
+def test_prepare_timeout_bounds_an_async_save_s_storage_check_under_an_agent():
+    from marind.trainer.checkpointing import _prepare_bound
+    assert load_spec(BASE).checkpoint.prepare_timeout == 2.0
+    spec = load_spec(BASE.replace("keep_last = 3", 'keep_last = 3\nprepare_timeout = "15s"'))
+    assert spec.checkpoint.prepare_timeout == 15.0
+    assert "checkpoint.prepare_timeout" in _err(BASE.replace("keep_last = 3", 'keep_last = 3\nprepare_timeout = -1'))
+    assert _prepare_bound(15.0, "/run") == 15.0
+    assert _prepare_bound(0.0, "/run") is None       # 0 = unbounded
+    assert _prepare_bound(2.0, None) is None         # not under an agent: the caller waits
