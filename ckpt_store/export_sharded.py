@@ -145,7 +145,7 @@ def read_values(store, step: int) -> dict:
 
 
 def export_sharded(store, step: int, out: str, tensors: list[ExportTensor], *, files: dict[str, dict],
-                   max_shard_bytes: int = 2 * 10**9,
+                   max_shard_bytes: int = 2 * 10**9, dtype: torch.dtype | None = None,
                    progress: Callable[[int, int, int], None] | None = None) -> dict:
     """Write ``tensors`` of ``step`` as sharded safetensors with an index, plus ``files``, into ``out``.
 
@@ -156,6 +156,8 @@ def export_sharded(store, step: int, out: str, tensors: list[ExportTensor], *, f
         tensors: what to write, in order.
         files: file name -> JSON document written beside the shards (``config.json``).
         max_shard_bytes: the shard size limit (a bigger tensor gets a shard of its own).
+        dtype: cast every floating-point array to this dtype as it is written (e.g. ``torch.bfloat16``
+            for a model trained in fp32); None keeps each array's saved dtype. Integer arrays are kept.
         progress: called with (arrays done, arrays, bytes written) after each array.
 
     Returns:
@@ -177,14 +179,15 @@ def export_sharded(store, step: int, out: str, tensors: list[ExportTensor], *, f
         if t.name in seen:
             raise ValueError(f"two arrays would both be exported as {t.name!r}")
         seen.add(t.name)
-        dtype = TORCH_DTYPES[meta["dtype"]]
-        if dtype not in SAFETENSORS_DTYPES:
+        saved = TORCH_DTYPES[meta["dtype"]]
+        out_dtype = dtype if dtype is not None and saved.is_floating_point else saved
+        if out_dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"array {t.array!r} has dtype {meta['dtype']}, which safetensors cannot hold")
         shape = [int(s) for s in (t.shape if t.shape is not None else meta["shape"])]
-        nbytes = dtype.itemsize
+        nbytes = out_dtype.itemsize
         for s in shape:
             nbytes *= s
-        entries.append((t, meta, SAFETENSORS_DTYPES[dtype], shape, nbytes))
+        entries.append((t, meta, SAFETENSORS_DTYPES[out_dtype], shape, nbytes, out_dtype))
     shards = plan_shards([e[4] for e in entries], max_shard_bytes)
     tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(os.path.abspath(out))}"
                                                                  f".tmp-{os.getpid()}")
@@ -200,8 +203,8 @@ def export_sharded(store, step: int, out: str, tensors: list[ExportTensor], *, f
                                         {"format": "pt", "marind_step": str(step)})
             with open(os.path.join(tmp, fname), "wb") as f:
                 f.write(header)
-                for spec, meta, _, shape, nbytes in part:
-                    _write_tensor(f, store, step, spec, meta, shape, nbytes, last)
+                for spec, meta, _, shape, nbytes, out_dtype in part:
+                    _write_tensor(f, store, step, spec, meta, shape, nbytes, out_dtype, last)
                     weight_map[spec.name] = fname
                     done, total = done + 1, total + nbytes
                     if progress:
@@ -225,7 +228,7 @@ def export_sharded(store, step: int, out: str, tensors: list[ExportTensor], *, f
 
 
 def _write_tensor(f, store, step: int, spec: ExportTensor, meta: dict, shape: list[int], nbytes: int,
-                  last: dict[str, torch.Tensor]) -> None:
+                  out_dtype: torch.dtype, last: dict[str, torch.Tensor]) -> None:
     if spec.array not in last:
         last.clear()
         last[spec.array] = read_array(store, step, spec.array, meta)
@@ -237,5 +240,7 @@ def _write_tensor(f, store, step: int, spec: ExportTensor, meta: dict, shape: li
                              f"not the declared {shape} {t.dtype}; a transform must keep the dtype and give "
                              f"the declared shape")
         t = out
+    if t.dtype != out_dtype:
+        t = t.to(out_dtype)
     if nbytes:
         f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)   # no copy

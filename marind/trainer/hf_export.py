@@ -15,6 +15,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ckpt_store.export_sharded import ExportTensor, export_sharded, read_values
 from marind.trainer.hf_mapping import (
     CONFIG_KEYS,
@@ -34,6 +36,8 @@ from marind.trainer.hf_mixtral import (
 )
 
 PREFIX = "model/"
+#: the dtypes an export may write, by the name config.json gives them (``torch_dtype``)
+_HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def model_config(store, step: int, manifest: dict, config_path: str | None) -> dict[str, Any]:
@@ -120,7 +124,7 @@ def _moe_shape_problems(cfg: dict[str, Any], shapes: dict[str, tuple[int, ...]])
 
 
 def export_hf(store, step: int, out: str, *, config_path: str | None = None, max_shard_bytes: int = 2 * 10**9,
-              progress: Callable[[int, int, int], None] | None = None) -> dict:
+              dtype: str | None = None, progress: Callable[[int, int, int], None] | None = None) -> dict:
     """Write ``step`` of a trainer checkpoint to ``out`` as a Hugging Face Llama directory.
 
     Args:
@@ -129,6 +133,8 @@ def export_hf(store, step: int, out: str, *, config_path: str | None = None, max
         out: the directory to create.
         config_path: the run's run.toml, for checkpoints without ``extra/model_config``.
         max_shard_bytes: the safetensors shard size limit.
+        dtype: ``float32``, ``bfloat16`` or ``float16``: the weights are cast to it as they are
+            written and ``config.json`` says so; None keeps the saved dtype.
         progress: ``export_sharded``'s progress callback.
 
     Returns:
@@ -144,9 +150,11 @@ def export_hf(store, step: int, out: str, *, config_path: str | None = None, max
     manifest = store.manifest(step)
     cfg = model_config(store, step, manifest, config_path)
     plan = export_plan(manifest, cfg)
-    dtypes = {manifest["arrays"][t.array]["dtype"] for t in plan}
-    dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(
-        dtypes.pop() if len(dtypes) == 1 else "", "float32")
+    if dtype is not None and dtype not in _HF_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_HF_DTYPES)}; pick one of them")
+    if dtype is None:
+        dtypes = {manifest["arrays"][t.array]["dtype"] for t in plan}
+        dtype = dtypes.pop() if len(dtypes) == 1 and next(iter(dtypes)) in _HF_DTYPES else "float32"
     config = mixtral_config(cfg, dtype=dtype) if is_moe(cfg) else hf_config(cfg, dtype=dtype)
     return export_sharded(store, step, out, plan, files={"config.json": config},
-                          max_shard_bytes=max_shard_bytes, progress=progress)
+                          max_shard_bytes=max_shard_bytes, dtype=_HF_DTYPES[dtype], progress=progress)

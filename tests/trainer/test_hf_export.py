@@ -124,6 +124,18 @@ def test_export_loads_in_transformers_with_the_trainers_logits(trained, tmp_path
     assert diff <= 1e-5, f"max abs logit difference {diff}"
     assert want.abs().max().item() > 0.1     # a real comparison, not two zero tensors
 
+    half = tmp_path / "hf-bf16"     # --dtype bfloat16: every weight cast as written, config says so
+    res = _marind("export", f"file://{ckpt}", "--step", str(step), "--format", "hf", str(half), "--dtype", "bfloat16")
+    assert res.returncode == 0, res.stderr
+    assert json.loads((half / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert json.loads((half / INDEX_FILE).read_text())["metadata"]["total_size"] * 2 == index["metadata"]["total_size"]
+    low = transformers.AutoModelForCausalLM.from_pretrained(str(half)).eval()
+    assert {p.dtype for p in low.parameters()} == {torch.bfloat16}
+    for name, t in low.state_dict().items():
+        assert torch.equal(t, theirs.state_dict()[name].to(torch.bfloat16)), name
+    res = _marind("export", f"file://{ckpt}", "--step", str(step), str(tmp_path / "st"), "--dtype", "float16")
+    assert res.returncode == 2 and "--format hf only" in res.stderr and not (tmp_path / "st").exists()
+
 
 def test_export_then_init_from_saves_the_same_arrays(trained, data, tmp_path):
     ckpt, step = trained
