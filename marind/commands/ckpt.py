@@ -53,6 +53,8 @@ def register(sub) -> None:
                    help="hf: the largest safetensors shard (default 2GB; e.g. 500MB, 64MiB)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="hf: the weights' dtype (default auto: as saved); e.g. bfloat16 halves an fp32 run's export")
+    p.add_argument("--tokenizer", metavar="TOKENIZER_JSON",
+                   help="hf: copy this tokenizer.json (the data's, `data prepare --tokenizer`) into OUT")
     p.add_argument("--config", metavar="RUN_TOML",
                    help="hf: the run's spec, for a checkpoint that does not record its model config")
     p.add_argument("out", help="safetensors: the file; hf: the directory to create (new or empty)")
@@ -243,6 +245,8 @@ def export(args) -> int:
     progress = _progress(sys.stderr.isatty())
     if args.format == "hf":
         return _export_hf(args, store, progress)
+    if args.tokenizer:
+        raise UsageError("--tokenizer applies to --format hf only; leave it out for --format safetensors")
     if args.dtype != "auto":
         raise UsageError(f"--dtype {args.dtype} applies to --format hf only; leave it out for --format safetensors")
     out = export_safetensors(store, args.step, args.out, group=args.group, progress=progress)
@@ -260,7 +264,8 @@ def _export_hf(args, store, progress) -> int:
         raise UsageError(f"--max-shard-size: {exc}") from None
     try:
         out = export_hf(store, args.step, args.out, config_path=args.config, max_shard_bytes=max_bytes,
-                        dtype=None if args.dtype == "auto" else args.dtype, progress=progress)
+                        dtype=None if args.dtype == "auto" else args.dtype, tokenizer=args.tokenizer,
+                        progress=progress)
     except ValueError as exc:     # a bad OUT, no model config, arrays that are not the trainer's GPT
         raise UsageError(str(exc)) from None
     print(f"wrote {args.out}: {out['tensors']} tensors in {out['shards']} shard(s), {_size(out['bytes'])} "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -124,7 +125,8 @@ def _moe_shape_problems(cfg: dict[str, Any], shapes: dict[str, tuple[int, ...]])
 
 
 def export_hf(store, step: int, out: str, *, config_path: str | None = None, max_shard_bytes: int = 2 * 10**9,
-              dtype: str | None = None, progress: Callable[[int, int, int], None] | None = None) -> dict:
+              dtype: str | None = None, tokenizer: str | None = None,
+              progress: Callable[[int, int, int], None] | None = None) -> dict:
     """Write ``step`` of a trainer checkpoint to ``out`` as a Hugging Face Llama directory.
 
     Args:
@@ -135,6 +137,9 @@ def export_hf(store, step: int, out: str, *, config_path: str | None = None, max
         max_shard_bytes: the safetensors shard size limit.
         dtype: ``float32``, ``bfloat16`` or ``float16``: the weights are cast to it as they are
             written and ``config.json`` says so; None keeps the saved dtype.
+        tokenizer: a Hugging Face ``tokenizer.json`` (the one ``marind data prepare --tokenizer``
+            took) copied into ``out`` with a ``tokenizer_config.json``, so that
+            ``AutoTokenizer.from_pretrained(out)`` works; its vocabulary must fit the model's.
         progress: ``export_sharded``'s progress callback.
 
     Returns:
@@ -156,5 +161,37 @@ def export_hf(store, step: int, out: str, *, config_path: str | None = None, max
         dtypes = {manifest["arrays"][t.array]["dtype"] for t in plan}
         dtype = dtypes.pop() if len(dtypes) == 1 and next(iter(dtypes)) in _HF_DTYPES else "float32"
     config = mixtral_config(cfg, dtype=dtype) if is_moe(cfg) else hf_config(cfg, dtype=dtype)
-    return export_sharded(store, step, out, plan, files={"config.json": config},
+    files = {"config.json": config, **(tokenizer_files(tokenizer, cfg["vocab_size"]) if tokenizer else {})}
+    return export_sharded(store, step, out, plan, files=files,
                           max_shard_bytes=max_shard_bytes, dtype=_HF_DTYPES[dtype], progress=progress)
+
+
+def tokenizer_files(path: str, vocab_size: int) -> dict[str, dict]:
+    """``tokenizer.json`` and a ``tokenizer_config.json`` for an export, from a tokenizer file.
+
+    Args:
+        path: a Hugging Face ``tokenizers`` JSON file.
+        vocab_size: the model's vocabulary; the tokenizer's must not exceed it.
+
+    Returns:
+        File name -> JSON document, for ``export_sharded(files=...)``.
+
+    Raises:
+        ValueError: the file is missing, not a tokenizer, or its vocabulary is larger than the model's.
+    """
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as exc:
+        raise ValueError("--tokenizer needs the `tokenizers` package: pip install tokenizers") from exc
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        size = Tokenizer.from_str(json.dumps(doc)).get_vocab_size()
+    except Exception as exc:  # noqa: BLE001 - a missing file, bad JSON, or tokenizers' own exception type
+        raise ValueError(f"--tokenizer {path}: not a readable Hugging Face tokenizer.json ({exc}); "
+                         "pass the file `marind data prepare --tokenizer` used") from None
+    if size > vocab_size:
+        raise ValueError(f"--tokenizer {path} has {size} tokens but the model's vocabulary is {vocab_size}; "
+                         "pass the tokenizer the training data was prepared with")
+    return {"tokenizer.json": doc,
+            "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30}}

@@ -223,6 +223,32 @@ def test_export_errors_are_one_line_and_write_nothing(tmp_path, data):
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
+
+def _word_tokenizer(path: Path, words: list[str]) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return path
+
+
+def test_export_carries_the_data_s_tokenizer(tmp_path):
+    url = f"file://{tmp_path}/ck"
+    _tiny_checkpoint(url, with_config=True)                       # vocabulary 64
+    small = _word_tokenizer(tmp_path / "small.json", ["marin", "trains", "models"])
+    out = tmp_path / "hf"
+    res = _marind("export", url, "--step", "1", "--format", "hf", str(out), "--tokenizer", str(small))
+    assert res.returncode == 0, res.stderr
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert tok("marin trains models")["input_ids"] == [1, 2, 3]
+    big = _word_tokenizer(tmp_path / "big.json", [f"w{i}" for i in range(100)])
+    for bad, words in ((big, "101 tokens"), (tmp_path / "none.json", "not a readable")):
+        res = _marind("export", url, "--step", "1", "--format", "hf", str(tmp_path / "x"), "--tokenizer", str(bad))
+        assert res.returncode == 2 and words in res.stderr and len(res.stderr.strip().splitlines()) == 1
+        assert not (tmp_path / "x").exists()
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
 _MEASURE = """
 import json, re, sys
 import psutil
