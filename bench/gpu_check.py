@@ -16,6 +16,10 @@ reported as ``{"ok": bool, ...}``:
 * ``ckpt_roundtrip``: ckpt_store saves CUDA tensors (pinned snapshot) and
   loads them back bit-exact into CUDA tensors.
 * ``zygote_cuda_clean``: preloading the trainer does not initialise CUDA.
+* ``moe``: the mixture-of-experts preset (``moe-tiny``) trains on the GPU(s): one rank
+  (routing, capacity and the aux losses on CUDA); with two GPUs also expert parallel
+  (``ep = 2``: the token all-to-all on nccl) and pipeline parallel (``pp = 2``, 1F1B:
+  stage-to-stage sends on nccl).
 """
 
 from __future__ import annotations
@@ -51,7 +55,15 @@ log_every = 1
 url = "file://{ckpt}"
 every_steps = 5
 async = true
-"""
+{extra}"""
+
+#: the ``moe`` check's layouts: name -> (ranks, spec tables appended to SPEC)
+MOE_LAYOUTS = {
+    "moe_single": (1, '[model]\npreset = "moe-tiny"\n'),
+    "moe_ep2": (2, '[model]\npreset = "moe-tiny"\n[parallel]\nep = 2\n'),
+    "moe_pp2": (2, '[model]\npreset = "moe-tiny"\ntie_embeddings = false\n[parallel]\npp = 2\n'
+                   'pp_schedule = "1F1B"\npp_microbatches = 4\n'),
+}
 
 
 def _steps_in(text: str) -> list[dict]:
@@ -65,12 +77,21 @@ def _steps_in(text: str) -> list[dict]:
     return out
 
 
-def run_trainer(root: Path, nproc: int, steps: int, data: str) -> dict:
+def spec_text(nproc: int, steps: int, data: str, ckpt: Path, extra: str = "") -> str:
+    """The check's run.toml: SPEC with ``extra`` tables (a later table's keys win: TOML tables
+    may not repeat, so ``extra``'s ``[model]``/``[parallel]`` replace SPEC's)."""
+    text = SPEC.format(nproc=nproc, data=data, steps=steps, ckpt=ckpt, extra="")
+    if 'preset = "moe-tiny"' in extra:
+        text = text.replace('[model]\npreset = "tiny"\n', "")
+    return text + extra
+
+
+def run_trainer(root: Path, nproc: int, steps: int, data: str, extra: str = "", name: str = "") -> dict:
     from marind.agent.supervisor import _PDEATHSIG_SHIM
     from marind.agent.torchrun_args import zygote_env
     from marind.trainer import MARIND_PRELOAD
-    spec = root / f"spec-{steps}.toml"
-    spec.write_text(SPEC.format(nproc=nproc, data=data, steps=steps, ckpt=root / "ckpt"))
+    spec = root / f"spec-{name or steps}.toml"
+    spec.write_text(spec_text(nproc, steps, data, root / f"ckpt{name}", extra))
     env = dict(os.environ, PYTHONPATH=str(REPO), MARIND_LOG_JSON="1", OMP_NUM_THREADS="1",
                **zygote_env("gpu-check", root, MARIND_PRELOAD))
     t0 = time.time()
@@ -138,6 +159,13 @@ def main() -> int:
     again = run_trainer(root, nproc, args.steps + 10, str(root / "corpus"))
     result["resume"] = {"ok": again["rc"] == 0 and again["restored"] and again["last_step"] == args.steps + 10,
                         **again}
+    runs = {}
+    for name, (ranks, extra) in MOE_LAYOUTS.items():
+        if ranks <= torch.cuda.device_count():
+            run = run_trainer(root, ranks, args.steps, str(root / "corpus"), extra=extra, name=name)
+            runs[name] = {"rc": run["rc"], "last_step": run["last_step"], "last_loss": run["last_loss"],
+                          "wall_s": run["wall_s"], "tail": run["tail"]}
+    result["moe"] = {"ok": bool(runs) and all(r["rc"] == 0 and r["last_step"] == args.steps for r in runs.values()), **runs}
     try:
         result["ckpt_roundtrip"] = ckpt_roundtrip(root)
     except Exception as exc:  # noqa: BLE001 - report it with the rest
