@@ -251,10 +251,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--presets", default="tiny,125m")
     ap.add_argument("--ranks", default="1,2,4")
     ap.add_argument("--ckpt-ranks", default="1,2", help="rank counts of the checkpoint-overhead pairs")
+    ap.add_argument("--layout-steps", type=int, default=0,
+                    help="steps of each layouts run (default: 12 with --quick, else the preset's); "
+                         "the first 5 are warm-up, not measured")
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)")
     args = ap.parse_args(argv)
     sections = set(args.sections.split(","))
+    if args.layout_steps and args.layout_steps <= PRESETS["tiny"][4]:
+        ap.error(f"--layout-steps {args.layout_steps}: must be > {PRESETS['tiny'][4]} (the warm-up steps)")
     if not sections <= set(SECTIONS):
         ap.error(f"--sections {args.sections!r}: use some of {', '.join(SECTIONS)}")
     presets = ["tiny"] if args.quick else args.presets.split(",")
@@ -279,8 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         overheads.append(checkpoint_overhead(work, data, ck_ranks, steps=12 if args.quick else 60,
                                              repeats=repeats))
     run_layouts = "layouts" in sections
-    layout_rows = layouts(work, data, steps=12 if args.quick else None, quick=args.quick) if run_layouts else []
-    moe_rows = moe_layouts(work, data, steps=12 if args.quick else None, quick=args.quick) if run_layouts else []
+    layout_steps = args.layout_steps or (12 if args.quick else None)
+    layout_rows = layouts(work, data, steps=layout_steps, quick=args.quick) if run_layouts else []
+    moe_rows = moe_layouts(work, data, steps=layout_steps, quick=args.quick) if run_layouts else []
     import torch
     out = {
         "bench": "train",
