@@ -43,6 +43,9 @@ ZYGOTE_WAIT = "MARIND_ZYGOTE_WAIT"
 ZYGOTE_PREFIX = "MARIND_ZYGOTE_"
 #: Peak dense FLOP/s of one rank's device, for MFU when the device is not in the table.
 PEAK_FLOPS = "MARIND_PEAK_FLOPS"
+#: Benchmarks: time each pipeline rank's stages from step N+1 on (``marind.trainer.pipeline_timing``);
+#: unset, off.
+BENCH_PP_TIMING = "MARIND_BENCH_PP_TIMING"
 #: Logging: level name, and JSON lines (``1``) or console output (``0``).
 LOG_LEVEL = "MARIND_LOG_LEVEL"
 LOG_JSON = "MARIND_LOG_JSON"

@@ -21,7 +21,8 @@ loss ``lm_loss / run.accum`` as in the unsplit loop (so gradients match it up to
 only the last stage has a loss, the other ranks return zero (the loop divides the all-reduced
 loss by the ranks that hold the last stage). A mixture-of-experts model's auxiliary losses join
 each stage's backward and its router statistics come back in the unsplit model's layout
-(``marind.trainer.pipeline_moe``); expert parallelism runs inside each stage's mesh.
+(``marind.trainer.pipeline_moe``); expert parallelism runs inside each stage's mesh. A benchmark
+can time each rank's stages against the schedule's wall time (``marind.trainer.pipeline_timing``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from marind.trainer.model import GPT, ModelConfig, lm_loss, rotary_tables
 from marind.trainer.parallel import MESH_DIMS, Layout, parallelize
 from marind.trainer.pipeline_moe import MoEStage, install_sinks, moe_layer_count, router_stats
 from marind.trainer.pipeline_spec import StagePlan, microbatches, stage_plan
+from marind.trainer.pipeline_timing import StageTimer
 
 if TYPE_CHECKING:
     from marind.trainer.build import Run
@@ -215,6 +217,7 @@ class Pipeline:
         else:
             cls = Schedule1F1B if kind == "1F1B" else ScheduleGPipe
             self.schedule = cls(self.stages[0], self.microbatches, loss_fn=loss_fn, scale_grads=False)
+        self.timer = StageTimer.from_environ(self.stages, self.schedule, device)   # benchmarks only; else None
 
     @property
     def world_mesh(self) -> DeviceMesh:
@@ -238,7 +241,11 @@ class Pipeline:
             x, y = torch.cat(xs), torch.cat(ys)
             losses: list[torch.Tensor] = []
             args = (x,) if self.first else ()
+            if self.timer:
+                self.timer.begin(state.step)
             self.schedule.step(*args, target=y if self.last else None, losses=losses)
+            if self.timer:
+                self.timer.end()
             if self.last:
                 loss_acc += torch.stack([t.detach().float() for t in losses]).sum()
         return loss_acc, router_stats(self.sinks, n_moe=self.n_moe, n_experts=self.n_experts, device=run.device)

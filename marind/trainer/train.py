@@ -31,6 +31,7 @@ from marind.trainer.data import rank_sample_indices
 from marind.trainer.init_from import init_run_from
 from marind.trainer.loop import Finish, LoopState, Result, StepReport, StopFlag, TrainMode, log_due, run_loop
 from marind.trainer.model import flops_per_token, param_count
+from marind.trainer.peak_memory import peak_memory
 from marind.trainer.schedule import peak_flops_per_device
 
 
@@ -59,10 +60,12 @@ class ElasticMode(TrainMode):
         self.flops_tok = 0.0
         self.peak = 1.0
         self.tb: Any = None
+        self.setup_peak = 0.0            # peak memory before the first step (model built, no optimizer state)
 
     def start(self, run: Run, state: LoopState) -> None:
         """train_start; restore the latest checkpoint (step and data position), else ``[model] init_from``."""
         spec, ckpt, log, t = run.spec, run.ckpt, run.log, run.spec.train
+        self.setup_peak = peak_memory(run.device)["peak_memory_bytes"]
         self.flops_tok = flops_per_token(run.cfg)
         self.peak = peak_flops_per_device(run.device, int(os.environ.get("LOCAL_WORLD_SIZE", run.world))) * run.world
         if run.rank == 0:
@@ -146,14 +149,16 @@ class ElasticMode(TrainMode):
         return True
 
     def finish(self, run: Run, state: LoopState) -> Finish:
-        """Wait for the save in flight (a timeout is logged), close tensorboard."""
+        """Wait for the save in flight (a timeout is logged), close tensorboard; the final record's metrics:
+        peak memory (and pipeline stage timing when ``MARIND_BENCH_PP_TIMING`` asked for it)."""
         try:
             run.ckpt.wait()
         except TimeoutError as exc:
             run.log.error("checkpoint_wait_timeout", error=str(exc))
         if self.tb:
             self.tb.close()
-        return Finish(log_fields={"last_checkpoint_step": run.ckpt.last_step})
+        return Finish(log_fields={"last_checkpoint_step": run.ckpt.last_step},
+                      record_fields={"metrics": _final_metrics(run, self.setup_peak)})
 
 
 def train(spec: TrainerSpec, device: torch.device, *, stop: StopFlag | None = None,
@@ -180,6 +185,13 @@ def train(spec: TrainerSpec, device: torch.device, *, stop: StopFlag | None = No
     run = setup_run(spec, device, env, mode)
     result = run_loop(run, mode, stop or StopFlag())
     return result, run.model, run.optimizer
+
+
+def _final_metrics(run: Run, setup_peak: float) -> dict[str, float]:
+    """The final progress record's metrics: this rank's peak memory (``marind.trainer.peak_memory``) and,
+    when a benchmark asked for it, its pipeline stages' timing (``marind.trainer.pipeline_timing``)."""
+    timer = run.pipeline.timer if run.pipeline is not None else None
+    return {**peak_memory(run.device), "setup_peak_memory_bytes": setup_peak, **(timer.metrics() if timer else {})}
 
 
 def _rollback(run: Run, state: LoopState) -> int:

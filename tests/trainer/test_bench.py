@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from marind.testing.procs import REPO_ROOT, base_env
 
 
@@ -24,11 +26,20 @@ def test_train_bench_quick_shape():
     assert fsdp["layout"] == "fsdp" and pp["layout"] == "pp" and pp["pp"] == 2
     assert {"tokens_per_s", "memory_bytes_rank0", "bubble_fraction"} <= set(pp)
     assert 0 < pp["bubble_fraction"] < 1 and fsdp["bubble_fraction"] == 0
+    # measured per rank (busy vs wall of the schedule runs), beside the schedule's figure
+    assert len(pp["bubble_measured"]) == 2 and all(0 <= b < 1 for b in pp["bubble_measured"])
+    assert pp["bubble_measured_mean"] == pytest.approx(sum(pp["bubble_measured"]) / 2, abs=1e-3)
+    assert "bubble_measured" not in fsdp
     dense, moe = out["moe"]   # --quick: the ep=2 row and its dense twin of the same active parameters
     assert dense["layout"] == "dense-fsdp" and moe["layout"] == "moe-ep2"
     assert abs(dense["active_params"] - moe["active_params"]) <= 0.01 * moe["active_params"]
     assert moe["total_params"] > moe["active_params"] and "router" not in dense
     assert {"tokens_per_s", "memory_bytes_rank0"} <= set(moe)
+    for row in (fsdp, pp, dense, moe):   # every rank's own peak memory (and before the first step)
+        peaks = row["peak_memory_bytes"]
+        assert len(peaks) == 2 and all(p > 0 for p in peaks), row["layout"]
+        assert row["peak_memory_bytes_max"] == max(peaks) and row["peak_memory_bytes_min"] == min(peaks)
+        assert all(0 < s <= p for s, p in zip(row["setup_peak_memory_bytes"], peaks))
     r = moe["router"]
     assert 0 <= r["load_min"] <= 1 <= r["load_max"] and r["dropped"] == 0 and r["balance_loss"] > 0
     assert sum(r["tokens_per_expert_last"]) > 0

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from marind.testing.procs import run_torch_workers
 from marind.trainer import corpus
 from marind.trainer.config import load_trainer_spec
+from tests.trainer.workers import check_reshard
 
 STEPS = 6
 GLOBAL_BATCH = 8
@@ -126,71 +125,29 @@ def saved(data, tmp_path_factory):
     return get
 
 
-def saved_arrays(url: str, step: int) -> dict[str, str]:
-    """Digests of every array of checkpoint ``step`` read straight from the store (as one process)."""
-    import torch
-
-    from ckpt_store import CheckpointStore
-    from ckpt_store.zarr_format import TORCH_DTYPES, ArraySpec
-    from tests.trainer.workers import _digest
-
-    store = CheckpointStore(url)
-    try:
-        state: dict = {}
-        names = []
-        for name, meta in store.manifest(step)["arrays"].items():
-            spec = ArraySpec.from_json(name, meta)
-            node = state
-            *tables, leaf = name.split("/")
-            for key in tables:
-                node = node.setdefault(key, {})
-            node[leaf] = torch.empty(spec.shape, dtype=TORCH_DTYPES[spec.dtype])
-            names.append(name)
-        store.load_arrays(state, step)
-        out = {}
-        for name in names:
-            node = state
-            for key in name.split("/"):
-                node = node[key]
-            out[name] = _digest(node)
-        return out
-    finally:
-        store.close()
-
-
-def check_reshard(data: str, saved, tmp_path, src: str, dst: str) -> None:
-    """Resume ``src``'s step-4 checkpoint in layout ``dst``: the restored parameters and optimizer
-    state are the saved global arrays bit for bit, and the loss continues ``src``'s."""
+def _reshard(data: str, saved, tmp_path, src: str, dst: str) -> None:
+    """Resume ``src``'s step-4 checkpoint in layout ``dst`` (``workers.check_reshard``)."""
     results, src_ckpt = saved(src)
-    step_dir = f"step-{SAVED_AT:010d}"
-    shutil.copytree(f"{src_ckpt}/{step_dir}", tmp_path / "ckpt" / step_dir)
-    arrays = {k: v for k, v in saved_arrays(f"file://{tmp_path / 'ckpt'}", SAVED_AT).items()
-              if k.startswith(("model/", "optim/"))}
-    assert "model/layers.3.attention.wq.weight" in arrays and "model/output.weight" in arrays
     world, layout = LAYOUTS[dst]
-    resumed = run_torch_workers("tests.trainer.pp_workers:resume_and_digest", world, timeout=300,
-                                spec=pp_spec(data, str(tmp_path / "ckpt"), **layout))
-    restored: dict = {}
-    for res in resumed:
-        assert res["restored"]["step"] == SAVED_AT and res["restored"]["position"] == SAVED_AT * GLOBAL_BATCH
-        restored.update(res["restored"]["digests"])
-    assert restored == arrays, (src, dst, sorted(set(restored) ^ set(arrays))[:5])
-    want, got = results[0]["losses"][SAVED_AT:], resumed[0]["losses"]
-    assert len(got) == len(want) and all(abs(g - w) <= 1e-4 * abs(w) for g, w in zip(got, want)), (got, want)
+    check_reshard(lambda ckpt: run_torch_workers("tests.trainer.pp_workers:resume_and_digest", world, timeout=300,
+                                                 spec=pp_spec(data, ckpt, **layout)),
+                  src_ckpt, tmp_path / "ckpt", SAVED_AT, position=SAVED_AT * GLOBAL_BATCH,
+                  want_losses=results[0]["losses"][SAVED_AT:],
+                  holds={"model/layers.3.attention.wq.weight", "model/output.weight"})
 
 
 @pytest.mark.parametrize("src,dst", [("pp2", "single"), pytest.param("single", "pp2", marks=pytest.mark.slow),
                                      pytest.param("pp2i", "pp2", marks=pytest.mark.slow),
                                      pytest.param("pp2", "pp2i", marks=pytest.mark.slow)])
 def test_reshard_pp2_and_one_rank(data, saved, tmp_path, src, dst):
-    check_reshard(data, saved, tmp_path, src, dst)
+    _reshard(data, saved, tmp_path, src, dst)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("src,dst", [(a, b) for a in ("pp2xdp2", "tp2xpp2", "single")
                                      for b in ("pp2xdp2", "tp2xpp2", "single") if a != b])
 def test_reshard_matrix(data, saved, tmp_path, src, dst):
-    check_reshard(data, saved, tmp_path, src, dst)
+    _reshard(data, saved, tmp_path, src, dst)
 
 
 def test_pp2_nan_step_is_skipped_on_every_stage(data):

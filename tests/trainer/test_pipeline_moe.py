@@ -14,14 +14,12 @@ pipeline that lost them would leave the single rank's loss curve by far more tha
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from marind.testing.procs import run_torch_workers
 from marind.trainer import corpus
 from marind.trainer.config import load_trainer_spec
-from tests.trainer.test_pipeline import saved_arrays
+from tests.trainer.workers import check_reshard
 
 STEPS = 6
 SAVED_AT = 4
@@ -162,31 +160,20 @@ def test_expert_gradients_are_the_one_rank_mean(data, name):
     assert not bad, bad
 
 
-def check_reshard(data: str, saved, tmp_path, src: str, dst: str) -> None:
-    """Resume ``src``'s step-4 checkpoint in layout ``dst``: the restored parameters and optimizer
-    state are the saved global arrays bit for bit, the data position is restored, and the loss
-    continues ``src``'s within float noise."""
+def _reshard(data: str, saved, tmp_path, src: str, dst: str) -> None:
+    """Resume ``src``'s step-4 checkpoint in layout ``dst`` (``workers.check_reshard``)."""
     results, src_ckpt = saved(src)
-    step_dir = f"step-{SAVED_AT:010d}"
-    shutil.copytree(f"{src_ckpt}/{step_dir}", tmp_path / "ckpt" / step_dir)
-    arrays = {k: v for k, v in saved_arrays(f"file://{tmp_path / 'ckpt'}", SAVED_AT).items()
-              if k.startswith(("model/", "optim/"))}
-    assert {"model/layers.1.feed_forward.experts.w2", "optim/layers.0.feed_forward.experts.w1/exp_avg_sq",
-            "model/layers.1.feed_forward.gate.weight", "model/output.weight"} <= set(arrays)
     world, layout = LAYOUTS[dst]
-    resumed = run_torch_workers("tests.trainer.pp_workers:resume_and_digest", world, timeout=400,
-                                spec=moe_spec(data, str(tmp_path / "ckpt"), **layout))
-    restored: dict = {}
-    for res in resumed:
-        assert res["restored"]["step"] == SAVED_AT and res["restored"]["position"] == SAVED_AT * GLOBAL_BATCH
-        restored.update(res["restored"]["digests"])
-    assert restored == arrays, (src, dst, sorted(set(restored) ^ set(arrays))[:5])
-    want, got = results[0]["losses"][SAVED_AT:], resumed[0]["losses"]
-    assert len(got) == len(want) and all(abs(g - w) <= 1e-4 * abs(w) for g, w in zip(got, want)), (got, want)
+    check_reshard(lambda ckpt: run_torch_workers("tests.trainer.pp_workers:resume_and_digest", world, timeout=400,
+                                                 spec=moe_spec(data, ckpt, **layout)),
+                  src_ckpt, tmp_path / "ckpt", SAVED_AT, position=SAVED_AT * GLOBAL_BATCH,
+                  want_losses=results[0]["losses"][SAVED_AT:],
+                  holds={"model/layers.1.feed_forward.experts.w2", "optim/layers.0.feed_forward.experts.w1/exp_avg_sq",
+                         "model/layers.1.feed_forward.gate.weight", "model/output.weight"})
 
 
 def test_reshard_pp2_moe_to_one_rank(data, saved, tmp_path):
-    check_reshard(data, saved, tmp_path, "pp2", "single")
+    _reshard(data, saved, tmp_path, "pp2", "single")
 
 
 #: the issue's reshard matrix for moe-tiny
@@ -197,7 +184,7 @@ MATRIX = ("pp2xdp2", "ep2xdp2", "tp2xpp2", "single")
 @pytest.mark.parametrize("src,dst", [(a, b) for a in MATRIX for b in MATRIX if a != b]
                          + [("pp2xep2", "single"), ("single", "pp2xep2"), ("ep2", "single")])
 def test_reshard_matrix_moe(data, saved, tmp_path, src, dst):
-    check_reshard(data, saved, tmp_path, src, dst)
+    _reshard(data, saved, tmp_path, src, dst)
 
 
 @pytest.mark.slow

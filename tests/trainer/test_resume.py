@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from marind.testing.procs import run_torch_workers
 from marind.trainer import corpus
 from marind.trainer.config import load_trainer_spec
+from tests.trainer.workers import check_reshard
 
 STEPS = 12
 GLOBAL_BATCH = 8
@@ -82,13 +81,8 @@ def test_same_layout_resume_is_bit_identical(data, uninterrupted, tmp_path):
                          ids=["dp_shard=2", "tp=2", "single"])
 def test_changed_layout_resume_continues(data, uninterrupted, tmp_path, world, dp_shard, tp):
     full, full_ckpt = uninterrupted
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    shutil.copytree(full_ckpt / "step-0000000008", ckpt / "step-0000000008")
-    res = run_torch_workers("tests.trainer.workers:train_and_digest", world, timeout=240,
-                            spec=_spec(data, str(ckpt), dp_shard=dp_shard, tp=tp))[0]
+    res = check_reshard(lambda ckpt: run_torch_workers("tests.trainer.pp_workers:resume_and_digest", world,
+                                                       timeout=240, spec=_spec(data, ckpt, dp_shard=dp_shard, tp=tp)),
+                        full_ckpt, tmp_path / "ckpt", 8, position=8 * GLOBAL_BATCH, want_losses=full["losses"][8:],
+                        holds={"model/layers.0.attention.wq.weight", "optim/layers.0.attention.wq.weight/exp_avg"})[0]
     assert res["step"] == STEPS and res["data_position"] == STEPS * GLOBAL_BATCH
-    expected = full["losses"][8:]
-    assert len(res["losses"]) == len(expected)
-    for got, want in zip(res["losses"], expected):
-        assert abs(got - want) <= 1e-4 * abs(want), (res["losses"], expected)

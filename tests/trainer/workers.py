@@ -1,8 +1,12 @@
-"""Functions run on real gloo ranks by ``run_torch_workers`` in the trainer tests."""
+"""Functions run on real gloo ranks by ``run_torch_workers`` in the trainer tests, and the reshard
+check the layout tests share (:func:`check_reshard`, run in the test process)."""
 
 from __future__ import annotations
 
 import hashlib
+import shutil
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -120,29 +124,8 @@ def _full_digests(model, optimizer) -> dict[str, str]:
     return digests
 
 
-def _saved_digests(url: str, step: int, model, optimizer) -> dict[str, str]:
-    """Digests of the global arrays of checkpoint ``step`` as stored (read whole, by ``load_arrays``;
-    collective: the full state dict gives the shapes)."""
-    import torch.distributed as dist
-
-    from ckpt_store import CheckpointStore
-
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
-    if dist.get_rank() != 0:
-        return {}
-    state = {"model": {k: torch.empty_like(v) for k, v in model_sd.items()},
-             "optim": {fqn: {n: torch.empty_like(v) for n, v in st.items() if isinstance(v, torch.Tensor)}
-                       for fqn, st in optim_sd["state"].items()}}
-    CheckpointStore(url).load_arrays(state, step)
-    out = {f"model/{k}": _digest(v) for k, v in state["model"].items()}
-    for fqn, st in state["optim"].items():
-        out.update({f"optim/{fqn}/{n}": _digest(v) for n, v in st.items()})
-    return out
-
-
 def train_moe(spec: dict) -> dict:
-    """Train, recording each step's router statistics; with a checkpoint to resume from, also the
-    digests of the restored state and of the saved global arrays it came from (rank 0)."""
+    """Train, recording each step's router statistics."""
     from marind.core.workerenv import WorkerEnv
     from marind.trainer.build import setup_run
     from marind.trainer.loop import run_loop
@@ -151,16 +134,8 @@ def train_moe(spec: dict) -> dict:
 
     typed = TrainerSpec.from_dict(spec, check_worlds=False)
     routers: list[dict] = []
-    restored: dict = {}
 
     class Recording(ElasticMode):
-        def start(self, run, state):
-            super().start(run, state)
-            if state.step:
-                restored["step"] = state.step
-                restored["live"] = _full_digests(run.model, run.optimizer)
-                restored["saved"] = _saved_digests(run.ckpt.url, state.step, run.model, run.optimizer)
-
         def report_step(self, run, state, report):
             super().report_step(run, state, report)
             routers.append(report.router)
@@ -168,5 +143,74 @@ def train_moe(spec: dict) -> dict:
     mode = Recording()
     run = setup_run(typed, device_for_local_rank(), WorkerEnv.from_environ(), mode)
     result = run_loop(run, mode, StopFlag())
-    return {**result.as_dict(), "digests": _full_digests(run.model, run.optimizer), "routers": routers,
-            "restored": restored}
+    return {**result.as_dict(), "digests": _full_digests(run.model, run.optimizer), "routers": routers}
+
+
+def saved_arrays(url: str, step: int) -> dict[str, str]:
+    """Digests of every array of checkpoint ``step`` read straight from the store (as one process)."""
+    from ckpt_store import CheckpointStore
+    from ckpt_store.zarr_format import TORCH_DTYPES, ArraySpec
+
+    store = CheckpointStore(url)
+    try:
+        state: dict = {}
+        names = []
+        for name, meta in store.manifest(step)["arrays"].items():
+            spec = ArraySpec.from_json(name, meta)
+            node = state
+            *tables, leaf = name.split("/")
+            for key in tables:
+                node = node.setdefault(key, {})
+            node[leaf] = torch.empty(spec.shape, dtype=TORCH_DTYPES[spec.dtype])
+            names.append(name)
+        store.load_arrays(state, step)
+        out = {}
+        for name in names:
+            node = state
+            for key in name.split("/"):
+                node = node[key]
+            out[name] = _digest(node)
+        return out
+    finally:
+        store.close()
+
+
+def check_reshard(resume: Callable[[str], list[dict]], src_ckpt: str | Path, dst: Path, step: int, *,
+                  position: int, want_losses: list[float], holds: Iterable[str] = ()) -> list[dict]:
+    """Resume checkpoint ``step`` of ``src_ckpt`` in another layout and compare (in the test process).
+
+    The step's directory is copied into ``dst`` (so the resumed run writes its own checkpoints
+    there); every rank of the resumed run restores ``step`` and ``position``; the parameters and
+    optimizer state it restored (the union over its ranks) are the saved global arrays, bit for
+    bit; and its losses continue ``want_losses`` (the uninterrupted run's after ``step``) within
+    float reduction noise (relative 1e-4).
+
+    Args:
+        resume: runs the resumed job on the checkpoint directory it is given and returns its ranks'
+            results (``tests.trainer.pp_workers:resume_and_digest``), rank 0 first.
+        src_ckpt: the saving run's checkpoint directory.
+        dst: an empty directory for the copy.
+        step: the checkpoint step.
+        position: the data position that step holds.
+        want_losses: the losses the resumed run must reproduce.
+        holds: array names the checkpoint must have (``model/...``, ``optim/.../exp_avg``).
+
+    Returns:
+        The resumed run's results.
+    """
+    step_dir = f"step-{step:010d}"
+    shutil.copytree(Path(src_ckpt) / step_dir, dst / step_dir)
+    arrays = {k: v for k, v in saved_arrays(f"file://{dst}", step).items() if k.startswith(("model/", "optim/"))}
+    missing = set(holds) - set(arrays)
+    assert not missing, sorted(missing)
+    resumed = resume(str(dst))
+    restored: dict[str, str] = {}
+    for res in resumed:
+        assert (res["restored"]["step"], res["restored"]["position"]) == (step, position), res["restored"]
+        for k, v in res["restored"]["digests"].items():
+            assert restored.setdefault(k, v) == v, k   # ranks that hold the same array hold it alike
+    assert restored == arrays, sorted(set(restored) ^ set(arrays))[:5]
+    got = resumed[0]["losses"]
+    assert len(got) == len(want_losses), (got, want_losses)
+    assert all(abs(g - w) <= 1e-4 * abs(w) for g, w in zip(got, want_losses)), (got, want_losses)
+    return resumed
