@@ -15,6 +15,7 @@ What they share (the I/O threads, the write-rate limit) is in ``storage_base``.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -90,8 +91,10 @@ class Storage(Protocol):
         """Bytes [start, end) of each ``(key, start, end)``; short at the end of an object."""
         ...
 
-    def read_into(self, reqs: list[tuple[str, int, list]]) -> list[int]:
-        """Fill each ``(key, start, buffers)`` request's buffers in order; the bytes read per request."""
+    def read_into(self, reqs: list[tuple[str, int, list]], done: Callable[[int, int], None] | None = None) -> list[int]:
+        """Fill each ``(key, start, buffers)`` request's buffers in order; the bytes read per request.
+        ``done(i, n)`` runs in an I/O thread once request ``i`` is read (its check overlaps the
+        other reads); all are over before this returns or raises the first failure."""
         ...
 
     def exists(self, key: str) -> bool:

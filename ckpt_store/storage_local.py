@@ -15,9 +15,10 @@ import errno
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
-from ckpt_store.storage_base import StorageBase, json_bytes
+from ckpt_store.storage_base import StorageBase, json_bytes, run_all
 from ckpt_store.write_mode import WriteModes
 
 _IOV_MAX = 512
@@ -124,13 +125,23 @@ class LocalStorage(StorageBase):
             return []
         return list(self._pool.map(lambda r: self._pread(*r), ranges))
 
-    def read_into(self, reqs: list[tuple[str, int, list]]) -> list[int]:
+    def read_into(self, reqs: list[tuple[str, int, list]], done: Callable[[int, int], None] | None = None) -> list[int]:
         """Scatter-read: fill each request's writable buffers, in order, from ``key`` at ``start``,
         with one ``preadv`` per request in the I/O threads (no intermediate copy).
-        Returns the bytes read per request (short at end of object; the caller checks)."""
+        ``done(i, n)``: called in the I/O thread as soon as request ``i`` is read (``n`` bytes),
+        so that its check overlaps the other reads. Every request is over before this returns
+        or raises the first failure (in request order). Returns the bytes read per request
+        (short at end of object; the caller checks)."""
         if not reqs:
             return []
-        return list(self._pool.map(lambda r: self._preadv(*r), reqs))
+
+        def one(i: int, req: tuple[str, int, list]) -> int:
+            n = self._preadv(*req)
+            if done is not None:
+                done(i, n)
+            return n
+
+        return run_all(self._pool, one, reqs)
 
     def _preadv(self, key: str, start: int, bufs: list) -> int:
         views = [memoryview(b).cast("B") for b in bufs]
