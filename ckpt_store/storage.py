@@ -5,7 +5,8 @@ buffers (no concatenation on local disks); range reads are batched. Two
 backends implement it:
 
 * ``storage_local.LocalStorage`` (file://): O_DIRECT chunk writes, ``preadv``
-  reads, ``syncfs`` and directory fsyncs for durability;
+  reads, ``fdatasync`` per file and directory fsyncs for durability (``syncfs``
+  for a large part: ``flush_mode``);
 * ``storage_fsspec.FsspecStorage`` (s3://, memory://, any other fsspec URL):
   crc32c-checked PUTs on S3, one HEAD per ``exists``.
 
