@@ -26,7 +26,7 @@ from ckpt_store.errors import (
 )
 from ckpt_store.layout import Box
 from ckpt_store.log import get_logger
-from ckpt_store.manifest import read_manifest
+from ckpt_store.manifest import PartShare, read_manifest
 from ckpt_store.plan import flatten, local_pieces
 from ckpt_store.zarr_format import (
     EMPTY,
@@ -99,9 +99,11 @@ def _obj(manifest: dict, d: str, key: str) -> dict:
     return obj
 
 
-def load_step(st: Storage, d: str, state: dict, rank: int, values: bool = True) -> dict:
-    """Fill ``state`` in place from step dir ``d``; returns read statistics."""
-    manifest = read_manifest(st, d)
+def load_step(st: Storage, d: str, state: dict, rank: int, values: bool = True,
+              share: PartShare | None = None) -> dict:
+    """Fill ``state`` in place from step dir ``d``; returns read statistics. ``share``: every
+    rank loads this step now and they share the reading of its object lists (``read_manifest``)."""
+    manifest = read_manifest(st, d, share)
     step = manifest.get("step", -1)
     tensors, _ = flatten(state)
     problems = [p for p in (_check(n, t, manifest["arrays"]) for n, t in sorted(tensors.items())) if p]
