@@ -21,23 +21,25 @@ files       syncfs (quiet disk)  fdatasync + directory fsyncs
 ==========  ===================  ==============================
 
 and with 300 MB of another process's dirty pages on the same filesystem,
-syncfs took 146-154 ms at every count while the per-file flush stayed at its
-own cost (5 ms for 10 files, 49 ms for 200). So a part of at most
-``FSYNC_FILES`` files is flushed per file (a few ms more on a quiet disk, never
-a wait on the others' writes); a larger one is flushed per file too while the
-machine holds more than ``FOREIGN_DIRTY_BYTES`` of dirty pages (Linux
-``/proc/meminfo``: Dirty, which leaves out pages already under writeback, as
-this rank's are), up to ``FSYNC_FILES_MAX`` files; else with ``syncfs``.
-``choose_syncfs`` is the pure decision.
+syncfs took 146-154 ms at every count (about 2 GB/s of others' pages) while
+the per-file flush stayed at its own cost (5 ms for 10 files, 49 ms for 200).
+So a part of at most ``FSYNC_FILES`` files is flushed per file (a few ms more
+on a quiet disk, never a wait on the others' writes); a larger one per file
+too when that is the cheaper by these figures, ``FSYNC_S`` a file against the
+machine's dirty pages (Linux ``/proc/meminfo`` Dirty, which leaves out pages
+already under writeback, as this rank's are) at ``SYNCFS_BYTES_PER_S``; else
+with one ``syncfs``. ``choose_syncfs`` is the pure decision. Neither way
+escapes a journal commit that waits for discards of deleted files (this VM's
+ext4 mounts with online discard): both flushes wait for those.
 """
 
 from __future__ import annotations
 
 import os
 
-FSYNC_FILES = 64                   # at most this many files: fdatasync each (bounded, own cost only)
-FSYNC_FILES_MAX = 4096             # above this many, syncfs even beside others' dirty pages
-FOREIGN_DIRTY_BYTES = 64 << 20     # dirty pages above which syncfs is likely the slower
+FSYNC_FILES = 64                 # at most this many files: fdatasync each (bounded, own cost only)
+FSYNC_S = 0.3e-3                 # a file's fdatasync and its share of directory fsyncs (1,000 files: 280 ms)
+SYNCFS_BYTES_PER_S = 2e9         # how fast syncfs got through another process's dirty pages
 
 
 def choose_syncfs(files: int, dirty_bytes: int | None, have_syncfs: bool) -> tuple[bool, str]:
@@ -56,10 +58,11 @@ def choose_syncfs(files: int, dirty_bytes: int | None, have_syncfs: bool) -> tup
         return False, "no syncfs on this platform"
     if files <= FSYNC_FILES:
         return False, f"{files} files <= {FSYNC_FILES}: per-file flushes cost a few ms and wait for no one else"
-    if dirty_bytes is not None and dirty_bytes > FOREIGN_DIRTY_BYTES and files <= FSYNC_FILES_MAX:
-        return False, (f"{dirty_bytes >> 20} MiB of dirty pages on the machine: syncfs would wait for them, "
-                       f"{files} per-file flushes cost less")
-    return True, f"{files} files: one syncfs costs less than a flush per file"
+    own, others = files * FSYNC_S, (dirty_bytes or 0) / SYNCFS_BYTES_PER_S
+    if own < others:
+        return False, (f"{(dirty_bytes or 0) >> 20} MiB of dirty pages on the machine: syncfs would wait "
+                       f"~{others:.2f} s for them, {files} per-file flushes ~{own:.2f} s")
+    return True, f"{files} files (~{own:.2f} s per file): one syncfs costs less"
 
 
 def dirty_bytes() -> int | None:
