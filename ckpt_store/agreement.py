@@ -6,7 +6,8 @@ order. A save agrees on what it saves (``agree_layout``: one all-reduce of a
 digest, before anything is written); a load lists the steps on rank 0 only
 (``rank0_steps``: one broadcast) and agrees on each step's outcome
 (``agree_outcome``: the worst over the ranks wins), so every rank takes the
-same branch and none is left waiting in a collective. ``layout_difference``,
+same branch and none is left waiting in a collective; each rank of a load reads
+1/W of a step's object lists and they all-gather them (``part_share``). ``layout_difference``,
 which names what the ranks disagree on, is a pure function.
 """
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ckpt_store.errors import CheckpointError
+from ckpt_store.manifest import PartShare
 from ckpt_store.plan import mesh_ranks
 
 #: a step's load on one rank; the worst over the ranks wins (``agree_outcome``)
@@ -141,7 +143,15 @@ def all_gather_json(obj: Any) -> list:
     buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     bufs = [torch.zeros_like(buf) for _ in range(world)]
     dist.all_gather(bufs, buf)
-    return [json.loads(bytes(b[:int(s)].cpu().tolist())) for b, s in zip(bufs, sizes)]
+    return [json.loads(b[:int(s)].cpu().numpy().tobytes()) for b, s in zip(bufs, sizes)]
+
+
+def part_share() -> PartShare | None:
+    """How the ranks of a load share the reading of a step's object lists (``read_manifest``):
+    each reads 1/W of them and ``all_gather_json`` hands them round. None with one rank."""
+    if not distributed():
+        return None
+    return PartShare(dist.get_rank(), dist.get_world_size(), all_gather_json)
 
 
 def rank0_steps(list_steps: Callable[[], list[int]] | None) -> list[int]:

@@ -17,19 +17,21 @@ from ckpt_store import agreement
 from ckpt_store.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 from ckpt_store.loader import load_step
 from ckpt_store.log import get_logger
+from ckpt_store.manifest import PartShare
 from ckpt_store.steps import committed_steps, step_dir
 from ckpt_store.storage import Storage
 
 log = get_logger(__name__)
 
 
-def load_newest(storage: Storage, state: dict, rank: int) -> dict:
+def load_newest(storage: Storage, state: dict, rank: int, share: PartShare | None = None) -> dict:
     """Fill ``state`` from the newest committed step that loads clean on every rank.
 
     Args:
         storage: the store's storage.
         state: the target (see ``CheckpointStore.load``).
         rank: this rank.
+        share: the ranks share the reading of each tried step's object lists (``read_manifest``).
 
     Returns:
         The load's stats ({bytes_read, bytes_needed, objects}).
@@ -48,7 +50,7 @@ def load_newest(storage: Storage, state: dict, rank: int) -> dict:
         fatal: Exception | None = None
         outcome = agreement.LOAD_OK
         try:
-            stats = load_step(storage, step_dir(s), state, rank)
+            stats = load_step(storage, step_dir(s), state, rank, share=share)
         except CheckpointNotFound as exc:    # deleted meanwhile (retention): skip, nothing to uncommit
             error, outcome = exc, agreement.LOAD_GONE
         except CheckpointCorrupt as exc:

@@ -2,7 +2,8 @@
 
 ``load_step`` reads only the chunks (and, inside sharded chunks, only the
 inner chunks) that intersect this rank's box of each target tensor; every
-piece read is checked against its crc32c, and a chunk object read whole
+piece read is checked against its crc32c, in its I/O thread as soon as its
+read is over (``_landed``: the checks overlap the other reads), and a chunk object read whole
 against the manifest's ``chunks_crc32c`` too. All mismatched or missing keys
 are reported at once, before anything is read.
 """
@@ -25,7 +26,7 @@ from ckpt_store.errors import (
 )
 from ckpt_store.layout import Box
 from ckpt_store.log import get_logger
-from ckpt_store.manifest import read_manifest
+from ckpt_store.manifest import PartShare, read_manifest
 from ckpt_store.plan import flatten, local_pieces
 from ckpt_store.zarr_format import (
     EMPTY,
@@ -98,9 +99,11 @@ def _obj(manifest: dict, d: str, key: str) -> dict:
     return obj
 
 
-def load_step(st: Storage, d: str, state: dict, rank: int, values: bool = True) -> dict:
-    """Fill ``state`` in place from step dir ``d``; returns read statistics."""
-    manifest = read_manifest(st, d)
+def load_step(st: Storage, d: str, state: dict, rank: int, values: bool = True,
+              share: PartShare | None = None) -> dict:
+    """Fill ``state`` in place from step dir ``d``; returns read statistics. ``share``: every
+    rank loads this step now and they share the reading of its object lists (``read_manifest``)."""
+    manifest = read_manifest(st, d, share)
     step = manifest.get("step", -1)
     tensors, _ = flatten(state)
     problems = [p for p in (_check(n, t, manifest["arrays"]) for n, t in sorted(tensors.items())) if p]
@@ -163,27 +166,36 @@ def load_step(st: Storage, d: str, state: dict, rank: int, values: bool = True) 
                     raise CheckpointCorrupt(key, "an inner chunk the layout needs is absent")
                 spans.append((k, off, nb, Box((full_off[0] + k * rows, *full_off[1:]), spec.inner_shape)))
         for group in _contiguous(spans):
-            bufs = []
+            bufs, group_blocks = [], []
             for k, off, nb, bbox in group:
                 blk = _Block(key, spec, k, off, nb, bbox, box, host)
                 bufs += [blk.data, blk.crc]
-                blocks.append(blk)
-            reads.append((key, group[0][1], bufs, sum(g[2] for g in group)))
-    got = _storage_read(st, manifest, d, st.read_into, [(k, start, bufs) for k, start, bufs, _ in reads])
-    for (key, _, _, want), n in zip(reads, got):
-        if n != want:
-            raise CheckpointCorrupt(key, f"object truncated ({n} of {want} bytes read)")
-        stats["bytes_read"] += n
-        stats["objects"] += 1
-    checked = list(st.pool().map(_Block.check, blocks))
-    _check_whole_objects(manifest, d, checked, indexes)
-    for blk in checked:
-        blk.place()
+                group_blocks.append(blk)
+            blocks += group_blocks
+            reads.append((key, group[0][1], bufs, sum(g[2] for g in group), group_blocks))
+    got = _storage_read(st, manifest, d, lambda reqs: st.read_into(reqs, done=lambda i, n: _landed(reads[i], n)),
+                        [(k, start, bufs) for k, start, bufs, _, _ in reads])
+    stats["bytes_read"] += sum(got)
+    stats["objects"] += len(got)
+    _check_whole_objects(manifest, d, blocks, indexes)
     for local, host in hosts:
         local.copy_(host)
     if values:
         _apply_values(st, d, manifest, state, rank)
     return stats
+
+
+def _landed(read: tuple, n: int) -> None:
+    """One read of phase 2 is over (``n`` bytes): check it now, in its I/O thread, while the
+    other reads go on. A short read is a truncated object; every block of it must pass its
+    crc32c before it is copied into the target (a block read straight into the target is
+    there already: the load then raises before it returns)."""
+    key, _start, _bufs, want, group_blocks = read
+    if n != want:
+        raise CheckpointCorrupt(key, f"object truncated ({n} of {want} bytes read)")
+    for blk in group_blocks:
+        blk.check()
+        blk.place()
 
 
 def _read(st: Storage, manifest: dict, d: str, reqs: list[tuple[str, int, int]]) -> list[bytes]:
@@ -263,12 +275,20 @@ def _check_whole_objects(manifest: dict, d: str, blocks: list, indexes: dict) ->
                                              "chunk passes its checksum: an object of another save")
 
 
+#: the most bytes one read of phase 2 gathers from back-to-back inner chunks: a read is
+#: checked as soon as it is over, so reads this size keep the checks behind the other reads
+READ_GROUP_BYTES = 8 << 20
+
+
 def _contiguous(spans: list) -> list[list]:
-    """Group (k, offset, nbytes, box) spans into runs that lie back to back in the object."""
+    """Group (k, offset, nbytes, box) spans into runs that lie back to back in the object
+    (at most 256 spans and, past the first, ``READ_GROUP_BYTES`` a run)."""
     groups: list[list] = []
     for sp in spans:
-        if groups and groups[-1][-1][1] + groups[-1][-1][2] == sp[1] and len(groups[-1]) < 256:
-            groups[-1].append(sp)
+        last = groups[-1] if groups else None
+        if last and last[-1][1] + last[-1][2] == sp[1] and len(last) < 256 \
+                and sp[1] + sp[2] - last[0][1] <= READ_GROUP_BYTES:
+            last.append(sp)
         else:
             groups.append([sp])
     return groups

@@ -8,17 +8,21 @@ Format 2 keeps the per-object list out of the manifest: each rank writes its own
 (``parts/rank-R.json``) and the manifest names those files with their sizes and crc32c,
 so that nothing rank 0 reads or writes at the commit grows with arrays x ranks.
 ``read_manifest`` reads and checks the parts and returns the manifest with every object
-under ``objects`` (the parts files included), as a format-1 manifest has them.
+under ``objects`` (the parts files included), as a format-1 manifest has them. In a load
+of W ranks (``PartShare``) each rank reads 1/W of the lists and the ranks all-gather them:
+W reads of lists for the job instead of W x W.
 """
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, TypeGuard
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import crc32c
 
-from ckpt_store.errors import CheckpointCorrupt, CheckpointFormatUnsupported, CheckpointNotFound
+from ckpt_store.errors import CheckpointCorrupt, CheckpointError, CheckpointFormatUnsupported, CheckpointNotFound
 from ckpt_store.zarr_format import ITEMSIZE
 
 if TYPE_CHECKING:
@@ -36,9 +40,39 @@ def part_key(rank: int) -> str:
     return f"parts/rank-{rank:05d}.json"
 
 
-def read_manifest(st: Storage, d: str) -> dict:
+@dataclass(frozen=True)
+class PartShare:
+    """How the ranks of a load share the reading of a step's object lists: rank ``rank`` of
+    ``world`` reads lists ``rank``, ``rank + world``, ... and ``all_gather`` (every rank's
+    JSON value, in rank order: ``agreement.all_gather_json``) hands them to every rank."""
+
+    rank: int
+    world: int
+    all_gather: Callable[[Any], list]
+
+
+def read_manifest(st: Storage, d: str, share: PartShare | None = None) -> dict:
     """The manifest of step dir ``d``, checked: CheckpointNotFound when there is none,
-    CheckpointFormatUnsupported for another format, CheckpointCorrupt when it is malformed."""
+    CheckpointFormatUnsupported for another format, CheckpointCorrupt when it is malformed.
+
+    Args:
+        st: the storage.
+        d: the step dir.
+        share: every rank of a load reads the same step together: each reads 1/W of the W
+            object lists and they exchange them (W reads of lists in all, not W x W). Every
+            rank must call it; a failure on any rank raises on every rank (the failing rank
+            its own error, the others one that names it and is of the same kind).
+    """
+    if share is not None and share.world > 1:
+        return _read_shared(st, d, share)
+    manifest = _read_head(st, d)
+    if manifest["format"] >= 2:
+        manifest["objects"] = {**manifest["objects"], **_read_parts(st, d, manifest["parts"])}
+    return manifest
+
+
+def _read_head(st: Storage, d: str) -> dict:
+    """``manifest.json`` itself, checked (its object lists not read)."""
     key = f"{d}/{MANIFEST}"
     try:
         raw = st.read(key)
@@ -58,9 +92,54 @@ def read_manifest(st: Storage, d: str) -> dict:
     problem = _manifest_problem(manifest)
     if problem:
         raise CheckpointCorrupt(key, f"malformed manifest ({problem})")
-    if manifest["format"] >= 2:
-        manifest["objects"] = {**manifest["objects"], **_read_parts(st, d, manifest["parts"])}
     return manifest
+
+
+def _read_shared(st: Storage, d: str, share: PartShare) -> dict:
+    """``read_manifest`` with the object lists read 1/W per rank and all-gathered. The
+    exchange happens whatever this rank found, so that no rank is left waiting in it."""
+    manifest: dict | None = None
+    error: BaseException | None = None
+    try:
+        manifest = _read_head(st, d)
+        parts = manifest["parts"][share.rank::share.world] if manifest["format"] >= 2 else []
+        mine: dict = {"objects": _read_parts(st, d, parts)}
+    except Exception as exc:  # noqa: BLE001 - raised below, after the exchange
+        error = exc
+        mine = {"error": _error_json(exc)}
+    got = share.all_gather(mine)
+    if error is not None:
+        raise error
+    assert manifest is not None
+    for r, theirs in enumerate(got):
+        if "error" in theirs:
+            raise _error_from_json(theirs["error"], r)
+    merged = dict(manifest["objects"])
+    for theirs in got:
+        merged.update(theirs["objects"])
+    manifest["objects"] = merged
+    return manifest
+
+
+def _error_json(exc: BaseException) -> dict:
+    if isinstance(exc, CheckpointCorrupt):
+        return {"kind": "corrupt", "object": exc.object, "reason": exc.reason}
+    kinds: dict[type, str] = {CheckpointNotFound: "not_found", CheckpointFormatUnsupported: "format"}
+    kind = kinds.get(type(exc), "other")
+    return {"kind": kind, "message": f"{type(exc).__name__}: {exc}" if kind == "other" else str(exc)}
+
+
+def _error_from_json(err: dict, rank: int) -> CheckpointError:
+    """Another rank's failure to read the manifest or its share of the lists, of the same kind
+    (a corrupt list is corrupt on every rank: the step is skipped and quarantined alike)."""
+    kind = err.get("kind")
+    if kind == "corrupt":
+        return CheckpointCorrupt(str(err.get("object")), str(err.get("reason")))
+    if kind == "not_found":
+        return CheckpointNotFound(str(err.get("message")))
+    if kind == "format":
+        return CheckpointFormatUnsupported(str(err.get("message")))
+    return CheckpointError(f"rank {rank} failed to read the manifest: {err.get('message')}")
 
 
 def _read_parts(st: Storage, d: str, parts: list[dict]) -> dict:

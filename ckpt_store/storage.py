@@ -5,7 +5,8 @@ buffers (no concatenation on local disks); range reads are batched. Two
 backends implement it:
 
 * ``storage_local.LocalStorage`` (file://): O_DIRECT chunk writes, ``preadv``
-  reads, ``syncfs`` and directory fsyncs for durability;
+  reads, ``fdatasync`` per file and directory fsyncs for durability (``syncfs``
+  for a large part: ``flush_mode``);
 * ``storage_fsspec.FsspecStorage`` (s3://, memory://, any other fsspec URL):
   crc32c-checked PUTs on S3, one HEAD per ``exists``.
 
@@ -15,6 +16,7 @@ What they share (the I/O threads, the write-rate limit) is in ``storage_base``.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -90,8 +92,10 @@ class Storage(Protocol):
         """Bytes [start, end) of each ``(key, start, end)``; short at the end of an object."""
         ...
 
-    def read_into(self, reqs: list[tuple[str, int, list]]) -> list[int]:
-        """Fill each ``(key, start, buffers)`` request's buffers in order; the bytes read per request."""
+    def read_into(self, reqs: list[tuple[str, int, list]], done: Callable[[int, int], None] | None = None) -> list[int]:
+        """Fill each ``(key, start, buffers)`` request's buffers in order; the bytes read per request.
+        ``done(i, n)`` runs in an I/O thread once request ``i`` is read (its check overlaps the
+        other reads); all are over before this returns or raises the first failure."""
         ...
 
     def exists(self, key: str) -> bool:

@@ -12,7 +12,8 @@ import json
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 
@@ -87,6 +88,15 @@ class StorageBase:
         self._pool.shutdown(wait=False)
         for pool in self._background_pools.values():
             pool.shutdown(wait=False)
+
+
+def run_all(pool: ThreadPoolExecutor, fn: Callable[[int, Any], Any], items: Sequence) -> list:
+    """``fn(i, item)`` for every item in ``pool``; waits for all of them (none still runs when
+    this returns or raises), then returns their results in order or raises the first
+    failure in order."""
+    futures = [pool.submit(fn, i, item) for i, item in enumerate(items)]
+    wait(futures)
+    return [f.result() for f in futures]
 
 
 def json_bytes(obj: Any) -> bytes:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import base64
 import os
+from collections.abc import Callable
 from typing import Any
 
-from ckpt_store.storage_base import StorageBase, json_bytes
+from ckpt_store.storage_base import StorageBase, json_bytes, run_all
 
 
 def s3_defaults(url: str, storage_options: dict | None) -> dict:
@@ -89,23 +90,28 @@ class FsspecStorage(StorageBase):
                 raise item
         return out
 
-    def read_into(self, reqs: list[tuple[str, int, list]]) -> list[int]:
+    def read_into(self, reqs: list[tuple[str, int, list]], done: Callable[[int, int], None] | None = None) -> list[int]:
         """Scatter-read: fill each request's writable buffers, in order, from ``key`` at ``start``
-        (one ranged GET per request, then a copy). Returns the bytes read per request (short
-        at end of object; the caller checks)."""
+        (one ranged GET per request, concurrent, then a copy in the I/O threads). ``done(i, n)``:
+        called in the I/O thread once request ``i``'s buffers are filled (``n`` bytes); every
+        request is over before this returns or raises the first failure (in request order).
+        Returns the bytes read per request (short at end of object; the caller checks)."""
         if not reqs:
             return []
         got = self.read_ranges([(k, s, s + sum(memoryview(b).nbytes for b in bufs)) for k, s, bufs in reqs])
-        out = []
-        for (_, _, bufs), data in zip(reqs, got):
-            raw, pos = memoryview(data), 0
-            for b in bufs:
+
+        def one(i: int, req: tuple[str, int, list]) -> int:
+            raw, pos = memoryview(got[i]), 0
+            for b in req[2]:
                 mv = memoryview(b).cast("B")
                 n = min(mv.nbytes, len(raw) - pos)
                 mv[:n] = raw[pos:pos + n]
                 pos += n
-            out.append(pos)
-        return out
+            if done is not None:
+                done(i, pos)
+            return pos
+
+        return run_all(self._pool, one, reqs)
 
     def exists(self, key: str) -> bool:
         """Does the object ``key`` exist? On S3 one HEAD (s3fs's ``exists`` follows a miss

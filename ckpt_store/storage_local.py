@@ -3,8 +3,10 @@
 Writes take a list of buffers and never concatenate them. Objects of
 ``DIRECT_MIN_BYTES`` and more bypass the page cache (``_write_direct``);
 smaller ones are buffered and their writeback started at once
-(``sync_file_range``). ``make_durable`` flushes a rank's part with one
-``syncfs``; JSON objects are renamed into place with the directory fsynced.
+(``sync_file_range``). ``make_durable`` flushes a rank's part with an
+``fdatasync`` per file and an ``fsync`` per directory, or one ``syncfs`` for a
+large part (``flush_mode``); JSON objects are renamed into place with the
+directory fsynced.
 Range reads run ``pread``/``preadv`` in the I/O threads (they release the GIL).
 """
 
@@ -15,9 +17,11 @@ import errno
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
-from ckpt_store.storage_base import StorageBase, json_bytes
+from ckpt_store.flush_mode import choose_syncfs, dirs_to_sync, dirty_bytes
+from ckpt_store.storage_base import StorageBase, json_bytes, run_all
 from ckpt_store.write_mode import WriteModes
 
 _IOV_MAX = 512
@@ -37,6 +41,7 @@ class LocalStorage(StorageBase):
         self.auto = direct_io == "auto"
         self.direct = self.direct_ok
         self.modes = WriteModes()
+        self.last_flush: tuple[str, str] | None = None    # make_durable's last way and its reason
 
     def begin_part(self, background: bool) -> dict[str, float]:
         """Pick this part's write path ("auto": ``write_mode.choose_direct``)."""
@@ -75,26 +80,26 @@ class LocalStorage(StorageBase):
             _start_writeback(fh.fileno())
 
     def make_durable(self, keys: list[str]) -> None:
-        """Flush ``keys`` to the disk, so a commit survives a power cut (one ``syncfs`` of
-        their filesystem where Linux has it: a rank's part is dozens of objects and one
-        flush is far cheaper than one per object; else fdatasync each)."""
+        """Flush ``keys`` to the disk, so a commit survives a power cut: ``fdatasync`` each
+        file and ``fsync`` each directory from theirs up to the store root (the names of new
+        files and directories), or one ``syncfs`` of their filesystem where a rank's part
+        has many files and the machine few dirty pages (``flush_mode.choose_syncfs``: syncfs
+        also waits for other processes' writes)."""
         if not keys:
             return
-        if _syncfs is not None:
+        use_syncfs, why = choose_syncfs(len(keys), dirty_bytes(), _syncfs is not None)
+        self.last_flush = ("syncfs" if use_syncfs else "fdatasync", why)
+        if use_syncfs:
             fd = os.open(os.path.dirname(self.path(keys[0])), os.O_RDONLY)
             try:
                 if _syncfs(fd) == 0:
                     return
             finally:
                 os.close(fd)
-
-        def one(key):
-            fd = os.open(self.path(key), os.O_RDONLY)
-            try:
-                os.fdatasync(fd)
-            finally:
-                os.close(fd)
-        for _ in self._pool.map(one, keys):
+        paths = [self.path(key) for key in keys]
+        for _ in self._pool.map(_fdatasync, paths):
+            pass
+        for _ in self._pool.map(_fsync_dir, dirs_to_sync(self.root, paths)):
             pass
 
     def write_json_atomic(self, key: str, obj: Any) -> None:
@@ -124,13 +129,23 @@ class LocalStorage(StorageBase):
             return []
         return list(self._pool.map(lambda r: self._pread(*r), ranges))
 
-    def read_into(self, reqs: list[tuple[str, int, list]]) -> list[int]:
+    def read_into(self, reqs: list[tuple[str, int, list]], done: Callable[[int, int], None] | None = None) -> list[int]:
         """Scatter-read: fill each request's writable buffers, in order, from ``key`` at ``start``,
         with one ``preadv`` per request in the I/O threads (no intermediate copy).
-        Returns the bytes read per request (short at end of object; the caller checks)."""
+        ``done(i, n)``: called in the I/O thread as soon as request ``i`` is read (``n`` bytes),
+        so that its check overlaps the other reads. Every request is over before this returns
+        or raises the first failure (in request order). Returns the bytes read per request
+        (short at end of object; the caller checks)."""
         if not reqs:
             return []
-        return list(self._pool.map(lambda r: self._preadv(*r), reqs))
+
+        def one(i: int, req: tuple[str, int, list]) -> int:
+            n = self._preadv(*req)
+            if done is not None:
+                done(i, n)
+            return n
+
+        return run_all(self._pool, one, reqs)
 
     def _preadv(self, key: str, start: int, bufs: list) -> int:
         views = [memoryview(b).cast("B") for b in bufs]
@@ -199,7 +214,7 @@ try:
     _sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
     _syncfs: Any = _libc.syncfs
     _syncfs.argtypes = (ctypes.c_int,)
-except (OSError, AttributeError):   # not Linux: make_durable's fdatasync does it all
+except (OSError, AttributeError):   # not Linux: make_durable flushes file by file
     _sync_file_range = _syncfs = None
 
 
@@ -258,6 +273,14 @@ def _write_direct(path: str, pieces: list, nbytes: int) -> None:
             pass
         raise
     os.close(fd)
+
+
+def _fdatasync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(path: str) -> None:

@@ -367,10 +367,11 @@ class CheckpointStore:
         if self._pending is not None:
             self._pending.wait_copied()   # a snapshot still reading tensors that load may fill
         rank, _ = agreement.rank_world()
+        share = agreement.part_share()    # W reads of the steps' object lists per job, not W x W
         if step is not None:
-            self.last_load_stats = load_step(self.storage, step_dir(step), state, rank)
+            self.last_load_stats = load_step(self.storage, step_dir(step), state, rank, share=share)
             return state
-        self.last_load_stats = load_newest(self.storage, state, rank)
+        self.last_load_stats = load_newest(self.storage, state, rank, share)
         return state
 
     def load_arrays(self, state: dict, step: int) -> dict:

@@ -9,12 +9,15 @@ A in {50, 200}: the number of calls does not depend on A, and the bytes have no 
 term (the four corners add up: f(4,200) - f(2,200) == f(4,50) - f(2,50), within a few
 bytes of number formatting). The committed step then verifies clean, loads exactly, and
 a format-1 manifest of the same objects (everything listed in the manifest) still loads.
+A load of W ranks reads each of the W object lists once for the job, not once per rank.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
 import numpy as np
@@ -23,8 +26,9 @@ import torch
 
 from ckpt_store import CheckpointStore
 from ckpt_store.commit import commit
+from ckpt_store.errors import CheckpointCorrupt
 from ckpt_store.handoff import SnapshotHandoff
-from ckpt_store.manifest import FORMAT
+from ckpt_store.manifest import FORMAT, PartShare, read_manifest
 from ckpt_store.rank_part import write_rank_part
 from ckpt_store.steps import BEGIN_MARKER
 from ckpt_store.storage_base import json_bytes
@@ -166,8 +170,6 @@ def test_a_committed_step_verifies_and_loads_and_format_1_still_reads(tmp_path, 
 
 
 def test_a_damaged_object_list_is_corrupt_naming_it(tmp_path):
-    from ckpt_store.errors import CheckpointCorrupt
-
     _st, _manifest, root = _rank0_commit(tmp_path, 3, 2)
     path = f"{root}/step-0000000001/parts/rank-00001.json"
     data = bytearray(open(path, "rb").read())
@@ -178,3 +180,58 @@ def test_a_damaged_object_list_is_corrupt_naming_it(tmp_path):
     with pytest.raises(CheckpointCorrupt, match="parts/rank-00001.json"):
         store.manifest(1)
     store.close()
+
+
+class ThreadGather:
+    """An all-gather of JSON values between W threads, each playing a rank (across processes
+    ``agreement.all_gather_json`` does this over torch.distributed; multi-rank loads run it)."""
+
+    def __init__(self, world: int):
+        self.values: list = [None] * world
+        self.barrier = threading.Barrier(world, timeout=30)
+
+    def for_rank(self, rank: int):
+        def gather(obj):
+            self.values[rank] = json.loads(json.dumps(obj))
+            self.barrier.wait()
+            out = list(self.values)
+            self.barrier.wait()
+            return out
+        return gather
+
+
+def _shared_reads(root: str, world: int) -> list:
+    """Every rank's ``read_manifest`` of step 1 with the lists shared: (storage, manifest or error)."""
+    gather = ThreadGather(world)
+    stores = [CountingStorage(root) for _ in range(world)]
+
+    def one(rank):
+        try:
+            return read_manifest(stores[rank], "step-0000000001", PartShare(rank, world, gather.for_rank(rank)))
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            return exc
+    with ThreadPoolExecutor(world) as pool:
+        got = list(pool.map(one, range(world)))
+    for st in stores:
+        st.close()
+    return list(zip(stores, got))
+
+
+def test_a_load_reads_each_object_list_once_per_job_not_once_per_rank(tmp_path):
+    world = 4
+    _st, _manifest, root = _rank0_commit(tmp_path, 50, world)
+    alone = CountingStorage(root)
+    whole = read_manifest(alone, "step-0000000001")
+    alone.close()
+    assert alone.calls == {"read": 1 + world}         # without sharing: W lists per rank, W x W per job
+    for rank, (st, manifest) in enumerate(_shared_reads(root, world)):
+        assert st.calls == {"read": 2}, (rank, st.calls)    # manifest.json and 1/W of the lists
+        assert manifest == whole
+    path = f"{root}/step-0000000001/parts/rank-00002.json"
+    data = bytearray(open(path, "rb").read())
+    data[10] ^= 0x01
+    with open(path, "wb") as fh:
+        fh.write(bytes(data))
+    for rank, (st, got) in enumerate(_shared_reads(root, world)):   # read by rank 2, corrupt on every rank
+        assert isinstance(got, CheckpointCorrupt) and "parts/rank-00002.json" in str(got), (rank, got)
+        assert st.calls == {"read": 2}
