@@ -35,6 +35,11 @@ again) and the job grows back. ``both``: the baseline, a ``kill`` run and a
 ``power_off`` run on one bed; the JSON then has ``faults: {kind: run}``,
 ``recovery_p50_s`` per kind and the floor ``power_off_recovery_p50_max_s``
 (the kill run's p50 + the lease TTL + 2 s). Needs root and ``ip netns``.
+With ``--mode torchft`` or ``both`` the bed also runs each fault kind in
+torchft mode (``bench/goodput_torchft.py``: one replica group per host; a
+power-off takes a group's host away while the others train on):
+``faults_torchft: {kind: run}``, and per kind the floors "torchft goodput
+above elastic's" and "the surviving groups lose no steps".
 
 ``--quick``: 90 s, one failure at 50 s, for a shape test (1 node; 2 with
 ``--fault power_off``/``both``).
@@ -347,8 +352,6 @@ def main() -> int:
     parser.add_argument("--back-after", type=float, default=20.0,
                         help="power_off: seconds until the host reboots and its agent is back (default 20)")
     args = parser.parse_args()
-    if args.fault != "kill" and args.mode != "elastic":
-        parser.error(f"--fault {args.fault} runs in elastic mode only: drop --mode {args.mode}")
     if args.quick:
         args.wall, args.every, args.fixed = 90.0, 50.0, True
         args.nodes = 1 if args.fault == "kill" else 2
@@ -409,25 +412,43 @@ def run_on_bed(args: argparse.Namespace, draws: list) -> int:
     kinds = list(FAULTS) if args.fault == "both" else [args.fault]
     root = Path(tempfile.mkdtemp(prefix="marind-goodput-"))
     runs: dict[str, dict] = {}
+    ft_runs: dict[str, dict] = {}
     with HostBed(root / "bed", [f"host{i + 1}" for i in range(args.nodes)]) as bed:
         site = BedSite(bed, args.back_after)
         data = make_data(root)
         kw = dict(nodes=args.nodes, nproc=args.nproc, wall=args.wall, every_steps=args.ckpt_every, site=site)
         baseline = run_job(root, None, data, name="baseline", draws=[], **kw)
         for kind in kinds:
-            runs[kind] = run_job(root, None, data, name=kind.replace("_", "-"), draws=draws, fault=kind, **kw)
-            runs[kind]["summary"] = summarize(runs[kind])
-    print(json.dumps(bed_result(args, draws, baseline, runs)))
+            if args.mode != "torchft":
+                runs[kind] = run_job(root, None, data, name=kind.replace("_", "-"), draws=draws, fault=kind, **kw)
+                runs[kind]["summary"] = summarize(runs[kind])
+            if args.mode != "elastic":
+                from goodput_torchft import run_torchft, summarize_torchft
+                ft = run_torchft(root, None, data, name=f"ft-{kind.replace('_', '-')}", draws=draws, fault=kind, **kw)
+                ft["summary"] = summarize_torchft(ft)
+                ft_runs[kind] = ft
+    print(json.dumps(bed_result(args, draws, baseline, runs, ft_runs)))
     return 0
 
 
-def bed_result(args: argparse.Namespace, draws: list, baseline: dict, runs: dict[str, dict]) -> dict:
-    """The JSON of a bed run: each fault kind's run and summary, ratios, and the floors."""
+def bed_result(args: argparse.Namespace, draws: list, baseline: dict, runs: dict[str, dict],
+               ft_runs: dict[str, dict] | None = None) -> dict:
+    """The JSON of a bed run: each fault kind's run and summary (elastic in ``faults``, torchft in
+    ``faults_torchft``), ratios, and the floors."""
     ttl = AgentConfig().lease_ttl
+    ft_runs = ft_runs or {}
     p50 = {kind: run["summary"]["recovery_s"]["total"]["p50"] for kind, run in runs.items()}
     floors: dict = {**FLOORS}
     for kind, run in runs.items():
         floors[f"{kind}_goodput_met"] = run["goodput"] >= FLOORS["goodput_min"]
+    ratios = {f"{kind}_goodput_over_baseline": round(run["goodput"] / max(1e-9, baseline["goodput"]), 4)
+              for kind, run in runs.items()}
+    for kind, ft in ft_runs.items():
+        ratios[f"torchft_{kind}_goodput_over_baseline"] = round(ft["goodput"] / max(1e-9, baseline["goodput"]), 4)
+        floors[f"torchft_{kind}_survivors_lose_no_steps"] = all(f["lost_steps"] == 0 for f in ft["failures"])
+        if kind in runs:
+            ratios[f"torchft_{kind}_goodput_over_elastic"] = round(ft["goodput"] / max(1e-9, runs[kind]["goodput"]), 4)
+            floors[f"torchft_{kind}_goodput_above_elastic"] = ft["goodput"] > runs[kind]["goodput"]
     if "kill" in runs and "power_off" in runs and p50["kill"] is not None:
         limit = round(p50["kill"] + ttl + 2.0, 3)
         floors["power_off_recovery_p50_max_s"] = limit
@@ -437,11 +458,8 @@ def bed_result(args: argparse.Namespace, draws: list, baseline: dict, runs: dict
                        "nodes": args.nodes, "nproc": args.nproc, "ckpt_every_steps": args.ckpt_every,
                        "fault": args.fault, "back_after_s": args.back_after, "lease_ttl_s": ttl,
                        "draws_s": [round(d.at, 2) for d in draws]},
-            "baseline": baseline, "faults": runs,
-            "recovery_p50_s": p50,
-            "ratios": {f"{kind}_goodput_over_baseline": round(run["goodput"] / max(1e-9, baseline["goodput"]), 4)
-                       for kind, run in runs.items()},
-            "floors": floors}
+            "mode": args.mode, "baseline": baseline, "faults": runs, "faults_torchft": ft_runs,
+            "recovery_p50_s": p50, "ratios": ratios, "floors": floors}
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@ runs the example job of ``bench/goodput.py`` under ``[fault] mode = "torchft"`` 
 replica group, ``data.global_batch`` split over the groups so a step is the same work) with a
 ``chaos/kill_random_rank.py`` kill at each draw, and returns the fields of goodput.py's runs
 (``goodput``, ``goodput_steady``, ``steps_kept``, ...) so that ``goodput.py --mode torchft`` can put
-it next to the elastic run. Per failure:
+it next to the elastic run. With ``site`` a ``BedSite`` and ``fault="power_off"`` the fault is the
+silent power-off of a group's host instead (``marind.testing.bench_sites``), which reboots
+``back_after`` seconds later while the other groups train on; the victim is back when its group's
+new worker has committed a step. Per failure:
 
 * ``lost_steps``: the job's step before the kill minus the lowest step any live group committed
   after it (torchft never rolls back: 0 unless something is wrong);
@@ -25,14 +28,16 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from goodput import SPEC, Job, kept_step_seconds, kill_one, percentile
 
 from marind.local_etcd import LocalEtcd
+from marind.testing.bench_sites import LoopbackSite
 from marind.testing.chaos.schedule import draw_schedule
-from marind.testing.cluster import make_data, marind, start_nodes, stop_agent, submit
+from marind.testing.cluster import make_data, marind, submit
 
 FAULT = """
 [fault]
@@ -101,17 +106,19 @@ def watch_failure(job: Job, action: dict, t_kill: float, step_before: int, timeo
             "rejoin_s": round(back_at - t_kill, 3) if back_at else None}
 
 
-def run_torchft(root: Path, etcd: LocalEtcd, data: str, *, name: str, nodes: int, nproc: int, wall: float,
-                every_steps: int, draws: list) -> dict:
+def run_torchft(root: Path, etcd: LocalEtcd | None, data: str, *, name: str, nodes: int, nproc: int, wall: float,
+                every_steps: int, draws: list, fault: str = "kill", site=None) -> dict:
+    """One torchft run of ``wall`` seconds with a ``fault`` at each draw (see the module docstring)."""
+    site = site or LoopbackSite(root, etcd.endpoint if etcd else "")
     prefix = f"/goodput-{name}"
-    node_names = [f"{name}-{i}" for i in range(nodes)]
-    agents = start_nodes(root, node_names, etcd.endpoint, prefix)
+    node_names = site.node_names(name, nodes)
+    agents = site.start(node_names, prefix)
     failures: list[dict] = []
     try:
-        spec = root / f"{name}.toml"
-        spec.write_text(torchft_spec(name, nodes, nproc, data, root / f"ckpt-{name}", every_steps))
+        spec = site.root / f"{name}.toml"
+        spec.write_text(torchft_spec(name, nodes, nproc, data, site.root / f"ckpt-{name}", every_steps))
         t0 = time.time()
-        job = Job(submit(spec, etcd.endpoint, prefix, wait=False), root, node_names, nodes * nproc, t0)
+        job = Job(submit(spec, site.endpoint, prefix, wait=False), site.root, node_names, nodes * nproc, t0)
         end = t0 + wall
         for draw in draws:
             if t0 + draw.at >= end:
@@ -119,23 +126,45 @@ def run_torchft(root: Path, etcd: LocalEtcd, data: str, *, name: str, nodes: int
             time.sleep(max(0.0, t0 + draw.at - time.time()))
             while time.time() < end and len(job.workers()) < job.world:
                 time.sleep(0.1)
-            step_before = max([int(r.get("step") or 0) for r in _group_records(job).values()] + [0])
+            records = _group_records(job)
+            step_before = max([int(r.get("step") or 0) for r in records.values()] + [0])
             t_kill = time.time()
-            action = kill_one(job, etcd.endpoint, prefix, draw.seed)
+            reboot = None
+            if fault == "kill" and isinstance(site, LoopbackSite):
+                action = kill_one(job, site.endpoint, prefix, draw.seed)
+            else:
+                hit = site.inject(fault, job, prefix, draw.seed, agents)
+                victim = hit.host or _restarted_group(job, records)
+                action = {"node": victim, "pid": records.get(victim, {}).get("pid")}
+                # the host reboots back_after s later while the survivors are watched
+                reboot = threading.Thread(target=site.settle, args=(hit, t_kill, prefix, agents), daemon=True)
+                reboot.start()
             failures.append(dict(watch_failure(job, action, t_kill, step_before,
                                                timeout=max(5.0, min(180.0, end - time.time()))),
-                                 draw_s=round(draw.at, 2)))
+                                 draw_s=round(draw.at, 2), fault=fault))
+            if reboot is not None:
+                reboot.join()
         time.sleep(max(0.0, end - time.time()))
         lines = job.step_lines()
-        marind(["cancel", job.id], etcd.endpoint, prefix, timeout=60)
+        marind(["cancel", job.id], site.endpoint, prefix, timeout=60)
     finally:
-        for agent in agents:
-            stop_agent(agent)
+        site.stop(agents)
     first = min((ln.at - ln.step_s for ln in lines), default=end)
     kept_s, kept_n = kept_step_seconds(lines, t0, end)
     return {"wall_s": round(end - t0, 2), "startup_s": round(first - t0, 2), "steps_kept": kept_n,
             "kept_step_s": round(kept_s, 2), "goodput": round(kept_s / (end - t0), 4),
             "goodput_steady": round(kept_s / max(1e-9, end - first), 4), "failures": failures}
+
+
+def _restarted_group(job: Job, before: dict[str, dict], timeout: float = 10.0) -> str | None:
+    """The node whose group's rank 0 changed process since ``before`` (a kill on the bed names no node)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for node, rec in _group_records(job).items():
+            if node in before and rec.get("pid") != before[node].get("pid"):
+                return node
+        time.sleep(0.1)
+    return None
 
 
 def summarize_torchft(run: dict) -> dict:

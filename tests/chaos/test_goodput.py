@@ -86,7 +86,7 @@ def test_bed_result_puts_the_power_off_floor_at_the_kill_p50_plus_the_lease_ttl(
         return r
 
     args = argparse.Namespace(quick=True, wall=90.0, every=50.0, fixed=True, seed=7, nodes=2, nproc=2,
-                              ckpt_every=5, fault="both", back_after=20.0)
+                              ckpt_every=5, fault="both", back_after=20.0, mode="both")
     draws = draw_schedule(7, 50.0, 90.0, fixed=True, max_actions=1)
     doc = bed_result(args, draws, {"goodput": 0.95}, {"kill": run(0.9, 4.0), "power_off": run(0.86, 17.0)})
     assert doc["site"] == "bed" and doc["config"]["lease_ttl_s"] == 10
@@ -98,6 +98,33 @@ def test_bed_result_puts_the_power_off_floor_at_the_kill_p50_plus_the_lease_ttl(
                              "power_off_goodput_over_baseline": round(0.86 / 0.95, 4)}
     only = bed_result(args, draws, {"goodput": 0.95}, {"power_off": run(0.86, 17.0)})
     assert "power_off_recovery_p50_max_s" not in only["floors"]
+    ft = {"goodput": 0.9, "failures": [{"lost_steps": 0}]}
+    both = bed_result(args, draws, {"goodput": 0.95}, {"power_off": run(0.86, 17.0)},
+                      {"power_off": ft, "kill": {"goodput": 0.8, "failures": [{"lost_steps": 2}]}})
+    assert both["floors"]["torchft_power_off_goodput_above_elastic"] is True
+    assert both["floors"]["torchft_power_off_survivors_lose_no_steps"] is True
+    assert both["floors"]["torchft_kill_survivors_lose_no_steps"] is False
+    assert "torchft_kill_goodput_above_elastic" not in both["floors"]     # no elastic kill run to compare
+    assert both["ratios"]["torchft_power_off_goodput_over_elastic"] == round(0.9 / 0.86, 4)
+    assert set(both["faults_torchft"]) == {"power_off", "kill"}
+
+
+@pytest.mark.slow
+@pytest.mark.hosts
+def test_quick_torchft_goodput_on_the_bed_survives_a_power_off():
+    from tests.hosts.conftest import require_bed
+    require_bed()
+    res = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "goodput.py"), "--quick", "--fault", "power_off",
+                          "--mode", "torchft"], env=base_env(), capture_output=True, text=True, timeout=900,
+                         cwd=REPO_ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = json.loads(res.stdout.strip().splitlines()[-1])
+    assert doc["mode"] == "torchft" and doc["faults"] == {} and set(doc["faults_torchft"]) == {"power_off"}
+    (failure,) = doc["faults_torchft"]["power_off"]["failures"]
+    assert failure["fault"] == "power_off" and failure["victim"]
+    assert failure["survivor_steps"] > 0, failure          # the other group trained through the outage
+    assert failure["rejoin_s"] is not None, failure        # the rebooted host's group came back
+    assert doc["floors"]["torchft_power_off_survivors_lose_no_steps"], failure
 
 
 @pytest.mark.slow
