@@ -3,12 +3,14 @@ directories whose entries must be flushed, and a real ``LocalStorage.make_durabl
 
 from __future__ import annotations
 
+import errno
 import os
 
 import fsspec
 import pytest
 
 from ckpt_store.flush_mode import FSYNC_FILES, choose_syncfs, dirs_to_sync
+from ckpt_store import storage_local
 from ckpt_store.storage_local import LocalStorage
 
 
@@ -54,7 +56,94 @@ def test_make_durable_flushes_a_small_part_file_by_file_and_a_large_one_as_chose
         st.write(key, [b"y" * 10])
     st.make_durable(many)
     assert st.last_flush is not None and st.last_flush[0] in ("syncfs", "fdatasync"), st.last_flush   # by the dirty pages
+    # (which files and directories each way flushes: the tests below)
     with pytest.raises(FileNotFoundError):   # a file that is not there is never reported durable
         st.make_durable(["step-1/model/missing/c/0"])
     st.close()
     assert all(os.path.getsize(os.path.join(root, k)) == 10 for k in few + many)
+
+
+def _recorded_flushes(monkeypatch) -> dict[str, list[str]]:
+    """Record every path the storage fdatasyncs or fsyncs (the real calls still run)."""
+    seen: dict[str, list[str]] = {"files": [], "dirs": []}
+    real_file, real_dir = storage_local._fdatasync, storage_local._fsync_dir
+
+    def fdatasync(path):
+        seen["files"].append(path)
+        real_file(path)
+
+    def fsync_dir(path):
+        seen["dirs"].append(path)
+        real_dir(path)
+    monkeypatch.setattr(storage_local, "_fdatasync", fdatasync)
+    monkeypatch.setattr(storage_local, "_fsync_dir", fsync_dir)
+    return seen
+
+
+def test_a_large_part_flushed_file_by_file_flushes_its_files_their_dirs_and_a_new_roots_parents(tmp_path, monkeypatch):
+    """A brand-new root (two levels of it new too) is made durable in its parent: the parent
+    of each level the store created is fsynced, once; files and directories are exactly
+    the part's own."""
+    seen = _recorded_flushes(monkeypatch)
+    monkeypatch.setattr(storage_local, "choose_syncfs", lambda files, dirty, have: (False, "forced per file"))
+    root = str(tmp_path / "new" / "deeper" / "ckpt")
+    st = LocalStorage(f"file://{root}", fsspec.filesystem("file"), root, io_threads=2)
+    keys = [f"step-1/model/b{i}/c/0" for i in range(FSYNC_FILES + 1)] + ["step-1/parts/rank-00000.json"]
+    for key in keys:
+        st.write(key, [b"y" * 10])
+    st.make_durable(keys)
+    paths = [os.path.join(root, k) for k in keys]
+    assert st.last_flush == ("fdatasync", "forced per file")
+    assert sorted(seen["files"]) == sorted(paths)
+    new_levels = [str(tmp_path / "new" / "deeper"), str(tmp_path / "new"), str(tmp_path)]   # parents of new levels
+    want_dirs = dirs_to_sync(root, paths)
+    assert want_dirs[-1] == root and len(want_dirs) == 2 * (len(keys) - 1) + 4   # each b<i>/c and b<i>, model, parts, step-1, root
+    assert sorted(seen["dirs"]) == sorted(want_dirs + new_levels)
+    assert len(seen["dirs"]) == len(set(seen["dirs"]))
+    seen["files"].clear()
+    seen["dirs"].clear()
+    st.write("step-2/x", [b"z"])     # the root's parents are flushed once per store
+    st.make_durable(["step-2/x"])
+    assert seen == {"files": [os.path.join(root, "step-2/x")], "dirs": [os.path.join(root, "step-2"), root]}
+    st.close()
+    seen["dirs"].clear()
+    again = LocalStorage(f"file://{root}", fsspec.filesystem("file"), root, io_threads=2)   # the root exists: not its
+    again.write("step-3/x", [b"z"])
+    again.make_durable(["step-3/x"])
+    again.close()
+    assert seen["dirs"] == [os.path.join(root, "step-3"), root]
+
+
+def test_a_json_written_first_into_a_new_root_flushes_the_roots_parent(tmp_path, monkeypatch):
+    seen = _recorded_flushes(monkeypatch)
+    root = str(tmp_path / "ckpt")
+    st = LocalStorage(f"file://{root}", fsspec.filesystem("file"), root, io_threads=1)
+    st.write_json_atomic("step-1/markers/abort.json", {"error": "x"})
+    st.close()
+    assert seen["dirs"] == [os.path.join(root, "step-1/markers"), str(tmp_path)]
+
+
+@pytest.mark.unit
+def test_a_directory_fsync_error_is_raised_unless_the_filesystem_cannot_fsync_directories(tmp_path):
+    storage_local._fsync_dir(str(tmp_path))
+    storage_local._fsync_dir("/proc")          # procfs: fsync of a directory is EINVAL (not supported): skipped
+    with pytest.raises(FileNotFoundError):
+        storage_local._fsync_dir(str(tmp_path / "missing"))
+    (tmp_path / "f").write_bytes(b"x")
+    with pytest.raises(NotADirectoryError):
+        storage_local._fsync_dir(str(tmp_path / "f"))
+    assert storage_local._DIR_FSYNC_UNSUPPORTED == {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP}
+    assert errno.EIO not in storage_local._DIR_FSYNC_UNSUPPORTED
+
+
+def test_make_durable_raises_when_a_directory_cannot_be_flushed(tmp_path):
+    """A directory of the part that is gone by the flush (here: replaced) is a failed flush,
+    not a durable part."""
+    root = str(tmp_path / "ckpt")
+    st = LocalStorage(f"file://{root}", fsspec.filesystem("file"), root, io_threads=1)
+    st.write("step-1/a/x", [b"x"])
+    st.make_durable(["step-1/a/x"])
+    st._unsynced_parents.add(str(tmp_path / "gone"))    # a created level's parent that vanished meanwhile
+    with pytest.raises(FileNotFoundError):
+        st.make_durable(["step-1/a/x"])
+    st.close()
