@@ -120,6 +120,9 @@ def load_step(st: Storage, d: str, state: dict, rank: int, values: bool = True,
         pieces = [p for p in pieces if not p.box.empty]
         if not pieces:
             continue
+        # the same memory without autograd: blocks are placed in the I/O threads, where grad
+        # mode is on whatever the caller's is, and a target may be an nn.Parameter
+        local = local.detach()
         if local.device.type == "cpu" and local.is_contiguous():
             host = local
         else:
@@ -193,9 +196,10 @@ def _landed(read: tuple, n: int) -> None:
     key, _start, _bufs, want, group_blocks = read
     if n != want:
         raise CheckpointCorrupt(key, f"object truncated ({n} of {want} bytes read)")
-    for blk in group_blocks:
-        blk.check()
-        blk.place()
+    with torch.no_grad():
+        for blk in group_blocks:
+            blk.check()
+            blk.place()
 
 
 def _read(st: Storage, manifest: dict, d: str, reqs: list[tuple[str, int, int]]) -> list[bytes]:
