@@ -1,5 +1,5 @@
 """The load's reads (issue 21): each read is checked as soon as it is over, in its I/O thread,
-not after every read; a large chunk object is read in several reads (``READ_GROUP_BYTES``
+not after every read; on a local disk a large chunk object is read in several reads (``READ_GROUP_BYTES``
 each, so they spread over the I/O threads); a bad inner chunk is
 still ``CheckpointCorrupt`` naming it, raised once every read is over. Real local files;
 the storage is the real ``LocalStorage`` with its reads logged."""
@@ -20,6 +20,7 @@ from ckpt_store.loader import load_step
 from ckpt_store.manifest import FORMAT
 from ckpt_store.rank_part import write_rank_part
 from ckpt_store.steps import BEGIN_MARKER
+from ckpt_store.storage import open_storage
 from ckpt_store.storage_local import LocalStorage
 from ckpt_store.zarr_format import ArraySpec, array_metadata, chunk_key
 
@@ -141,3 +142,28 @@ def test_a_resharded_load_fills_parameters_that_require_grad(tmp_path, no_grad):
         got = target["model"][name.split("/")[1]]
         assert isinstance(got, torch.nn.Parameter) and got.requires_grad and got.grad_fn is None
         assert torch.equal(got.detach(), v)
+
+
+def test_an_object_store_reads_a_run_of_inner_chunks_with_one_ranged_get(url, monkeypatch):
+    """``READ_GROUP_BYTES`` splits a run of back-to-back inner chunks for the local reader's
+    threads only: on an object store every request is one GET of one batch (checked after
+    it), so a split would only multiply the requests."""
+    monkeypatch.setattr(loader, "READ_GROUP_BYTES", 64 * 1024)
+    w = torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024)
+    store = CheckpointStore(url, inner_chunk_bytes=16 * 1024, writer="thread")
+    store.save(1, {"model": {"w": w}}, async_=False)     # 16 inner chunks of 16 KiB in one object
+    store.close()
+    st = open_storage(url, io_threads=2)
+    requests: list[int] = []
+    real = st.read_into
+
+    def read_into(reqs, done=None):
+        requests.append(len(reqs))
+        return real(reqs, done)
+    monkeypatch.setattr(st, "read_into", read_into)
+    target = {"model": {"w": torch.zeros(64, 1024)}}
+    load_step(st, D1, target, 0)
+    st.delete_prefix("")
+    st.close()
+    assert torch.equal(target["model"]["w"], w)
+    assert requests == ([6] if st.local else [1]), requests    # 3 + 3 + 3 + 3 + 3 + 1 inner chunks on a disk
