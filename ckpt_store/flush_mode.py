@@ -6,8 +6,8 @@ processes' too, so on a shared disk it waits for their writes (one save at
 10,000 arrays in ``bench/ckpt_scale.py`` waited 58 s). ``fdatasync`` of each file
 the rank wrote, then ``fsync`` of each directory holding one of them and of each
 directory above those up to the store root (the names of new files and new
-directories are directory data; a root the store created is flushed in its
-parent too: ``LocalStorage._make_root``), flushes only this rank's part, at about 0.25 ms
+directories are directory data; a root the store creates is flushed in its
+parent as it is created: ``LocalStorage._make_root``), flushes only this rank's part, at about 0.25 ms
 a call here. Measured on the 2-core CI VM (ext4, 4 I/O threads, files of 4 KiB
 to 1 MiB just written with writeback started, medians of 5-7, noisy: other jobs
 share the machine):
@@ -85,7 +85,7 @@ def dirs_to_sync(root: str, paths: list[str]) -> list[str]:
 
     Args:
         root: the store root (its own entry in its parent, and those of any directories
-            above it that the store created, are ``LocalStorage``'s to flush: ``_make_root``).
+            above it created with it, were flushed as it was made: ``LocalStorage._make_root``).
         paths: the written files, absolute.
 
     Returns:

@@ -7,8 +7,8 @@ smaller ones are buffered and their writeback started at once
 ``fdatasync`` per file and an ``fsync`` per directory, or one ``syncfs`` for a
 large part (``flush_mode``); JSON objects are renamed into place with the
 directory fsynced. The store root is created at the first write, and the
-parent of each directory level created for it is fsynced with the next flush
-(once per store): a new root's own name is then durable too.
+parent of each directory level created for it is fsynced right then (once per
+store): a new root's own name is durable too.
 Range reads run ``pread``/``preadv`` in the I/O threads (they release the GIL).
 """
 
@@ -46,7 +46,7 @@ class LocalStorage(StorageBase):
         self.last_flush: tuple[str, str] | None = None    # make_durable's last way and its reason
         self._root_made = False
         self._root_lock = threading.Lock()
-        self._unsynced_parents: set[str] = set()   # parents of levels this store created, not yet fsynced
+        self._unsynced_parents: set[str] = set()   # parents of root levels this store created, not yet fsynced
 
     def begin_part(self, background: bool) -> dict[str, float]:
         """Pick this part's write path ("auto": ``write_mode.choose_direct``)."""
@@ -90,8 +90,8 @@ class LocalStorage(StorageBase):
         file and ``fsync`` each directory from theirs up to the store root (the names of new
         files and directories), or one ``syncfs`` of their filesystem where a rank's part
         has many files and the machine few dirty pages (``flush_mode.choose_syncfs``: syncfs
-        also waits for other processes' writes); then the parent of each directory level
-        this store created for its root (``_make_root``), once.
+        also waits for other processes' writes). (A root the store created was flushed in
+        its parent then: ``_make_root``.)
 
         Raises:
             OSError: a flush failed (EIO, ...); a directory fsync that the filesystem does
@@ -101,41 +101,34 @@ class LocalStorage(StorageBase):
             return
         use_syncfs, why = choose_syncfs(len(keys), dirty_bytes(), _syncfs is not None)
         self.last_flush = ("syncfs" if use_syncfs else "fdatasync", why)
-        synced = False
         if use_syncfs:
             fd = os.open(os.path.dirname(self.path(keys[0])), os.O_RDONLY)
             try:
-                synced = _syncfs(fd) == 0
+                if _syncfs(fd) == 0:
+                    return
             finally:
                 os.close(fd)
-        if not synced:
-            paths = [self.path(key) for key in keys]
-            for _ in self._pool.map(_fdatasync, paths):
-                pass
-            for _ in self._pool.map(_fsync_dir, dirs_to_sync(self.root, paths)):
-                pass
-        self._sync_root_parents()
+        paths = [self.path(key) for key in keys]
+        for _ in self._pool.map(_fdatasync, paths):
+            pass
+        for _ in self._pool.map(_fsync_dir, dirs_to_sync(self.root, paths)):
+            pass
 
     def _make_root(self) -> None:
-        """Create the store root at the first write, noting the parent of each directory
-        level created here: the new names there are flushed with the next flush
-        (``_sync_root_parents``). A level another process created is that one's to flush
-        (every rank flushes before its done marker, so the commit waits for it)."""
+        """Create the store root at the first write and fsync the parent of each directory
+        level created for it (their names), once per store, at once: the process that
+        creates a root (rank 0's ``begin.json``) need not be the one that flushes the part
+        (the writer process). A level another process created is that one's to flush."""
         if self._root_made:
             return
         with self._root_lock:
-            if not self._root_made:
-                self._unsynced_parents.update(os.path.dirname(d) for d in _makedirs_new(self.root))
-                self._root_made = True
-
-    def _sync_root_parents(self) -> None:
-        """fsync the parents of the root levels this store created and has not flushed yet."""
-        with self._root_lock:
-            todo = sorted(self._unsynced_parents, key=lambda d: (-d.count(os.sep), d))
-        for d in todo:
-            _fsync_dir(d)
-            with self._root_lock:
+            if self._root_made:
+                return
+            self._unsynced_parents.update(os.path.dirname(d) for d in _makedirs_new(self.root))
+            for d in sorted(self._unsynced_parents, key=lambda d: (-d.count(os.sep), d)):
+                _fsync_dir(d)          # a failure is raised, and the next write tries again
                 self._unsynced_parents.discard(d)
+            self._root_made = True
 
     def write_json_atomic(self, key: str, obj: Any) -> None:
         """Write ``obj`` as JSON under a temporary name, fsync it, rename it into place and
@@ -151,7 +144,6 @@ class LocalStorage(StorageBase):
             os.fsync(fh.fileno())
         os.replace(tmp, path)
         _fsync_dir(os.path.dirname(path))
-        self._sync_root_parents()
 
     # -- reads ---------------------------------------------------------------------------
     def read(self, key: str) -> bytes:

@@ -9,8 +9,8 @@ import os
 import fsspec
 import pytest
 
-from ckpt_store.flush_mode import FSYNC_FILES, choose_syncfs, dirs_to_sync
 from ckpt_store import storage_local
+from ckpt_store.flush_mode import FSYNC_FILES, choose_syncfs, dirs_to_sync
 from ckpt_store.storage_local import LocalStorage
 
 
@@ -81,9 +81,9 @@ def _recorded_flushes(monkeypatch) -> dict[str, list[str]]:
 
 
 def test_a_large_part_flushed_file_by_file_flushes_its_files_their_dirs_and_a_new_roots_parents(tmp_path, monkeypatch):
-    """A brand-new root (two levels of it new too) is made durable in its parent: the parent
-    of each level the store created is fsynced, once; files and directories are exactly
-    the part's own."""
+    """A brand-new root (two levels above it new too) is made durable in its parent: the parent
+    of each level the store created is fsynced as the first write creates them, once; the
+    part's flush then syncs exactly its files and their directories up to the root."""
     seen = _recorded_flushes(monkeypatch)
     monkeypatch.setattr(storage_local, "choose_syncfs", lambda files, dirty, have: (False, "forced per file"))
     root = str(tmp_path / "new" / "deeper" / "ckpt")
@@ -91,36 +91,42 @@ def test_a_large_part_flushed_file_by_file_flushes_its_files_their_dirs_and_a_ne
     keys = [f"step-1/model/b{i}/c/0" for i in range(FSYNC_FILES + 1)] + ["step-1/parts/rank-00000.json"]
     for key in keys:
         st.write(key, [b"y" * 10])
+    # the parents of the new levels ckpt, deeper and new, deepest first
+    assert seen == {"files": [], "dirs": [str(tmp_path / "new" / "deeper"), str(tmp_path / "new"), str(tmp_path)]}
+    seen["dirs"].clear()
     st.make_durable(keys)
     paths = [os.path.join(root, k) for k in keys]
     assert st.last_flush == ("fdatasync", "forced per file")
     assert sorted(seen["files"]) == sorted(paths)
-    new_levels = [str(tmp_path / "new" / "deeper"), str(tmp_path / "new"), str(tmp_path)]   # parents of new levels
     want_dirs = dirs_to_sync(root, paths)
     assert want_dirs[-1] == root and len(want_dirs) == 2 * (len(keys) - 1) + 4   # each b<i>/c and b<i>, model, parts, step-1, root
-    assert sorted(seen["dirs"]) == sorted(want_dirs + new_levels)
-    assert len(seen["dirs"]) == len(set(seen["dirs"]))
+    assert sorted(seen["dirs"]) == sorted(want_dirs) and len(seen["dirs"]) == len(want_dirs)
+    st.close()
     seen["files"].clear()
     seen["dirs"].clear()
-    st.write("step-2/x", [b"z"])     # the root's parents are flushed once per store
-    st.make_durable(["step-2/x"])
-    assert seen == {"files": [os.path.join(root, "step-2/x")], "dirs": [os.path.join(root, "step-2"), root]}
-    st.close()
-    seen["dirs"].clear()
-    again = LocalStorage(f"file://{root}", fsspec.filesystem("file"), root, io_threads=2)   # the root exists: not its
-    again.write("step-3/x", [b"z"])
-    again.make_durable(["step-3/x"])
+    again = LocalStorage(f"file://{root}", fsspec.filesystem("file"), root, io_threads=2)   # the root exists now
+    again.write("step-2/x", [b"z"])
+    again.make_durable(["step-2/x"])
     again.close()
-    assert seen["dirs"] == [os.path.join(root, "step-3"), root]
+    assert seen == {"files": [os.path.join(root, "step-2/x")], "dirs": [os.path.join(root, "step-2"), root]}
 
 
-def test_a_json_written_first_into_a_new_root_flushes_the_roots_parent(tmp_path, monkeypatch):
+def test_a_root_made_by_one_storage_is_durable_whichever_storage_flushes_the_part(tmp_path, monkeypatch):
+    """Rank 0's storage creates the root (``begin.json``, in the training process) and the
+    writer process's own storage flushes the part: the root's entry is flushed at its creation."""
     seen = _recorded_flushes(monkeypatch)
     root = str(tmp_path / "ckpt")
-    st = LocalStorage(f"file://{root}", fsspec.filesystem("file"), root, io_threads=1)
-    st.write_json_atomic("step-1/markers/abort.json", {"error": "x"})
-    st.close()
-    assert seen["dirs"] == [os.path.join(root, "step-1/markers"), str(tmp_path)]
+    first = LocalStorage(f"file://{root}", fsspec.filesystem("file"), root, io_threads=1)
+    writer = LocalStorage(f"file://{root}", fsspec.filesystem("file"), root, io_threads=1)
+    first.write("step-1/.marind/begin.json", [b"{}"])
+    writer.write("step-1/model/w/c/0", [b"w"])
+    writer.make_durable(["step-1/model/w/c/0"])
+    writer.write_json_atomic("step-1/.marind/rank-00000.json", {"rank": 0})
+    first.close()
+    writer.close()
+    assert seen["dirs"] == [str(tmp_path), *[os.path.join(root, d) for d in ("step-1/model/w/c", "step-1/model/w",
+                                                                           "step-1/model", "step-1")], root,
+                            os.path.join(root, "step-1/.marind")]
 
 
 @pytest.mark.unit
@@ -136,14 +142,19 @@ def test_a_directory_fsync_error_is_raised_unless_the_filesystem_cannot_fsync_di
     assert errno.EIO not in storage_local._DIR_FSYNC_UNSUPPORTED
 
 
-def test_make_durable_raises_when_a_directory_cannot_be_flushed(tmp_path):
-    """A directory of the part that is gone by the flush (here: replaced) is a failed flush,
-    not a durable part."""
+def test_make_durable_raises_when_a_directory_cannot_be_flushed(tmp_path, monkeypatch):
+    """A directory of the part that cannot be fsynced (here: renamed away between the file
+    flushes and the directory flushes) is a failed flush, never a part reported durable."""
     root = str(tmp_path / "ckpt")
     st = LocalStorage(f"file://{root}", fsspec.filesystem("file"), root, io_threads=1)
     st.write("step-1/a/x", [b"x"])
-    st.make_durable(["step-1/a/x"])
-    st._unsynced_parents.add(str(tmp_path / "gone"))    # a created level's parent that vanished meanwhile
+    real = storage_local._fdatasync
+
+    def fdatasync_then_move(path):
+        real(path)
+        os.rename(os.path.join(root, "step-1/a"), os.path.join(root, "step-1/b"))
+    monkeypatch.setattr(storage_local, "_fdatasync", fdatasync_then_move)
+    monkeypatch.setattr(storage_local, "choose_syncfs", lambda files, dirty, have: (False, "forced per file"))
     with pytest.raises(FileNotFoundError):
         st.make_durable(["step-1/a/x"])
     st.close()
