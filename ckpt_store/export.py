@@ -41,7 +41,7 @@ def export_safetensors(store, step: int, out: str, group: str = "model",
 
     ``out`` is checked before anything is read, and two arrays that would get the
     same name fail the export before anything is written (ValueError). Arrays are
-    read one at a time through ``store.load`` (checksums checked); the file is
+    read one at a time through ``store.load_arrays`` (checksums checked; no collectives); the file is
     written under a temporary name, renamed into place, and the temporary file
     removed on any failure. Returns {"tensors": n, "bytes": total}.
     """

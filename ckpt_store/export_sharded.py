@@ -25,7 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ckpt_store.loader import load_step
 from ckpt_store.log import get_logger
+from ckpt_store.steps import step_dir
 from ckpt_store.zarr_format import TORCH_DTYPES
 
 log = get_logger(__name__)
@@ -140,8 +142,15 @@ def read_array(store, step: int, name: str, meta: dict) -> torch.Tensor:
 
 
 def read_values(store, step: int) -> dict:
-    """The JSON values (``extra/...``) saved with ``step``, as nested dicts (rank 0's)."""
-    return store.load({}, step)
+    """The JSON values (``extra/...``) saved with ``step``, as nested dicts (rank 0's).
+
+    Read by this process alone, as ``load_arrays`` reads (no collectives: ``store.load``
+    shares a step's object lists among the ranks of an initialized group and would wait
+    for the others), so a tool may call it on one rank of a live group.
+    """
+    state: dict = {}
+    load_step(store.storage, step_dir(step), state, 0)
+    return state
 
 
 def export_sharded(store, step: int, out: str, tensors: list[ExportTensor], *, files: dict[str, dict],

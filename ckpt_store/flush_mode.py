@@ -6,7 +6,8 @@ processes' too, so on a shared disk it waits for their writes (one save at
 10,000 arrays in ``bench/ckpt_scale.py`` waited 58 s). ``fdatasync`` of each file
 the rank wrote, then ``fsync`` of each directory holding one of them and of each
 directory above those up to the store root (the names of new files and new
-directories are directory data), flushes only this rank's part, at about 0.25 ms
+directories are directory data; a root the store creates is flushed in its
+parent as it is created: ``LocalStorage._make_root``), flushes only this rank's part, at about 0.25 ms
 a call here. Measured on the 2-core CI VM (ext4, 4 I/O threads, files of 4 KiB
 to 1 MiB just written with writeback started, medians of 5-7, noisy: other jobs
 share the machine):
@@ -83,7 +84,8 @@ def dirs_to_sync(root: str, paths: list[str]) -> list[str]:
     power cut: each file's directory and every directory above it up to ``root`` itself.
 
     Args:
-        root: the store root (its own entry in its parent exists already).
+        root: the store root (its own entry in its parent, and those of any directories
+            above it created with it, were flushed as it was made: ``LocalStorage._make_root``).
         paths: the written files, absolute.
 
     Returns:

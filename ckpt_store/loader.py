@@ -3,7 +3,8 @@
 ``load_step`` reads only the chunks (and, inside sharded chunks, only the
 inner chunks) that intersect this rank's box of each target tensor; every
 piece read is checked against its crc32c, in its I/O thread as soon as its
-read is over (``_landed``: the checks overlap the other reads), and a chunk object read whole
+read is over (``_landed``: on a local disk the checks overlap the other reads;
+an object store's ranged GETs are one batch, and the checks follow it), and a chunk object read whole
 against the manifest's ``chunks_crc32c`` too. All mismatched or missing keys
 are reported at once, before anything is read.
 """
@@ -120,6 +121,9 @@ def load_step(st: Storage, d: str, state: dict, rank: int, values: bool = True,
         pieces = [p for p in pieces if not p.box.empty]
         if not pieces:
             continue
+        # the same memory without autograd: blocks are placed in the I/O threads, where grad
+        # mode is on whatever the caller's is, and a target may be an nn.Parameter
+        local = local.detach()
         if local.device.type == "cpu" and local.is_contiguous():
             host = local
         else:
@@ -165,7 +169,7 @@ def load_step(st: Storage, d: str, state: dict, rank: int, values: bool = True,
                 if off == EMPTY:
                     raise CheckpointCorrupt(key, "an inner chunk the layout needs is absent")
                 spans.append((k, off, nb, Box((full_off[0] + k * rows, *full_off[1:]), spec.inner_shape)))
-        for group in _contiguous(spans):
+        for group in _contiguous(spans, READ_GROUP_BYTES if st.local else None):
             bufs, group_blocks = [], []
             for k, off, nb, bbox in group:
                 blk = _Block(key, spec, k, off, nb, bbox, box, host)
@@ -187,15 +191,16 @@ def load_step(st: Storage, d: str, state: dict, rank: int, values: bool = True,
 
 def _landed(read: tuple, n: int) -> None:
     """One read of phase 2 is over (``n`` bytes): check it now, in its I/O thread, while the
-    other reads go on. A short read is a truncated object; every block of it must pass its
+    other reads go on (local disks; ``Storage.read_into``). A short read is a truncated object; every block of it must pass its
     crc32c before it is copied into the target (a block read straight into the target is
     there already: the load then raises before it returns)."""
     key, _start, _bufs, want, group_blocks = read
     if n != want:
         raise CheckpointCorrupt(key, f"object truncated ({n} of {want} bytes read)")
-    for blk in group_blocks:
-        blk.check()
-        blk.place()
+    with torch.no_grad():
+        for blk in group_blocks:
+            blk.check()
+            blk.place()
 
 
 def _read(st: Storage, manifest: dict, d: str, reqs: list[tuple[str, int, int]]) -> list[bytes]:
@@ -275,19 +280,22 @@ def _check_whole_objects(manifest: dict, d: str, blocks: list, indexes: dict) ->
                                              "chunk passes its checksum: an object of another save")
 
 
-#: the most bytes one read of phase 2 gathers from back-to-back inner chunks: a read is
-#: checked as soon as it is over, so reads this size keep the checks behind the other reads
+#: the most bytes one read of phase 2 gathers from back-to-back inner chunks on a local
+#: disk: a read is checked as soon as it is over, so reads this size spread one large shard
+#: over the I/O threads and keep the checks behind the other reads. An object store gets
+#: one ranged GET per run (its requests are one concurrent batch, checked after it: more
+#: GETs would only cost requests)
 READ_GROUP_BYTES = 8 << 20
 
 
-def _contiguous(spans: list) -> list[list]:
+def _contiguous(spans: list, limit: int | None) -> list[list]:
     """Group (k, offset, nbytes, box) spans into runs that lie back to back in the object
-    (at most 256 spans and, past the first, ``READ_GROUP_BYTES`` a run)."""
+    (at most 256 spans and, past the first, ``limit`` bytes a run; None: no byte limit)."""
     groups: list[list] = []
     for sp in spans:
         last = groups[-1] if groups else None
         if last and last[-1][1] + last[-1][2] == sp[1] and len(last) < 256 \
-                and sp[1] + sp[2] - last[0][1] <= READ_GROUP_BYTES:
+                and (limit is None or sp[1] + sp[2] - last[0][1] <= limit):
             last.append(sp)
         else:
             groups.append([sp])

@@ -94,8 +94,10 @@ class Storage(Protocol):
 
     def read_into(self, reqs: list[tuple[str, int, list]], done: Callable[[int, int], None] | None = None) -> list[int]:
         """Fill each ``(key, start, buffers)`` request's buffers in order; the bytes read per request.
-        ``done(i, n)`` runs in an I/O thread once request ``i`` is read (its check overlaps the
-        other reads); all are over before this returns or raises the first failure."""
+        ``done(i, n)`` runs in an I/O thread once request ``i`` is read: on a local disk as soon
+        as its own read is over (its check overlaps the other reads), on an object store once
+        the batch of ranged GETs is in; all are over before this returns or raises the first
+        failure."""
         ...
 
     def exists(self, key: str) -> bool:

@@ -92,8 +92,9 @@ class FsspecStorage(StorageBase):
 
     def read_into(self, reqs: list[tuple[str, int, list]], done: Callable[[int, int], None] | None = None) -> list[int]:
         """Scatter-read: fill each request's writable buffers, in order, from ``key`` at ``start``
-        (one ranged GET per request, concurrent, then a copy in the I/O threads). ``done(i, n)``:
-        called in the I/O thread once request ``i``'s buffers are filled (``n`` bytes); every
+        (one ranged GET per request, all in one concurrent batch, then a copy in the I/O
+        threads). ``done(i, n)``: called in the I/O thread once request ``i``'s buffers are
+        filled (``n`` bytes), so after every GET of the batch (no overlap with the reads); every
         request is over before this returns or raises the first failure (in request order).
         Returns the bytes read per request (short at end of object; the caller checks)."""
         if not reqs:

@@ -6,7 +6,9 @@ smaller ones are buffered and their writeback started at once
 (``sync_file_range``). ``make_durable`` flushes a rank's part with an
 ``fdatasync`` per file and an ``fsync`` per directory, or one ``syncfs`` for a
 large part (``flush_mode``); JSON objects are renamed into place with the
-directory fsynced.
+directory fsynced. The store root is created at the first write, and the
+parent of each directory level created for it is fsynced right then (once per
+store): a new root's own name is durable too.
 Range reads run ``pread``/``preadv`` in the I/O threads (they release the GIL).
 """
 
@@ -42,6 +44,9 @@ class LocalStorage(StorageBase):
         self.direct = self.direct_ok
         self.modes = WriteModes()
         self.last_flush: tuple[str, str] | None = None    # make_durable's last way and its reason
+        self._root_made = False
+        self._root_lock = threading.Lock()
+        self._unsynced_parents: set[str] = set()   # parents of root levels this store created, not yet fsynced
 
     def begin_part(self, background: bool) -> dict[str, float]:
         """Pick this part's write path ("auto": ``write_mode.choose_direct``)."""
@@ -64,6 +69,7 @@ class LocalStorage(StorageBase):
         nbytes = sum(memoryview(p).nbytes for p in pieces)
         self._throttle(nbytes)
         path = self.path(key)
+        self._make_root()
         os.makedirs(os.path.dirname(path), exist_ok=True)
         if self.direct and nbytes >= DIRECT_MIN_BYTES:
             try:
@@ -84,7 +90,13 @@ class LocalStorage(StorageBase):
         file and ``fsync`` each directory from theirs up to the store root (the names of new
         files and directories), or one ``syncfs`` of their filesystem where a rank's part
         has many files and the machine few dirty pages (``flush_mode.choose_syncfs``: syncfs
-        also waits for other processes' writes)."""
+        also waits for other processes' writes). (A root the store created was flushed in
+        its parent then: ``_make_root``.)
+
+        Raises:
+            OSError: a flush failed (EIO, ...); a directory fsync that the filesystem does
+                not support (EINVAL, ENOTSUP) is skipped.
+        """
         if not keys:
             return
         use_syncfs, why = choose_syncfs(len(keys), dirty_bytes(), _syncfs is not None)
@@ -102,11 +114,28 @@ class LocalStorage(StorageBase):
         for _ in self._pool.map(_fsync_dir, dirs_to_sync(self.root, paths)):
             pass
 
+    def _make_root(self) -> None:
+        """Create the store root at the first write and fsync the parent of each directory
+        level created for it (their names), once per store, at once: the process that
+        creates a root (rank 0's ``begin.json``) need not be the one that flushes the part
+        (the writer process). A level another process created is that one's to flush."""
+        if self._root_made:
+            return
+        with self._root_lock:
+            if self._root_made:
+                return
+            self._unsynced_parents.update(os.path.dirname(d) for d in _makedirs_new(self.root))
+            for d in sorted(self._unsynced_parents, key=lambda d: (-d.count(os.sep), d)):
+                _fsync_dir(d)          # a failure is raised, and the next write tries again
+                self._unsynced_parents.discard(d)
+            self._root_made = True
+
     def write_json_atomic(self, key: str, obj: Any) -> None:
         """Write ``obj`` as JSON under a temporary name, fsync it, rename it into place and
         fsync the directory (the rename itself survives a power cut)."""
         data = json_bytes(obj)
         path = self.path(key)
+        self._make_root()
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "wb") as fh:
@@ -283,17 +312,47 @@ def _fdatasync(path: str) -> None:
         os.close(fd)
 
 
+#: a directory fsync failing with one of these: the filesystem cannot fsync a directory
+#: (nothing to flush there); any other error (EIO, ...) is a failed flush and raised
+_DIR_FSYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP})
+
+
 def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
+    """fsync a directory (its entries: the names of new files and directories).
+
+    Raises:
+        OSError: it cannot be opened, or its fsync failed other than as unsupported.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)
-    except OSError:
-        pass   # a filesystem that cannot fsync a directory
+    except OSError as exc:
+        if exc.errno not in _DIR_FSYNC_UNSUPPORTED:
+            raise
     finally:
         os.close(fd)
+
+
+def _makedirs_new(path: str) -> list[str]:
+    """``os.makedirs(path, exist_ok=True)``, returning the levels this call created, top first
+    (a level another process creates meanwhile is not listed)."""
+    missing = []
+    d = os.path.abspath(path)
+    while not os.path.isdir(d):
+        missing.append(d)
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    created = []
+    for d in reversed(missing):
+        try:
+            os.mkdir(d)
+            created.append(d)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise
+    return created
 
 
 def _write_all(fd: int, view: memoryview) -> None:

@@ -345,7 +345,10 @@ class CheckpointStore:
     def load(self, state: dict, step: int | None = None) -> dict:
         """Fill ``state``'s tensors in place (and its JSON values) from a checkpoint.
 
-        Every rank must call it (with no ``step`` the ranks agree on each step tried).
+        Collective in an initialized group of more than one rank, with or without ``step``:
+        every rank must call it (the ranks all-gather their shares of the step's object lists;
+        with no ``step`` they also agree on each step tried). A tool reading on one rank uses
+        ``load_arrays`` (or ``export_sharded.read_values``), which read alone.
         Only the chunks intersecting this rank's pieces are read, and every inner
         chunk's crc32c is checked; ``last_load_stats`` says how much was read.
 
@@ -376,6 +379,7 @@ class CheckpointStore:
 
     def load_arrays(self, state: dict, step: int) -> dict:
         """Fill only the tensors of ``state`` (no JSON values) from ``step``, as rank 0; for tools.
+        No collectives: this process reads every object list itself.
 
         Args:
             state: the target tensors (nested dicts), in any layout.

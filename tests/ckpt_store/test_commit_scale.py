@@ -15,6 +15,8 @@ A load of W ranks reads each of the W object lists once for the job, not once pe
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +28,7 @@ import torch
 
 from ckpt_store import CheckpointStore
 from ckpt_store.commit import commit
-from ckpt_store.errors import CheckpointCorrupt
+from ckpt_store.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 from ckpt_store.handoff import SnapshotHandoff
 from ckpt_store.manifest import FORMAT, PartShare, read_manifest
 from ckpt_store.rank_part import write_rank_part
@@ -200,10 +202,11 @@ class ThreadGather:
         return gather
 
 
-def _shared_reads(root: str, world: int) -> list:
-    """Every rank's ``read_manifest`` of step 1 with the lists shared: (storage, manifest or error)."""
+def _shared_reads(root: str, world: int, roots: list[str] | None = None) -> list:
+    """Every rank's ``read_manifest`` of step 1 with the lists shared: (storage, manifest or error).
+    ``roots``: each rank's own copy of the store (what it sees), else ``root`` for all."""
     gather = ThreadGather(world)
-    stores = [CountingStorage(root) for _ in range(world)]
+    stores = [CountingStorage(roots[rank] if roots else root) for rank in range(world)]
 
     def one(rank):
         try:
@@ -235,3 +238,28 @@ def test_a_load_reads_each_object_list_once_per_job_not_once_per_rank(tmp_path):
     for rank, (st, got) in enumerate(_shared_reads(root, world)):   # read by rank 2, corrupt on every rank
         assert isinstance(got, CheckpointCorrupt) and "parts/rank-00002.json" in str(got), (rank, got)
         assert st.calls == {"read": 2}
+
+
+@pytest.mark.parametrize("damage", ["deleted", "unreadable"])
+def test_a_manifest_gone_or_unreadable_on_one_rank_fails_the_shared_read_alike_on_every_rank(tmp_path, damage):
+    """Rank 1 sees step 1 without its manifest (deleted under it: retention, another reader's
+    quarantine) or cannot read it (an OSError that says nothing about the step): the other
+    ranks, which read theirs, raise an error of the same kind (``load_newest`` maps the kind to
+    its outcome: not found = skip the step, anything else but corrupt = raise everywhere)."""
+    world = 3
+    _st, _manifest, root = _rank0_commit(tmp_path, 5, world)
+    seen_by_1 = str(tmp_path / "seen-by-1")
+    shutil.copytree(root, seen_by_1)
+    path = f"{seen_by_1}/step-0000000001/manifest.json"
+    os.remove(path)
+    if damage == "unreadable":
+        os.mkdir(path)                 # reading it is IsADirectoryError, on rank 1 only
+    got = _shared_reads(root, world, roots=[root, seen_by_1, root])
+    for rank, (_st, err) in enumerate(got):
+        if damage == "deleted":
+            assert type(err) is CheckpointNotFound and "step-0000000001" in str(err), (rank, err)
+        elif rank == 1:
+            assert isinstance(err, IsADirectoryError), err
+        else:
+            assert type(err) is CheckpointError, (rank, err)     # not NotFound, not Corrupt: fatal
+            assert "rank 1 failed to read the manifest: IsADirectoryError" in str(err), err

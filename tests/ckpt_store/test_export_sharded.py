@@ -49,3 +49,19 @@ def test_header_and_streamed_data_read_back(tmp_path):
     back = load_file(str(path))
     assert set(back) == set(tensors)
     assert all(torch.equal(back[n], t) for n, t in tensors.items())
+
+
+def test_read_values_on_one_rank_of_a_live_group_reads_alone(tmp_path):
+    """``read_values`` is a one-process reader (like ``load_arrays``): called on one rank of an
+    initialized group it must not wait for the others in a collective (``store.load``
+    shares the object lists); it returns rank 0's values."""
+    from ckpt_store import CheckpointStore
+    from marind.testing.procs import run_torch_workers
+
+    url = f"file://{tmp_path}/ckpt"
+    store = CheckpointStore(url)
+    store.save(1, {"model": {"w": torch.ones(4)}, "extra": {"model_config": {"n_layer": 2}}}, async_=False)
+    store.close()
+    results = run_torch_workers("tests.ckpt_store.workers:values_on_one_rank", 2, timeout=90,
+                                url=url, flag=str(tmp_path / "read"))
+    assert results == [{"read_alone": True}, {"values": {"extra": {"model_config": {"n_layer": 2}}}}], results

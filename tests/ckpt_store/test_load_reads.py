@@ -1,11 +1,12 @@
 """The load's reads (issue 21): each read is checked as soon as it is over, in its I/O thread,
-not after every read; a large chunk object is read in several reads (``READ_GROUP_BYTES``
+not after every read; on a local disk a large chunk object is read in several reads (``READ_GROUP_BYTES``
 each, so they spread over the I/O threads); a bad inner chunk is
 still ``CheckpointCorrupt`` naming it, raised once every read is over. Real local files;
 the storage is the real ``LocalStorage`` with its reads logged."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import fsspec
@@ -13,8 +14,15 @@ import pytest
 import torch
 
 from ckpt_store import CheckpointCorrupt, CheckpointStore, loader
+from ckpt_store.commit import commit
+from ckpt_store.handoff import SnapshotHandoff
 from ckpt_store.loader import load_step
+from ckpt_store.manifest import FORMAT
+from ckpt_store.rank_part import write_rank_part
+from ckpt_store.steps import BEGIN_MARKER
+from ckpt_store.storage import open_storage
 from ckpt_store.storage_local import LocalStorage
+from ckpt_store.zarr_format import ArraySpec, array_metadata, chunk_key
 
 D1 = "step-0000000001"
 
@@ -86,3 +94,76 @@ def test_a_bad_inner_chunk_is_corrupt_naming_it_once_every_read_is_over(tmp_path
     st.close()
     assert len([e for e in st.events if e[0] == "read" and "/c/" in e[1]]) == 6   # none still running
 
+
+
+def _column_split_save(root: str, values: dict[str, torch.Tensor], world: int) -> None:
+    """Step 1 as ``world`` ranks would save it with every array split by columns (a
+    tensor-parallel layout: one chunk per rank, ``Shard(dim=1)``), rank by rank."""
+    st = LocalStorage(f"file://{root}", fsspec.filesystem("file"), root, io_threads=2)
+    how = {"mesh_shape": [world], "mesh_dim_names": ["tp"], "placements": ["Shard(dim=1)"]}
+    specs = [ArraySpec(name, tuple(v.shape), "float32", (v.shape[0], v.shape[1] // world), None)
+             for name, v in values.items()]
+    st.write(f"{D1}/{BEGIN_MARKER}", [b"{}"])
+    for rank in range(world):
+        chunks = []
+        for spec, v in zip(specs, values.values()):
+            cols = spec.chunks[1]
+            data = v[:, rank * cols:(rank + 1) * cols].contiguous().numpy().tobytes()
+            chunks.append((chunk_key(spec.name, (0, rank)), spec, memoryview(data), spec.chunks[0]))
+        meta = [(f"{s.name}/zarr.json", json.dumps(array_metadata(s, {"marind": how})).encode())
+                for s in specs if rank == 0]
+        handoff = SnapshotHandoff()
+        handoff.advance(len(chunks), complete=True)
+        write_rank_part(st, D1, rank, chunks, {"rank": rank}, meta, handoff=handoff)
+    commit(st, D1, 1, world, specs, {s.name: how for s in specs}, {"world_size": world, "saved_at": "2026-01-01T00:00:00Z"},
+           timeout_s=30, fmt=FORMAT)
+    st.close()
+
+
+@pytest.mark.parametrize("no_grad", [True, False])
+def test_a_resharded_load_fills_parameters_that_require_grad(tmp_path, no_grad):
+    """Blocks that do not land contiguously in the target (here: column chunks of a tensor-parallel
+    save, loaded whole) are placed in the I/O threads, whose grad mode is their own: a target of
+    nn.Parameters must still load, as it does in the caller's thread under no_grad."""
+    root = str(tmp_path / "ckpt")
+    values = {"model/w": torch.arange(16 * 12, dtype=torch.float32).reshape(16, 12),
+              "model/v": -torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)}
+    _column_split_save(root, values, world=3)
+    target = {"model": {"w": torch.nn.Parameter(torch.zeros(16, 12)), "v": torch.nn.Parameter(torch.zeros(8, 6))}}
+    st = LoggedStorage(root)
+    if no_grad:
+        with torch.no_grad():
+            stats = load_step(st, D1, target, 0)
+    else:
+        stats = load_step(st, D1, target, 0)
+    st.close()
+    assert stats["objects"] == 6          # three column chunks of each array: none lies contiguously in it
+    for name, v in values.items():
+        got = target["model"][name.split("/")[1]]
+        assert isinstance(got, torch.nn.Parameter) and got.requires_grad and got.grad_fn is None
+        assert torch.equal(got.detach(), v)
+
+
+def test_an_object_store_reads_a_run_of_inner_chunks_with_one_ranged_get(url, monkeypatch):
+    """``READ_GROUP_BYTES`` splits a run of back-to-back inner chunks for the local reader's
+    threads only: on an object store every request is one GET of one batch (checked after
+    it), so a split would only multiply the requests."""
+    monkeypatch.setattr(loader, "READ_GROUP_BYTES", 64 * 1024)
+    w = torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024)
+    store = CheckpointStore(url, inner_chunk_bytes=16 * 1024, writer="thread")
+    store.save(1, {"model": {"w": w}}, async_=False)     # 16 inner chunks of 16 KiB in one object
+    store.close()
+    st = open_storage(url, io_threads=2)
+    requests: list[int] = []
+    real = st.read_into
+
+    def read_into(reqs, done=None):
+        requests.append(len(reqs))
+        return real(reqs, done)
+    monkeypatch.setattr(st, "read_into", read_into)
+    target = {"model": {"w": torch.zeros(64, 1024)}}
+    load_step(st, D1, target, 0)
+    st.delete_prefix("")
+    st.close()
+    assert torch.equal(target["model"]["w"], w)
+    assert requests == ([6] if st.local else [1]), requests    # 3 + 3 + 3 + 3 + 3 + 1 inner chunks on a disk

@@ -135,8 +135,34 @@ def test_every_rank_of_a_load_tries_rank_0s_steps_in_the_same_order(tmp_path):
     shutil.rmtree(seen_by_1 / "step-0000000002")
     results = run_torch_workers("tests.ckpt_store.workers:load_newest", 2, timeout=120,
                                 urls=[f"file://{seen_by_0}", f"file://{seen_by_1}"])
+    # rank 1 finds no manifest for step 2 while rank 0 reads it: the shared read of the object
+    # lists raises CheckpointNotFound on both (test_commit_scale), so both skip it alike
     assert results == [{"step": 1, "w": [1.0] * 4}] * 2, results
     assert CheckpointStore(f"file://{seen_by_0}").steps() == [1, 2]   # gone elsewhere is not corrupt here
+
+
+def test_a_manifest_unreadable_on_one_rank_fails_the_load_on_every_rank_without_skipping(tmp_path):
+    """An OSError reading step 2's manifest on rank 1 says nothing about the step: every rank
+    raises (rank 0 an error naming rank 1), none falls back to step 1, nothing is quarantined."""
+    import shutil
+
+    seen_by_0, seen_by_1 = tmp_path / "a", tmp_path / "b"
+    store = CheckpointStore(f"file://{seen_by_0}")
+    for step in (1, 2):
+        store.save(step, {"model": {"w": torch.full((4,), float(step))}, "extra": {"step": step}},
+                   async_=False)
+    store.close()
+    shutil.copytree(seen_by_0, seen_by_1)
+    manifest = seen_by_1 / "step-0000000002" / "manifest.json"
+    manifest.unlink()
+    manifest.mkdir()                  # reading it is IsADirectoryError on rank 1 only
+    results = run_torch_workers("tests.ckpt_store.workers:load_newest_outcome", 2, timeout=120,
+                                urls=[f"file://{seen_by_0}", f"file://{seen_by_1}"])
+    assert results[1]["raised"] == "IsADirectoryError", results
+    assert results[0]["raised"] == "CheckpointError", results
+    assert "rank 1 failed to read the manifest: IsADirectoryError" in results[0]["error"], results
+    assert CheckpointStore(f"file://{seen_by_0}").steps() == [1, 2]
+    assert not (seen_by_0 / "step-0000000002" / "manifest.corrupt.json").exists()
 
 
 def test_sub_mesh_copies_write_each_chunk_once_and_load_exactly(tmp_path):

@@ -229,3 +229,37 @@ def disagreeing_save(url: str, mode: str) -> dict:
         return {"raised": type(exc).__name__, "error": str(exc)}
     finally:
         store.close()
+
+
+def values_on_one_rank(url: str, flag: str) -> dict:
+    """Rank 1 alone reads step 1's JSON values (as ``ckpt export`` does) while rank 0 waits
+    outside any collective: a one-process reader must not all-gather with the group."""
+    import os
+
+    from ckpt_store.export_sharded import read_values
+
+    store = CheckpointStore(url)
+    try:
+        if dist.get_rank() == 1:
+            values = read_values(store, 1)
+            open(flag, "w").close()
+            return {"values": values}
+        deadline = time.monotonic() + 20
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"read_alone": os.path.exists(flag)}
+    finally:
+        store.close()
+
+
+def load_newest_outcome(urls: list[str]) -> dict:
+    """Load with no step, each rank from ``urls[rank]``: the step every rank got, or what it raised."""
+    store = CheckpointStore(urls[dist.get_rank()])
+    state = {"model": {"w": torch.zeros(4)}, "extra": {"step": -1}}
+    try:
+        store.load(state)
+        return {"step": state["extra"]["step"]}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"raised": type(exc).__name__, "error": str(exc)}
+    finally:
+        store.close()
