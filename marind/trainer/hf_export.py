@@ -136,7 +136,8 @@ def export_hf(store, step: int, out: str, *, config_path: str | None = None, max
         config_path: the run's run.toml, for checkpoints without ``extra/model_config``.
         max_shard_bytes: the safetensors shard size limit.
         dtype: ``float32``, ``bfloat16`` or ``float16``: the weights are cast to it as they are
-            written and ``config.json`` says so; None keeps the saved dtype.
+            written and ``config.json`` says so; None keeps the saved dtype (float32 when the
+            saved dtypes are mixed).
         tokenizer: a Hugging Face ``tokenizer.json`` (the one ``marind data prepare --tokenizer``
             took) copied into ``out`` with a ``tokenizer_config.json``, so that
             ``AutoTokenizer.from_pretrained(out)`` works; its vocabulary must fit the model's.
