@@ -39,7 +39,7 @@ from marind.agent.data_decisions import (
     cut_off,
     on_data_loss,
 )
-from marind.agent.data_probe import DataProber, link_up
+from marind.agent.data_probe import DataProber, Endpoint, link_up
 from marind.agent.membership import Loss
 from marind.core.lease_file import write_lease
 from marind.core.log import get_logger
@@ -64,7 +64,7 @@ class DataWatch:
         self.acted: set[tuple[str, str]] = set()    # (node, incarnation) acted on
         self.commit_fence_at: float | None = None
 
-    def peers(self) -> dict[str, tuple[str, int]]:
+    def peers(self) -> dict[str, Endpoint]:
         """The job's other nodes' data endpoints (as last polled), less the ones acted on."""
         members = self.run.members
         if members is None:
@@ -75,7 +75,8 @@ class DataWatch:
             if node == self.run.node or not isinstance(data, dict) or (node, str(members.known.get(node))) in self.acted:
                 continue
             try:
-                out[node] = (str(data["addr"]), int(data["port"]))
+                token = data.get("token")
+                out[node] = (str(data["addr"]), int(data["port"]), None if token is None else str(token))
             except (KeyError, TypeError, ValueError):
                 continue
         return out

@@ -1,0 +1,202 @@
+"""torchft mode on the multi-host bed: a host powered off and back, a host's network partitioned and healed.
+
+A torchft job (``[fault] mode = "torchft"``) runs one replica group per bed
+host under the real ``marind agent``; the lighthouse runs beside one agent.
+The victim is a host that does NOT hold the lighthouse (a lost lighthouse is
+``tests/torchft/test_agents.py``'s case). Each scenario asserts: the job
+SUCCEEDED; the surviving groups' step counter advanced while the victim was
+away (their progress records); the victim's group came back (a new worker
+that joins the quorum and steps again); every committed checkpoint verifies;
+and the agents' events (``node_lost`` with its cause, ``host_fenced``,
+``node_rejoined`` where they apply). All are ``slow`` (``make chaos``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+
+pytest.importorskip("torchft")
+
+from marind.core.log import get_logger
+from marind.testing.s3_server import ACCESS_KEY, SECRET_KEY
+from tests.agent.helpers import wait_for
+from tests.chaos.test_host_scenarios import (  # noqa: F401 - fixtures
+    BedCluster,
+    bed_cluster,
+    dataset,
+    hostbed,
+)
+from tests.chaos.test_scenarios import _check_checkpoints
+
+pytestmark = [pytest.mark.hosts, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+log = get_logger("tests.host_torchft")
+EVERY = 250
+STEPS = 1500        # a group alone steps ~10/s here: the job must outlast the outage by far
+
+
+def _ft_spec(cluster: BedCluster, name: str, url: str, steps: int, every: int = EVERY) -> str:
+    """The trainer on S3 under torchft: one replica group (one rank) per host, min_replicas 1."""
+    groups = len(cluster.nodes)
+    text = f"""
+[job]
+name = "{name}"
+nodes = "1:{groups}"
+nproc_per_node = 1
+max_restarts = 10
+entrypoint = "marind.trainer"
+[job.env]
+AWS_ENDPOINT_URL = "{cluster.s3.endpoint}"
+AWS_ACCESS_KEY_ID = "{ACCESS_KEY}"
+AWS_SECRET_ACCESS_KEY = "{SECRET_KEY}"
+AWS_DEFAULT_REGION = "us-east-1"
+OMP_NUM_THREADS = "1"
+[model]
+preset = "tiny"
+[data]
+path = "{cluster.data}"
+seq_len = 32
+global_batch = 2
+micro_batch = 2
+[optim]
+lr = 3e-3
+warmup_steps = 2
+[train]
+steps = {steps}
+seed = 7
+log_every = 10
+[checkpoint]
+url = "{url}"
+every_steps = {every}
+async = true
+keep_last = 0
+[fault]
+mode = "torchft"
+replica_groups = {groups}
+min_replicas = 1
+timeout = "10s"
+quorum_timeout = "20s"
+join_timeout = "500ms"
+heartbeat_timeout = "2s"
+"""
+    path = cluster.tmp / f"{name}.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def _submit(cluster: BedCluster, name: str, steps: int) -> tuple[str, str]:
+    from marind.cli import main as marind_main
+    url = cluster.s3.url(f"bedft-{uuid.uuid4().hex[:8]}", name)
+    cluster.capsys.readouterr()
+    rc = marind_main(["submit", _ft_spec(cluster, name, url, steps)])
+    out = cluster.capsys.readouterr().out
+    assert rc == 0, out
+    return out.strip().splitlines()[-1], url
+
+
+def _progress(cluster: BedCluster, node: str, job: str) -> dict:
+    """Node ``node``'s group's rank-0 progress record (``{}`` until there is one)."""
+    try:
+        return json.loads((cluster.tmp / f"state-{node}" / "jobs" / job / "progress" / "rank-0.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _all_stepping(cluster: BedCluster, job: str, past: int) -> None:
+    n = len(cluster.nodes)
+    wait_for(lambda: all(_progress(cluster, h, job).get("participants") == n
+                         and _progress(cluster, h, job).get("step", 0) >= past for h in cluster.nodes),
+             600, f"all {n} groups stepping together past step {past}", interval=0.2, diag=cluster.diag)
+
+
+def _lighthouse_node(cluster: BedCluster, job: str) -> str:
+    rec = cluster.client.get_json(cluster.client.key("jobs", job, "ft", "lighthouse")) or {}
+    assert rec.get("node") in cluster.nodes, rec
+    return rec["node"]
+
+
+def _victim(cluster: BedCluster, job: str) -> str:
+    holder = _lighthouse_node(cluster, job)
+    return sorted(n for n in cluster.nodes if n != holder)[-1]
+
+
+def _survivors_step_while(cluster: BedCluster, job: str, victim: str, during: float) -> dict[str, tuple[int, int]]:
+    """Watch the survivors for ``during`` seconds of the outage: {node: (step at start, step at end)}."""
+    survivors = [n for n in cluster.nodes if n != victim]
+    start = {n: _progress(cluster, n, job).get("step", 0) for n in survivors}
+    time.sleep(during)
+    return {n: (start[n], _progress(cluster, n, job).get("step", 0)) for n in survivors}
+
+
+def _rejoined_and_stepping(cluster: BedCluster, job: str, victim: str, old_pid: int | None, after_step: int) -> dict:
+    """The victim's group is back in a quorum with every group, past ``after_step`` (with ``old_pid``:
+    in a new worker)."""
+    n = len(cluster.nodes)
+    return wait_for(lambda: (p := _progress(cluster, victim, job)).get("pid") not in (None, old_pid)
+                    and p.get("participants") == n and p.get("step", 0) > after_step and p,
+                    300, f"{victim}'s group back in the quorum", interval=0.2, diag=cluster.diag)
+
+
+def _finish(cluster: BedCluster, job: str, url: str, steps: int) -> None:
+    state = cluster.wait_done(job, timeout=900)
+    assert state["state"] == "SUCCEEDED", state
+    _check_checkpoints(cluster, url, steps)
+    finals = {n: _progress(cluster, n, job) for n in cluster.nodes}
+    assert {p.get("step") for p in finals.values()} == {steps}, finals
+    assert len({p.get("param_digest") for p in finals.values()}) == 1, finals
+
+
+def _events_of(cluster: BedCluster, job: str, kind: str, victim: str) -> list[dict]:
+    return [e for e in cluster.kinds(job, kind)
+            if e.get("node") == victim or (e.get("detail") or {}).get("node") == victim]
+
+
+# -- (i) power off a group's host, and back: its stale processes fenced, its group heals ------------
+
+@pytest.mark.parametrize("hostbed", [pytest.param(("host1", "host2", "host3"), id="3hosts")], indirect=True)
+def test_torchft_power_off_and_back(bed_cluster):  # noqa: F811 - the fixture
+    cluster = bed_cluster
+    steps = STEPS
+    job, url = _submit(cluster, "ft-power", steps)
+    _all_stepping(cluster, job, 10)
+    victim = _victim(cluster, job)
+    old_pid = _progress(cluster, victim, job)["pid"]
+    frozen = cluster.bed.power_off(victim)
+    assert frozen, f"nothing ran in {victim}"
+    try:
+        seen = _survivors_step_while(cluster, job, victim, 20.0)    # past the lease TTL: it is lost
+    finally:
+        cluster.bed.power_on(victim, frozen)
+    assert all(end > start for start, end in seen.values()), f"the survivors stalled: {seen}\n{cluster.diag()}"
+    back = _rejoined_and_stepping(cluster, job, victim, old_pid, max(end for _, end in seen.values()))
+    log.info("victim_back", victim=victim, step=back["step"])
+    _finish(cluster, job, url, steps)
+    lost = _events_of(cluster, job, "node_lost", victim)
+    assert len(lost) == 1 and lost[0]["detail"]["cause"] == "lease_expired", cluster.events(job)
+    assert len(_events_of(cluster, job, "host_fenced", victim)) == 1, cluster.events(job)
+    assert len(_events_of(cluster, job, "node_rejoined", victim)) == 1, cluster.events(job)
+
+
+# -- (ii) partition a group's host's data network, then heal --------------------------------------
+
+def test_torchft_data_partition_and_heal(bed_cluster):  # noqa: F811 - the fixture
+    cluster = bed_cluster
+    steps = STEPS
+    job, url = _submit(cluster, "ft-data-cut", steps)
+    _all_stepping(cluster, job, 10)
+    victim = _victim(cluster, job)
+    old_pid = _progress(cluster, victim, job)["pid"]
+    cluster.bed.cut(victim, "data")
+    try:
+        seen = _survivors_step_while(cluster, job, victim, 20.0)
+    finally:
+        cluster.bed.restore(victim, "data")
+    assert all(end > start for start, end in seen.values()), f"the survivors stalled: {seen}\n{cluster.diag()}"
+    back = _rejoined_and_stepping(cluster, job, victim, None, max(end for _, end in seen.values()))
+    log.info("victim_back", victim=victim, step=back["step"], pid=back["pid"], old_pid=old_pid)
+    _finish(cluster, job, url, steps)
+    print(json.dumps(cluster.events(job), indent=1))
