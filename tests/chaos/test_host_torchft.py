@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from datetime import datetime
 
 import pytest
 
@@ -141,6 +142,18 @@ def _rejoined_and_stepping(cluster: BedCluster, job: str, victim: str, old_pid: 
                     300, f"{victim}'s group back in the quorum", interval=0.2, diag=cluster.diag)
 
 
+def _healed_since(cluster: BedCluster, job: str, node: str, since: float) -> list[dict]:
+    """The ``healed_from_peer`` records of ``node``'s trainer logged after ``since`` (Unix time)."""
+    path = cluster.tmp / f"state-{node}" / "jobs" / job / "logs" / "torchrun.log"
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        if '"event": "healed_from_peer"' in line and line.startswith("{"):
+            rec = json.loads(line)
+            if datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")).timestamp() > since:
+                out.append(rec)
+    return out
+
+
 def _finish(cluster: BedCluster, job: str, url: str, steps: int) -> None:
     state = cluster.wait_done(job, timeout=900)
     assert state["state"] == "SUCCEEDED", state
@@ -165,6 +178,7 @@ def test_torchft_power_off_and_back(bed_cluster):  # noqa: F811 - the fixture
     _all_stepping(cluster, job, 10)
     victim = _victim(cluster, job)
     old_pid = _progress(cluster, victim, job)["pid"]
+    off_at = time.time()
     frozen = cluster.bed.power_off(victim)
     assert frozen, f"nothing ran in {victim}"
     try:
@@ -174,6 +188,7 @@ def test_torchft_power_off_and_back(bed_cluster):  # noqa: F811 - the fixture
     assert all(end > start for start, end in seen.values()), f"the survivors stalled: {seen}\n{cluster.diag()}"
     back = _rejoined_and_stepping(cluster, job, victim, old_pid, max(end for _, end in seen.values()))
     log.info("victim_back", victim=victim, step=back["step"])
+    assert _healed_since(cluster, job, victim, off_at), "the restarted group joined without healing from a peer"
     _finish(cluster, job, url, steps)
     lost = _events_of(cluster, job, "node_lost", victim)
     assert len(lost) == 1 and lost[0]["detail"]["cause"] == "lease_expired", cluster.events(job)
@@ -183,13 +198,21 @@ def test_torchft_power_off_and_back(bed_cluster):  # noqa: F811 - the fixture
 
 # -- (ii) partition a group's host's data network, then heal --------------------------------------
 
-def test_torchft_data_partition_and_heal(bed_cluster):  # noqa: F811 - the fixture
+@pytest.mark.parametrize(("hostbed", "whom"), [
+    pytest.param(("host1", "host2"), "peer", id="2hosts-peer"),
+    pytest.param(("host1", "host2", "host3"), "lighthouse", id="3hosts-lighthouse"),
+], indirect=["hostbed"])
+def test_torchft_data_partition_and_heal(bed_cluster, whom):  # noqa: F811 - the fixture
+    """The cut-off group stalls (its quorum and all-reduce cannot reach the others); the others step on,
+    and once the link is back it joins their quorum again, healing from a peer. With the lighthouse's
+    host cut off, the lighthouse must move to the connected side for the others to step."""
     cluster = bed_cluster
     steps = STEPS
     job, url = _submit(cluster, "ft-data-cut", steps)
     _all_stepping(cluster, job, 10)
-    victim = _victim(cluster, job)
+    victim = _lighthouse_node(cluster, job) if whom == "lighthouse" else _victim(cluster, job)
     old_pid = _progress(cluster, victim, job)["pid"]
+    cut_at = time.time()
     cluster.bed.cut(victim, "data")
     try:
         seen = _survivors_step_while(cluster, job, victim, 20.0)
@@ -198,5 +221,7 @@ def test_torchft_data_partition_and_heal(bed_cluster):  # noqa: F811 - the fixtu
     assert all(end > start for start, end in seen.values()), f"the survivors stalled: {seen}\n{cluster.diag()}"
     back = _rejoined_and_stepping(cluster, job, victim, None, max(end for _, end in seen.values()))
     log.info("victim_back", victim=victim, step=back["step"], pid=back["pid"], old_pid=old_pid)
+    assert _healed_since(cluster, job, victim, cut_at), "the cut-off group rejoined without healing from a peer"
     _finish(cluster, job, url, steps)
-    print(json.dumps(cluster.events(job), indent=1))
+    log.info("events", events=[(e["kind"], e.get("node"), (e.get("detail") or {}).get("node"))
+                               for e in cluster.events(job)])
