@@ -19,10 +19,14 @@ for each run:
    torchrun lost for the rendezvous (``rdzv/lost/{desc}``), and the agent whose
    claim of ``departed/{node}/{incarnation}`` wins writes ``node_lost`` (cause
    ``data_network_gone``) and, when its workers stalled, SIGKILLs them: a new
-   round without it, no ``hang_timeout``. The cut-off node fences its run
+   round without it, no ``hang_timeout`` (torchft: no kill; the replica groups'
+   quorum goes on without it). The cut-off node fences its run
    (``Fencing.fence_replaced``: everything SIGKILLed, queued writes dropped, a new
    registration, ``host_fenced``) and **holds** the job: it starts it again
-   (``node_rejoined``) only once a peer's data endpoint answers again.
+   (``node_rejoined``) only once a peer's data endpoint answers again. A torchft
+   node fences even while its group steps (alone it would train a world of its
+   own) and gives up its replica-group slot and, if it holds it, the lighthouse,
+   so the connected nodes elect one they reach.
 """
 
 from __future__ import annotations
@@ -150,8 +154,8 @@ class DataNetwork:
         self.log = get_logger(__name__, node=node)
 
     def attach(self, run: RunMonitor) -> None:
-        """Watch ``run``'s peers (elastic runs; torchft's replica groups heal on their own)."""
-        if run.ft is None and run.members is not None:
+        """Watch ``run``'s peers (elastic and torchft runs)."""
+        if run.members is not None:
             run.data = DataWatch(run, self.prober)
 
     def may_start(self, job: str, runs: dict[str, RunMonitor]) -> bool:
@@ -204,13 +208,16 @@ class DataNetwork:
             self._loss(run, n), members.rdzv_desc(self._loss(run, n))))
         action, nodes, why = on_data_loss(me=run.node, cut=cut, acted=frozenset(n for n, _ in watch.acted),
                                           in_round=in_round, workers_running=bool(run.sup.worker_pids()),
-                                          progress_at=run.progress_at, now=now, stall_s=stall_s)
+                                          progress_at=run.progress_at, now=now, stall_s=stall_s,
+                                          torchft=run.ft is not None)
         if action == DataAction.FENCE:
             peers = {p: ep for p, ep in watch.peers().items() if p not in cut}
             self.holds[run.job] = Hold(since=now, peers=tuple(sorted(peers)))
             self.prober.want(f"hold:{run.job}", peers)
             self.prober.drop(run.job)
             fencing.fence_replaced(run, f"{why} ({verdict})", now)
+            if run.ft is not None:      # etcd is reachable: the lighthouse moves now, not when the old lease expires
+                run.ft.stop(release=True)
             runs.pop(run.job, None)
         elif action in (DataAction.RESTART, DataAction.MARK):
             for node in sorted(nodes):

@@ -125,11 +125,15 @@ def _victim(cluster: BedCluster, job: str) -> str:
     return sorted(n for n in cluster.nodes if n != holder)[-1]
 
 
-def _survivors_step_while(cluster: BedCluster, job: str, victim: str, during: float) -> dict[str, tuple[int, int]]:
-    """Watch the survivors for ``during`` seconds of the outage: {node: (step at start, step at end)}."""
+def _survivors_step_during(cluster: BedCluster, job: str, victim: str, min_s: float = 20.0,
+                           max_s: float = 150.0) -> dict[str, tuple[int, int]]:
+    """Keep the fault on for ``min_s`` seconds, and on until every survivor's step advanced (at most
+    ``max_s``): {node: (step at the fault, step at its end)}."""
     survivors = [n for n in cluster.nodes if n != victim]
     start = {n: _progress(cluster, n, job).get("step", 0) for n in survivors}
-    time.sleep(during)
+    time.sleep(min_s)
+    wait_for(lambda: all(_progress(cluster, n, job).get("step", 0) > start[n] for n in survivors), max_s - min_s,
+             f"the survivors stepping without {victim} (at {start})", interval=0.5, diag=cluster.diag)
     return {n: (start[n], _progress(cluster, n, job).get("step", 0)) for n in survivors}
 
 
@@ -182,7 +186,7 @@ def test_torchft_power_off_and_back(bed_cluster):  # noqa: F811 - the fixture
     frozen = cluster.bed.power_off(victim)
     assert frozen, f"nothing ran in {victim}"
     try:
-        seen = _survivors_step_while(cluster, job, victim, 20.0)    # past the lease TTL: it is lost
+        seen = _survivors_step_during(cluster, job, victim)    # past the lease TTL: it is lost
     finally:
         cluster.bed.power_on(victim, frozen)
     assert all(end > start for start, end in seen.values()), f"the survivors stalled: {seen}\n{cluster.diag()}"
@@ -215,7 +219,8 @@ def test_torchft_data_partition_and_heal(bed_cluster, whom):  # noqa: F811 - the
     cut_at = time.time()
     cluster.bed.cut(victim, "data")
     try:
-        seen = _survivors_step_while(cluster, job, victim, 20.0)
+        seen = _survivors_step_during(cluster, job, victim)
+        assert _lighthouse_node(cluster, job) != victim, "the lighthouse stayed with the cut-off host"
     finally:
         cluster.bed.restore(victim, "data")
     assert all(end > start for start, end in seen.values()), f"the survivors stalled: {seen}\n{cluster.diag()}"
@@ -223,5 +228,14 @@ def test_torchft_data_partition_and_heal(bed_cluster, whom):  # noqa: F811 - the
     log.info("victim_back", victim=victim, step=back["step"], pid=back["pid"], old_pid=old_pid)
     assert _healed_since(cluster, job, victim, cut_at), "the cut-off group rejoined without healing from a peer"
     _finish(cluster, job, url, steps)
-    log.info("events", events=[(e["kind"], e.get("node"), (e.get("detail") or {}).get("node"))
-                               for e in cluster.events(job)])
+    events = cluster.events(job)
+    lost = _events_of(cluster, job, "node_lost", victim)
+    assert len(lost) == 1, events
+    assert lost[0]["detail"]["cause"] == "data_network_gone" and lost[0]["detail"]["action"] == "mark", lost
+    assert not lost[0]["detail"]["killed"], "a torchft survivor restarts nothing"
+    assert len(_events_of(cluster, job, "host_fenced", victim)) == 1, events
+    assert len(_events_of(cluster, job, "node_rejoined", victim)) == 1, events
+    assert not cluster.kinds(job, "hang_detected") and not cluster.kinds(job, "group_failed"), events
+    survivors = [n for n in cluster.nodes if n != victim]
+    assert cluster.restarts_per_node(job) == {n: 0 for n in cluster.nodes}, events
+    assert not [e for e in cluster.kinds(job, "host_fenced") if e["node"] in survivors], events
