@@ -37,6 +37,7 @@ pytestmark = [pytest.mark.hosts, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 log = get_logger("tests.host_torchft")
 EVERY = 250
+LEASE_TTL = 10      # the agent's default (docs/design.md §8)
 STEPS = 1500        # a group alone steps ~10/s here: the job must outlast the outage by far
 
 
@@ -239,3 +240,30 @@ def test_torchft_data_partition_and_heal(bed_cluster, whom):  # noqa: F811 - the
     survivors = [n for n in cluster.nodes if n != victim]
     assert cluster.restarts_per_node(job) == {n: 0 for n in cluster.nodes}, events
     assert not [e for e in cluster.kinds(job, "host_fenced") if e["node"] in survivors], events
+
+
+# -- (iii) partition a group's host's control network (etcd and S3) past its lease TTL, then heal -----
+
+def test_torchft_control_partition_and_heal(bed_cluster):  # noqa: F811 - the fixture
+    """The victim's lease expires: the others record it lost (``lease_expired``, mark) and restart nothing;
+    its group still reaches the others' and the lighthouse on the data network. Once etcd is back its agent
+    registers anew and holds (or takes again) a group slot; the job ends with every group at the last step."""
+    cluster = bed_cluster
+    steps = STEPS
+    job, url = _submit(cluster, "ft-ctl-cut", steps)
+    _all_stepping(cluster, job, 10)
+    victim = _victim(cluster, job)
+    cluster.bed.cut(victim, "control")
+    try:
+        seen = _survivors_step_during(cluster, job, victim, min_s=LEASE_TTL + 8)
+    finally:
+        cluster.bed.restore(victim, "control")
+    assert all(end > start for start, end in seen.values()), f"the survivors stalled: {seen}\n{cluster.diag()}"
+    back = _rejoined_and_stepping(cluster, job, victim, None, max(end for _, end in seen.values()))
+    log.info("victim_back", victim=victim, step=back["step"], pid=back["pid"])
+    _finish(cluster, job, url, steps)
+    events = cluster.events(job)
+    log.info("events", events=[(e["kind"], e.get("node"), (e.get("detail") or {}).get("node")) for e in events])
+    lost = _events_of(cluster, job, "node_lost", victim)
+    assert len(lost) == 1 and lost[0]["detail"]["cause"] == "lease_expired", events
+    assert not cluster.kinds(job, "hang_detected") and not cluster.kinds(job, "group_failed"), events
