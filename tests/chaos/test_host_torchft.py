@@ -175,19 +175,25 @@ def _events_of(cluster: BedCluster, job: str, kind: str, victim: str) -> list[di
 
 # -- (i) power off a group's host, and back: its stale processes fenced, its group heals ------------
 
-@pytest.mark.parametrize("hostbed", [pytest.param(("host1", "host2", "host3"), id="3hosts")], indirect=True)
-def test_torchft_power_off_and_back(bed_cluster):  # noqa: F811 - the fixture
+@pytest.mark.parametrize(("hostbed", "whom"), [
+    pytest.param(("host1", "host2", "host3"), "peer", id="3hosts-peer"),
+    pytest.param(("host1", "host2", "host3"), "lighthouse", id="3hosts-lighthouse"),
+], indirect=["hostbed"])
+def test_torchft_power_off_and_back(bed_cluster, whom):  # noqa: F811 - the fixture
+    """Its lease expires, the others record it lost and step on (on a lighthouse of their own where it
+    held theirs); powered on, its stale processes are fenced and its group starts again and heals."""
     cluster = bed_cluster
     steps = STEPS
     job, url = _submit(cluster, "ft-power", steps)
     _all_stepping(cluster, job, 10)
-    victim = _victim(cluster, job)
+    victim = _lighthouse_node(cluster, job) if whom == "lighthouse" else _victim(cluster, job)
     old_pid = _progress(cluster, victim, job)["pid"]
     off_at = time.time()
     frozen = cluster.bed.power_off(victim)
     assert frozen, f"nothing ran in {victim}"
     try:
         seen = _survivors_step_during(cluster, job, victim)    # past the lease TTL: it is lost
+        assert _lighthouse_node(cluster, job) != victim, "the lighthouse stayed with the powered-off host"
     finally:
         cluster.bed.power_on(victim, frozen)
     assert all(end > start for start, end in seen.values()), f"the survivors stalled: {seen}\n{cluster.diag()}"
@@ -197,6 +203,7 @@ def test_torchft_power_off_and_back(bed_cluster):  # noqa: F811 - the fixture
     _finish(cluster, job, url, steps)
     lost = _events_of(cluster, job, "node_lost", victim)
     assert len(lost) == 1 and lost[0]["detail"]["cause"] == "lease_expired", cluster.events(job)
+    assert lost[0]["detail"]["action"] == "mark" and not lost[0]["detail"].get("killed"), lost
     assert len(_events_of(cluster, job, "host_fenced", victim)) == 1, cluster.events(job)
     assert len(_events_of(cluster, job, "node_rejoined", victim)) == 1, cluster.events(job)
 
@@ -253,6 +260,7 @@ def test_torchft_control_partition_and_heal(bed_cluster):  # noqa: F811 - the fi
     job, url = _submit(cluster, "ft-ctl-cut", steps)
     _all_stepping(cluster, job, 10)
     victim = _victim(cluster, job)
+    old_pid = _progress(cluster, victim, job)["pid"]
     cluster.bed.cut(victim, "control")
     try:
         seen = _survivors_step_during(cluster, job, victim, min_s=LEASE_TTL + 8)
@@ -260,10 +268,11 @@ def test_torchft_control_partition_and_heal(bed_cluster):  # noqa: F811 - the fi
         cluster.bed.restore(victim, "control")
     assert all(end > start for start, end in seen.values()), f"the survivors stalled: {seen}\n{cluster.diag()}"
     back = _rejoined_and_stepping(cluster, job, victim, None, max(end for _, end in seen.values()))
-    log.info("victim_back", victim=victim, step=back["step"], pid=back["pid"])
+    log.info("victim_back", victim=victim, step=back["step"], pid=back["pid"], old_pid=old_pid)
     _finish(cluster, job, url, steps)
     events = cluster.events(job)
     log.info("events", events=[(e["kind"], e.get("node"), (e.get("detail") or {}).get("node")) for e in events])
     lost = _events_of(cluster, job, "node_lost", victim)
     assert len(lost) == 1 and lost[0]["detail"]["cause"] == "lease_expired", events
+    assert lost[0]["detail"]["action"] == "mark" and not lost[0]["detail"].get("killed"), lost
     assert not cluster.kinds(job, "hang_detected") and not cluster.kinds(job, "group_failed"), events
