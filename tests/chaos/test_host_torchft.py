@@ -165,7 +165,8 @@ def _finish(cluster: BedCluster, job: str, url: str, steps: int) -> None:
     _check_checkpoints(cluster, url, steps)
     finals = {n: _progress(cluster, n, job) for n in cluster.nodes}
     assert {p.get("step") for p in finals.values()} == {steps}, finals
-    assert len({p.get("param_digest") for p in finals.values()}) == 1, finals
+    digests = {n: p.get("param_digest") for n, p in finals.items()}
+    assert len(set(digests.values())) == 1, f"the groups ended with different parameters: {digests}"
 
 
 def _events_of(cluster: BedCluster, job: str, kind: str, victim: str) -> list[dict]:
