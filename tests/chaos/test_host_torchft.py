@@ -1,14 +1,16 @@
 """torchft mode on the multi-host bed: a host powered off and back, a host's network partitioned and healed.
 
-A torchft job (``[fault] mode = "torchft"``) runs one replica group per bed
-host under the real ``marind agent``; the lighthouse runs beside one agent.
-The victim is a host that does NOT hold the lighthouse (a lost lighthouse is
-``tests/torchft/test_agents.py``'s case). Each scenario asserts: the job
-SUCCEEDED; the surviving groups' step counter advanced while the victim was
-away (their progress records); the victim's group came back (a new worker
-that joins the quorum and steps again); every committed checkpoint verifies;
-and the agents' events (``node_lost`` with its cause, ``host_fenced``,
-``node_rejoined`` where they apply). All are ``slow`` (``make chaos``).
+A torchft job (``[fault] mode = "torchft"``) runs one replica group (one rank)
+per bed host under the real ``marind agent``, checkpoints on the bed's S3; the
+lighthouse runs beside one agent. The victim is a group's host or the
+lighthouse's. Each scenario asserts: the surviving groups' step counter
+advanced while the victim was away (their progress records) and the lighthouse
+was not the victim's then; the victim's group came back into the quorum past
+the step the others reached without it (healed from a peer); the job
+SUCCEEDED with every group at the last step and the same parameters; every
+committed checkpoint verifies; and the agents' events (``node_lost`` with its
+cause and action ``mark``, ``host_fenced``, ``node_rejoined`` where they
+apply). All are ``slow`` (``make chaos``; 1-5 min each).
 """
 
 from __future__ import annotations
