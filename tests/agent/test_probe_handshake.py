@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 
@@ -100,7 +101,6 @@ def test_the_prober_counts_a_refusing_port_as_down():
         closed = _closed_port()
         prober.want("job", {"self": ("127.0.0.1", prober.port, prober.token),
                             "closed": ("127.0.0.1", closed, prober.token)})
-        import time
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and len(prober.states("job")) < 2:
             time.sleep(0.05)
