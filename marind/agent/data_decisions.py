@@ -14,6 +14,8 @@ lost: nothing is decided (``job.hang_timeout`` remains).
 ``on_data_loss`` turns the verdict into this node's action, like
 ``decisions.on_node_loss``: a survivor whose workers stalled restarts them
 into a new round without the cut-off node; the cut-off node fences its run.
+Under torchft a survivor restarts nothing (its replica group's quorum drops
+the cut-off one) and the cut-off node fences its group at once.
 
 ``commit_fence_due``: a node that has reached none of its peers for
 ``COMMIT_FENCE_S`` must not commit a checkpoint any more (its world may be
@@ -125,14 +127,17 @@ def on_data_loss(*, me: str, cut: frozenset[str], acted: frozenset[str], in_roun
         progress_at: when this node's workers last made progress (None: not seen yet).
         now: the current time.
         stall_s: the stall that counts as stuck (``decisions.stall_window``).
-        torchft: a torchft job (its replica groups heal on their own: nothing is done).
+        torchft: a torchft job: a cut-off node fences its replica group at once (even one
+            that steps: alone, or with the lighthouse, it would train a world of its own, and
+            the connected groups need the lighthouse back); the others only record the loss
+            (their groups' quorum drops it, no restart).
 
     Returns:
         (the action, the nodes it is about, why).
     """
     stalled = progress_at is None or now - progress_at >= stall_s
     if torchft:
-        return DataAction.NONE, frozenset(), "torchft: the replica groups heal without the agents"
+        return _on_torchft_data_loss(me, cut, acted)
     if me in cut:
         if workers_running and not stalled:
             return DataAction.WAIT, frozenset({me}), "cut off by the peers' view but the workers still step"
@@ -146,6 +151,17 @@ def on_data_loss(*, me: str, cut: frozenset[str], acted: frozenset[str], in_roun
         assert progress_at is not None
         return DataAction.WAIT, todo, f"training goes on (progress {now - progress_at:.1f}s ago)"
     return DataAction.RESTART, todo, "its data network is gone and the workers stalled: restart without it"
+
+
+def _on_torchft_data_loss(me: str, cut: frozenset[str], acted: frozenset[str]) -> tuple[DataAction, frozenset[str], str]:
+    if me in cut:
+        return DataAction.FENCE, frozenset({me}), ("torchft: this node's replica group is cut off from the others: "
+                                                   "fence it, give up its slot and the lighthouse, rejoin once the "
+                                                   "data network is back")
+    todo = cut - acted
+    if not todo:
+        return DataAction.NONE, frozenset(), "no cut-off peer left to act on"
+    return DataAction.MARK, todo, "torchft: the other replica groups go on without it (no restart)"
 
 
 def commit_fence_due(down: Mapping[str, float], probed: frozenset[str], now: float,

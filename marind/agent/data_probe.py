@@ -5,12 +5,15 @@ publishes its **data address** with that port in its job records (``data``,
 docs/design.md §2): the address its hostname resolves to, the one torch's
 default ``local_addr`` gives the workers' store and the one gloo's sockets use
 on a host whose hostname resolves to its data network (the host bed does so,
-``marind.testing.hosts``). A background thread connects to each peer's
-endpoint every ``PROBE_S`` (``connect_outcome`` of the doctor's cluster probe,
-``CONNECT_TIMEOUT_S``, the peers in parallel) and keeps, per peer, when it
-last answered and since when it has not (``PeerState``). A connect is answered
-by the peer's kernel, so a busy agent still answers; a cut link answers
-nothing (no RST), and the probe times out.
+``marind.testing.hosts``), with the listener's **token**. A background thread
+connects to each peer's endpoint every ``PROBE_S`` and reads the greeting its
+listener writes (``probe_handshake``: connect and greeting within
+``CONNECT_TIMEOUT_S``, the peers in parallel), and keeps, per peer, when it last
+answered and since when it has not (``PeerState``). Only the greeting with the
+peer's token counts as reached: a cut link answers nothing (no RST) and the
+probe times out; a REJECT rule, a closed port or another program on the port
+answer, but not with the greeting. The listener's thread writes the greeting
+at once, so a busy agent still answers.
 
 ``link_up`` says whether the interface that holds the data address has its
 carrier (``IFF_RUNNING``): a host whose own data link is down is the one cut
@@ -29,16 +32,18 @@ from dataclasses import dataclass
 
 import psutil
 
+from marind.agent.probe_handshake import new_token, probe_peer, reached, send_greeting
 from marind.core.log import get_logger
-from marind.doctor_cluster.probe import connect_outcome, own_address
-from marind.doctor_cluster.verdict import OK
+from marind.doctor_cluster.probe import own_address
 
 #: seconds between two probes of a peer
 PROBE_S = 1.0
-#: a connect that takes longer counts as unreachable
+#: a connect and greeting that take longer count as unreachable
 CONNECT_TIMEOUT_S = 1.0
-#: outcomes that prove the network carried the packets (a refusal is the peer's kernel answering)
-REACHED = (OK, "refused")
+
+
+#: a peer's published data endpoint: (addr, port, token; None from an agent that publishes none)
+Endpoint = tuple[str, int, str | None]
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,7 @@ class PeerState:
     ok_at: float | None          # the last connect that succeeded (None: never)
     down_since: float | None     # the first failed probe since the last success (None: it answers)
     checked_at: float            # the last probe
-    outcome: str                 # its outcome (``"ok"``, ``"timeout"``, ``"refused"``, ...)
+    outcome: str                 # its outcome (``"ok"``, ``"timeout"``, ``"refused"``, ``"not_a_probe"``, ...)
 
 
 def data_address() -> str:
@@ -88,8 +93,9 @@ class DataProber:
         self.addr = addr or data_address()
         self.probe_s, self.timeout_s = probe_s, timeout_s
         self.port = 0
-        self._wanted: dict[str, dict[str, tuple[str, int]]] = {}     # job -> peer -> endpoint
-        self._states: dict[tuple[str, str, int], PeerState] = {}    # (peer, addr, port) -> state
+        self.token = new_token()
+        self._wanted: dict[str, dict[str, Endpoint]] = {}            # job -> peer -> endpoint
+        self._states: dict[tuple[str, str, int, str | None], PeerState] = {}   # (peer, addr, port, token) -> state
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._listener: socket.socket | None = None
@@ -118,11 +124,11 @@ class DataProber:
             self._listener.close()
 
     def endpoint(self) -> dict:
-        """This node's data endpoint as published: ``{addr, port, link_up}``."""
-        return {"addr": self.addr, "port": self.port, "link_up": link_up(self.addr)}
+        """This node's data endpoint as published: ``{addr, port, token, link_up}``."""
+        return {"addr": self.addr, "port": self.port, "token": self.token, "link_up": link_up(self.addr)}
 
-    def want(self, job: str, peers: dict[str, tuple[str, int]]) -> None:
-        """Probe ``peers`` (node -> (addr, port)) for ``job`` from now on (replaces the job's set)."""
+    def want(self, job: str, peers: dict[str, Endpoint]) -> None:
+        """Probe ``peers`` (node -> (addr, port, token or None)) for ``job`` from now on (replaces the job's set)."""
         with self._lock:
             self._wanted[job] = dict(peers)
 
@@ -150,7 +156,7 @@ class DataProber:
                 conn, _ = listener.accept()
             except OSError:
                 return
-            conn.close()
+            send_greeting(conn, self.token)
 
     def _probe_loop(self) -> None:
         with ThreadPoolExecutor(max_workers=16, thread_name_prefix="data-probe") as pool:
@@ -166,12 +172,12 @@ class DataProber:
                         self._states[target] = self._next(self._states.get(target), outcome, now)
                 self._stop.wait(max(0.0, self.probe_s - (time.monotonic() - started)))
 
-    def _connect(self, target: tuple[str, str, int]) -> str:
-        return connect_outcome(target[1], target[2], self.timeout_s)
+    def _connect(self, target: tuple[str, str, int, str | None]) -> str:
+        return probe_peer(target[1], target[2], target[3], self.timeout_s)
 
     @staticmethod
     def _next(prev: PeerState | None, outcome: str, now: float) -> PeerState:
-        if outcome in REACHED:
+        if reached(outcome):
             return PeerState(ok_at=now, down_since=None, checked_at=now, outcome=outcome)
         since = prev.down_since if prev is not None and prev.down_since is not None else now
         return PeerState(ok_at=prev.ok_at if prev else None, down_since=since, checked_at=now, outcome=outcome)

@@ -19,10 +19,14 @@ for each run:
    torchrun lost for the rendezvous (``rdzv/lost/{desc}``), and the agent whose
    claim of ``departed/{node}/{incarnation}`` wins writes ``node_lost`` (cause
    ``data_network_gone``) and, when its workers stalled, SIGKILLs them: a new
-   round without it, no ``hang_timeout``. The cut-off node fences its run
+   round without it, no ``hang_timeout`` (torchft: no kill; the replica groups'
+   quorum goes on without it). The cut-off node fences its run
    (``Fencing.fence_replaced``: everything SIGKILLed, queued writes dropped, a new
    registration, ``host_fenced``) and **holds** the job: it starts it again
-   (``node_rejoined``) only once a peer's data endpoint answers again.
+   (``node_rejoined``) only once a peer's data endpoint answers again. A torchft
+   node fences even while its group steps (alone it would train a world of its
+   own) and gives up its replica-group slot and, if it holds it, the lighthouse,
+   so the connected nodes elect one they reach.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from marind.agent.data_decisions import (
     cut_off,
     on_data_loss,
 )
-from marind.agent.data_probe import DataProber, link_up
+from marind.agent.data_probe import DataProber, Endpoint, link_up
 from marind.agent.membership import Loss
 from marind.core.lease_file import write_lease
 from marind.core.log import get_logger
@@ -64,7 +68,7 @@ class DataWatch:
         self.acted: set[tuple[str, str]] = set()    # (node, incarnation) acted on
         self.commit_fence_at: float | None = None
 
-    def peers(self) -> dict[str, tuple[str, int]]:
+    def peers(self) -> dict[str, Endpoint]:
         """The job's other nodes' data endpoints (as last polled), less the ones acted on."""
         members = self.run.members
         if members is None:
@@ -75,7 +79,8 @@ class DataWatch:
             if node == self.run.node or not isinstance(data, dict) or (node, str(members.known.get(node))) in self.acted:
                 continue
             try:
-                out[node] = (str(data["addr"]), int(data["port"]))
+                token = data.get("token")
+                out[node] = (str(data["addr"]), int(data["port"]), None if token is None else str(token))
             except (KeyError, TypeError, ValueError):
                 continue
         return out
@@ -149,8 +154,8 @@ class DataNetwork:
         self.log = get_logger(__name__, node=node)
 
     def attach(self, run: RunMonitor) -> None:
-        """Watch ``run``'s peers (elastic runs; torchft's replica groups heal on their own)."""
-        if run.ft is None and run.members is not None:
+        """Watch ``run``'s peers (elastic and torchft runs)."""
+        if run.members is not None:
             run.data = DataWatch(run, self.prober)
 
     def may_start(self, job: str, runs: dict[str, RunMonitor]) -> bool:
@@ -203,13 +208,16 @@ class DataNetwork:
             self._loss(run, n), members.rdzv_desc(self._loss(run, n))))
         action, nodes, why = on_data_loss(me=run.node, cut=cut, acted=frozenset(n for n, _ in watch.acted),
                                           in_round=in_round, workers_running=bool(run.sup.worker_pids()),
-                                          progress_at=run.progress_at, now=now, stall_s=stall_s)
+                                          progress_at=run.progress_at, now=now, stall_s=stall_s,
+                                          torchft=run.ft is not None)
         if action == DataAction.FENCE:
             peers = {p: ep for p, ep in watch.peers().items() if p not in cut}
             self.holds[run.job] = Hold(since=now, peers=tuple(sorted(peers)))
             self.prober.want(f"hold:{run.job}", peers)
             self.prober.drop(run.job)
             fencing.fence_replaced(run, f"{why} ({verdict})", now)
+            if run.ft is not None:      # etcd is reachable: the lighthouse moves now, not when the old lease expires
+                run.ft.stop(release=True)
             runs.pop(run.job, None)
         elif action in (DataAction.RESTART, DataAction.MARK):
             for node in sorted(nodes):

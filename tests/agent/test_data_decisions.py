@@ -100,10 +100,20 @@ def test_the_cut_node_fences_itself_once_its_workers_stalled():
     assert decide(me="a", workers_running=False)[0] == DataAction.FENCE
 
 
-def test_acted_on_and_torchft_do_nothing():
+def test_acted_on_does_nothing():
     assert decide(acted=frozenset({"a"}))[0] == DataAction.NONE
-    assert decide(torchft=True)[0] == DataAction.NONE
     assert decide(cut=frozenset())[0] == DataAction.NONE
+
+
+def test_torchft_survivors_only_record_and_the_cut_group_fences_even_while_it_steps():
+    """A torchft group restarts for nobody: its quorum drops the cut-off group. The cut-off node's
+    group stops at once, stepping or not (alone, or holding the lighthouse, it would train apart)."""
+    assert decide(torchft=True)[:2] == (DataAction.MARK, frozenset({"a"}))
+    assert decide(torchft=True, progress_at=NOW - 1)[0] == DataAction.MARK        # no wait, no restart
+    assert decide(torchft=True, acted=frozenset({"a"}))[0] == DataAction.NONE
+    assert decide(torchft=True, cut=frozenset())[0] == DataAction.NONE
+    for progress_at in (None, NOW - 1, NOW - 100):
+        assert decide(torchft=True, me="a", progress_at=progress_at)[:2] == (DataAction.FENCE, frozenset({"a"}))
 
 
 def test_commit_fence_after_every_peer_silent_for_a_while():

@@ -32,13 +32,14 @@ def pytest_addoption(parser):
 
 def pytest_generate_tests(metafunc):
     repeat = metafunc.config.getoption("repeat", 1)
-    if repeat > 1 and metafunc.module.__name__.endswith(("test_scenarios", "test_host_scenarios")):
+    scenarios = ("test_scenarios", "test_host_scenarios", "test_host_torchft")
+    if repeat > 1 and metafunc.module.__name__.endswith(scenarios):
         metafunc.fixturenames.append("chaos_repetition")
         metafunc.parametrize("chaos_repetition", range(repeat), ids=lambda i: f"rep{i}")
 
 
 def pytest_runtest_logreport(report):
-    if report.nodeid.split("::")[0].endswith("scenarios.py") and (report.when == "call" or report.outcome == "skipped"
+    if report.nodeid.split("::")[0].endswith(("scenarios.py", "test_host_torchft.py")) and (report.when == "call" or report.outcome == "skipped"
                                                  or (report.when == "setup" and report.failed)):
         _SCENARIO_REPORTS.append(report)
 

@@ -1,10 +1,11 @@
 """The agent's data-network prober run alone inside a bed host, for tests/hosts.
 
     python -m tests.hosts.dataprobe listen
-    python -m tests.hosts.dataprobe watch ADDR PORT STOP_FILE
+    python -m tests.hosts.dataprobe watch ADDR PORT STOP_FILE [TOKEN]
 
-``listen`` starts a ``DataProber`` and prints its endpoint (one JSON line), then
-sleeps; ``watch`` starts one that probes ``ADDR:PORT`` and prints one JSON line
+``listen`` starts a ``DataProber`` and prints its endpoint (one JSON line, with its
+token), then sleeps; ``watch`` starts one that probes ``ADDR:PORT`` (expecting the
+greeting with ``TOKEN``; without one, any probe listener's) and prints one JSON line
 every 0.2 s (``outcome``, ``down_since``, ``link_up``) until ``STOP_FILE`` exists.
 """
 
@@ -25,7 +26,7 @@ def main(argv: list[str]) -> int:
         while True:
             time.sleep(1)
     addr, port, stop = argv[1], int(argv[2]), argv[3]
-    prober.want("job", {"peer": (addr, port)})
+    prober.want("job", {"peer": (addr, port, argv[4] if len(argv) > 4 else None)})
     while not os.path.exists(stop):
         state = prober.states("job").get("peer")
         if state is not None:
