@@ -35,7 +35,8 @@ def lighthouse(tmp_path):
     lh.stop()
 
 
-@pytest.mark.parametrize("groups, nproc, nodes", [(2, 1, 1), (2, 1, 2), pytest.param(2, 2, 1, marks=pytest.mark.slow),
+@pytest.mark.parametrize("groups, nproc, nodes", [(2, 1, 1), pytest.param(2, 1, 2, marks=pytest.mark.slow),
+                                                   pytest.param(2, 2, 1, marks=pytest.mark.slow),
                                                    pytest.param(3, 1, 1, marks=pytest.mark.slow)])
 def test_killed_group_heals_from_peer_while_the_others_keep_stepping(tmp_path, lighthouse, groups, nproc, nodes,
                                                                      request):
