@@ -131,14 +131,15 @@ def run_torchft(root: Path, etcd: LocalEtcd | None, data: str, *, name: str, nod
             t_kill = time.time()
             reboot = None
             if fault == "kill" and isinstance(site, LoopbackSite):
-                action = kill_one(job, site.endpoint, prefix, draw.seed)
+                victim = kill_one(job, site.endpoint, prefix, draw.seed)["node"]
             else:
                 hit = site.inject(fault, job, prefix, draw.seed, agents)
-                victim = hit.host or _restarted_group(job, records)
-                action = {"node": victim, "pid": records.get(victim, {}).get("pid")}
-                # the host reboots back_after s later while the survivors are watched
-                reboot = threading.Thread(target=site.settle, args=(hit, t_kill, prefix, agents), daemon=True)
-                reboot.start()
+                victim = hit.host or hit.victim
+                if hit.host:    # a powered-off host reboots back_after s later while the survivors are watched
+                    reboot = threading.Thread(target=site.settle, args=(hit, t_kill, prefix, agents), daemon=True)
+                    reboot.start()
+            # back: the victim's group has a new rank 0 (a killed rank 1 restarts it too) that trains
+            action = {"node": victim, "pid": records.get(victim, {}).get("pid")}
             failures.append(dict(watch_failure(job, action, t_kill, step_before,
                                                timeout=max(5.0, min(180.0, end - time.time()))),
                                  draw_s=round(draw.at, 2), fault=fault))
@@ -154,17 +155,6 @@ def run_torchft(root: Path, etcd: LocalEtcd | None, data: str, *, name: str, nod
     return {"wall_s": round(end - t0, 2), "startup_s": round(first - t0, 2), "steps_kept": kept_n,
             "kept_step_s": round(kept_s, 2), "goodput": round(kept_s / (end - t0), 4),
             "goodput_steady": round(kept_s / max(1e-9, end - first), 4), "failures": failures}
-
-
-def _restarted_group(job: Job, before: dict[str, dict], timeout: float = 10.0) -> str | None:
-    """The node whose group's rank 0 changed process since ``before`` (a kill on the bed names no node)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        for node, rec in _group_records(job).items():
-            if node in before and rec.get("pid") != before[node].get("pid"):
-                return node
-        time.sleep(0.1)
-    return None
 
 
 def summarize_torchft(run: dict) -> dict:

@@ -44,6 +44,7 @@ class Injected:
     survivors: tuple[str, ...]     # nodes whose workers at the fault must exit (detection)
     world: int                     # ranks of the recovered world
     host: str | None = None        # the host powered off
+    victim: str | None = None      # the node whose worker was killed (bed kills)
 
 
 def kill_line(res: subprocess.CompletedProcess) -> dict:
@@ -141,9 +142,9 @@ class BedSite:
     def inject(self, kind: str, job, prefix: str, seed: int, agents: dict) -> Injected:
         if kind == "kill":
             host = random.Random(seed).choice(job.nodes)
-            kill_line(self.bed.run(host, kill_cmd(job.id, self.endpoint, prefix, seed, node=host),
-                                    env={"MARIND_LOG_JSON": "1"}, timeout=60))
-            return Injected(kind, tuple(job.nodes), job.world)
+            line = kill_line(self.bed.run(host, kill_cmd(job.id, self.endpoint, prefix, seed, node=host),
+                                          env={"MARIND_LOG_JSON": "1"}, timeout=60))
+            return Injected(kind, tuple(job.nodes), job.world, victim=str(line.get("node") or host))
         if kind != "power_off":
             raise ValueError(f"unknown fault {kind!r}: one of {', '.join(FAULTS)}")
         host = rank0_node(job.nodes, job.run_dirs())
