@@ -17,6 +17,7 @@ import math
 from typing import TYPE_CHECKING
 
 import crc32c
+import numpy as np
 import torch
 
 from ckpt_store import layout
@@ -38,6 +39,7 @@ from ckpt_store.zarr_format import (
     dtype_name,
     embedded_crcs,
     index_nbytes,
+    predicted_index,
     tensor_bytes,
 )
 
@@ -136,19 +138,30 @@ def load_step(st: Storage, d: str, state: dict, rank: int, values: bool = True,
             for cell in layout.cells_for_box(box, spec.chunks):
                 cbox = layout.cell_box(cell, spec.chunks, spec.shape)
                 jobs.append((spec, box, view, cell, cbox, box.intersect(cbox)))
-    # phase 1: the shard index of every sharded chunk this rank needs
+    # the shard index of every sharded chunk this rank needs: where the object's size is one
+    # marind writes, the index is known from it (``predicted_index``) and read with the data,
+    # to be checked after; else (another writer's layout) it is read first
     sharded = sorted({(j[0].name, j[3]): j for j in jobs if j[0].inner_rows}.values(), key=lambda j: j[0].name)
-    index_reqs = []
+    index_reqs, first = [], []
+    indexes = {}   # object key -> (decoded shard index, the index's crc32c tail)
+    predicted: dict[str, tuple[ArraySpec, np.ndarray]] = {}
     for spec, _, _, cell, _, _ in sharded:
         key = chunk_key(spec.name, cell)
         size = int(_obj(manifest, d, key)["size"])
-        index_reqs.append((f"{d}/{key}", size - index_nbytes(spec), size))
-    indexes = {}   # object key -> (decoded shard index, the index's crc32c tail)
-    for (spec, _, _, _, _, _), req, raw in zip(sharded, index_reqs, _read(st, manifest, d, index_reqs)):
+        req = (f"{d}/{key}", size - index_nbytes(spec), size)
+        guess = predicted_index(spec, size)
+        if guess is None:
+            first.append((spec, req))
+        else:
+            predicted[req[0]] = (spec, guess)
+            indexes[req[0]] = (guess, b"")
+            index_reqs.append(req)
+    for (spec, req), raw in zip(first, _read(st, manifest, d, [r for _, r in first])):
         stats["bytes_read"] += len(raw)
         indexes[req[0]] = (decode_index(req[0], raw, spec), raw[-4:])
-    # phase 2: data, read straight into the target where a block lands contiguously in it
-    reads, blocks = [], []
+    # data, read straight into the target where a block lands contiguously in it
+    reads: list = [(key, start, [bytearray(end - start)], end - start, []) for key, start, end in index_reqs]
+    blocks = []
     for job in jobs:
         spec, box, host, cell, cbox, inter = job
         key = f"{d}/{chunk_key(spec.name, cell)}"
@@ -180,7 +193,14 @@ def load_step(st: Storage, d: str, state: dict, rank: int, values: bool = True,
     got = _storage_read(st, manifest, d, lambda reqs: st.read_into(reqs, done=lambda i, n: _landed(reads[i], n)),
                         [(k, start, bufs) for k, start, bufs, _, _ in reads])
     stats["bytes_read"] += sum(got)
-    stats["objects"] += len(got)
+    stats["objects"] += len(got) - len(index_reqs)
+    for key, _start, (raw,), _want, _ in reads[:len(index_reqs)]:
+        spec, guess = predicted[key]
+        index = decode_index(key, raw, spec)
+        if not np.array_equal(index, guess):
+            raise CheckpointCorrupt(key, "its shard index does not match the object's size (not a layout "
+                                         "this store writes)")
+        indexes[key] = (index, bytes(raw[-4:]))
     _check_whole_objects(manifest, d, blocks, indexes)
     for local, host in hosts:
         local.copy_(host)

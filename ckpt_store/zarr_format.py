@@ -204,6 +204,26 @@ def index_nbytes(spec: ArraySpec) -> int:
     return spec.n_inner * 16 + 4
 
 
+def predicted_index(spec: ArraySpec, size: int) -> np.ndarray | None:
+    """The shard index ``encode_chunk`` writes for a sharded chunk object of ``size`` bytes
+    (pure): its inner chunks back to back from offset 0, each with its crc32c, the ones
+    wholly past the array's edge absent. A reader that knows the object's size from the
+    manifest can so read the data without waiting for the index, and check the index later.
+
+    Returns:
+        ``[n_inner, 2]`` (offset, bytes) rows, EMPTY for an absent inner chunk; None when
+        ``size`` is not one ``encode_chunk`` writes (the caller reads the index first).
+    """
+    piece = math.prod(spec.inner_shape) * spec.itemsize + 4
+    body = size - index_nbytes(spec)
+    if body < 0 or body % piece or body // piece > spec.n_inner:
+        return None
+    index = np.full((spec.n_inner, 2), EMPTY, dtype="<u8")
+    for k in range(body // piece):
+        index[k] = (k * piece, piece)
+    return index
+
+
 def _check_crc(key: str, raw: memoryview, what: str) -> memoryview:
     if len(raw) < 4:
         raise CheckpointCorrupt(key, f"{what} truncated ({len(raw)} bytes)")

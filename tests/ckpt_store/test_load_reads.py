@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 
+import crc32c
 import fsspec
 import pytest
 import torch
@@ -22,17 +23,35 @@ from ckpt_store.rank_part import write_rank_part
 from ckpt_store.steps import BEGIN_MARKER
 from ckpt_store.storage import open_storage
 from ckpt_store.storage_local import LocalStorage
-from ckpt_store.zarr_format import ArraySpec, array_metadata, chunk_key
+from ckpt_store.zarr_format import (
+    ArraySpec,
+    array_metadata,
+    chunk_key,
+    decode_index,
+    encode_chunk,
+    index_nbytes,
+    predicted_index,
+)
 
 D1 = "step-0000000001"
 
 
+#: where the shard index starts in ``_saved``'s object: 16 inner chunks of 16 KiB + crc32c
+INDEX_AT = 16 * (16 * 1024 + 4)
+
+
 class LoggedStorage(LocalStorage):
-    """The real local backend with one I/O thread; logs every read and the thread it ran on."""
+    """The real local backend with one I/O thread; logs every read and the thread it ran on,
+    and the keys of ``read_ranges`` calls (a round of reads before the data's)."""
 
     def __init__(self, root: str):
         super().__init__(f"file://{root}", fsspec.filesystem("file"), root, io_threads=1)
         self.events: list[tuple] = []
+        self.ranged: list[str] = []
+
+    def read_ranges(self, reqs):
+        self.ranged += [r[0] for r in reqs]
+        return super().read_ranges(reqs)
 
     def _preadv(self, key, start, bufs):
         n = super()._preadv(key, start, bufs)
@@ -68,11 +87,14 @@ def test_each_read_is_checked_as_soon_as_it_is_over(tmp_path, monkeypatch):
     stats = load_step(st, D1, target, 0)
     st.close()
     assert torch.equal(target["model"]["w"], w)
-    reads = [e for e in st.events if e[0] == "read" and "/c/" in e[1]]
+    reads = [e for e in st.events if e[0] == "read" and "/c/" in e[1] and e[2] < INDEX_AT]
     checks = [e for e in st.events if e[0] == "check"]
     assert len(checks) == 16
     assert len(reads) == 6 and all(e[3] <= 64 * 1024 for e in reads), reads   # 3 + 3 + 3 + 3 + 3 + 1 inner chunks
     assert stats["objects"] == len(reads)
+    # the shard index is read in the same batch (known from the object's size), not in a round before
+    assert [e[2] for e in st.events if e[0] == "read" and "/c/" in e[1] and e[2] >= INDEX_AT] == [INDEX_AT]
+    assert not [k for k in st.ranged if "/c/" in k], st.ranged
     # one I/O thread: the blocks of a read are checked right after it, before the next read
     first_check = st.events.index(checks[0])
     assert first_check < st.events.index(reads[1]), st.events
@@ -92,7 +114,46 @@ def test_a_bad_inner_chunk_is_corrupt_naming_it_once_every_read_is_over(tmp_path
     with pytest.raises(CheckpointCorrupt, match=r"model/w/c/0/0.*inner chunk 1 fails its crc32c"):
         load_step(st, D1, {"model": {"w": torch.zeros(64, 1024)}}, 0)
     st.close()
-    assert len([e for e in st.events if e[0] == "read" and "/c/" in e[1]]) == 6   # none still running
+    assert len([e for e in st.events if e[0] == "read" and "/c/" in e[1]]) == 7   # 6 + the index: none still running
+
+
+def _rewrite_index(path: str, spec: ArraySpec, change) -> None:
+    """Rewrite the shard index at the end of a chunk object (``change`` edits the decoded rows),
+    with a valid crc32c, as a writer of another layout would leave it."""
+    n = index_nbytes(spec)
+    with open(path, "r+b") as fh:
+        fh.seek(-n, 2)
+        raw = fh.read(n)
+        index = decode_index(path, raw, spec).copy()
+        change(index)
+        body = index.astype("<u8").tobytes()
+        fh.seek(-n, 2)
+        fh.write(body + crc32c.crc32c(body).to_bytes(4, "little"))
+
+
+def test_a_shard_index_other_than_the_object_size_says_is_corrupt(tmp_path):
+    """The index is read with the data, at the offsets the object's size implies; an index
+    that says otherwise (inner chunks in another order) is CheckpointCorrupt naming the object."""
+    root, _w = _saved(tmp_path)
+    spec = ArraySpec("model/w", (64, 1024), "float32", (64, 1024), 4)
+
+    def swap(index):
+        index[[0, 1]] = index[[1, 0]]
+    _rewrite_index(f"{root}/{D1}/model/w/c/0/0", spec, swap)
+    st = LoggedStorage(root)
+    with pytest.raises(CheckpointCorrupt, match=r"model/w/c/0/0.*shard index does not match"):
+        load_step(st, D1, {"model": {"w": torch.zeros(64, 1024)}}, 0)
+    st.close()
+
+
+@pytest.mark.unit
+def test_the_index_predicted_from_the_size_is_the_one_encode_chunk_writes():
+    spec = ArraySpec("a", (10, 3), "float32", (8, 3), 2)      # 4 inner chunks of 2 rows per chunk
+    for valid in (8, 5, 2):                                   # a whole chunk, and edge chunks
+        pieces, size, _, _ = encode_chunk(bytearray(8 * 3 * 4), spec, valid)
+        idx = decode_index("a", bytes(pieces[-2]) + bytes(pieces[-1]), spec)
+        assert (predicted_index(spec, size) == idx).all(), valid
+    assert predicted_index(spec, 7) is None and predicted_index(spec, index_nbytes(spec) + 29) is None
 
 
 
@@ -166,4 +227,5 @@ def test_an_object_store_reads_a_run_of_inner_chunks_with_one_ranged_get(url, mo
     st.delete_prefix("")
     st.close()
     assert torch.equal(target["model"]["w"], w)
-    assert requests == ([6] if st.local else [1]), requests    # 3 + 3 + 3 + 3 + 3 + 1 inner chunks on a disk
+    # 3 + 3 + 3 + 3 + 3 + 1 inner chunks on a disk, and the shard index in the same batch
+    assert requests == ([7] if st.local else [2]), requests
