@@ -5,6 +5,7 @@ failure nobody waited for, a load that fails on one rank only."""
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import numpy as np
@@ -120,11 +121,9 @@ def test_a_load_that_fails_on_one_rank_raises_on_every_rank(tmp_path):
     assert results[0]["raised"] == "CheckpointError" and "another rank" in results[0]["error"], results
 
 
-def test_every_rank_of_a_load_tries_rank_0s_steps_in_the_same_order(tmp_path):
-    """Listings taken a moment apart can differ (a step committed or deleted in between);
-    here rank 1 does not see step 2 at all. The ranks must still agree on one step."""
-    import shutil
-
+def _two_views_of_steps_1_and_2(tmp_path):
+    """Steps 1 and 2 saved under ``a``, and ``b`` a copy of it: the store as rank 0 and rank 1
+    will see it (each test then changes ``b``)."""
     seen_by_0, seen_by_1 = tmp_path / "a", tmp_path / "b"
     store = CheckpointStore(f"file://{seen_by_0}")
     for step in (1, 2):
@@ -132,6 +131,12 @@ def test_every_rank_of_a_load_tries_rank_0s_steps_in_the_same_order(tmp_path):
                    async_=False)
     store.close()
     shutil.copytree(seen_by_0, seen_by_1)
+    return seen_by_0, seen_by_1
+
+def test_every_rank_of_a_load_tries_rank_0s_steps_in_the_same_order(tmp_path):
+    """Listings taken a moment apart can differ (a step committed or deleted in between);
+    here rank 1 does not see step 2 at all. The ranks must still agree on one step."""
+    seen_by_0, seen_by_1 = _two_views_of_steps_1_and_2(tmp_path)
     shutil.rmtree(seen_by_1 / "step-0000000002")
     results = run_torch_workers("tests.ckpt_store.workers:load_newest", 2, timeout=120,
                                 urls=[f"file://{seen_by_0}", f"file://{seen_by_1}"])
@@ -144,15 +149,7 @@ def test_every_rank_of_a_load_tries_rank_0s_steps_in_the_same_order(tmp_path):
 def test_a_manifest_unreadable_on_one_rank_fails_the_load_on_every_rank_without_skipping(tmp_path):
     """An OSError reading step 2's manifest on rank 1 says nothing about the step: every rank
     raises (rank 0 an error naming rank 1), none falls back to step 1, nothing is quarantined."""
-    import shutil
-
-    seen_by_0, seen_by_1 = tmp_path / "a", tmp_path / "b"
-    store = CheckpointStore(f"file://{seen_by_0}")
-    for step in (1, 2):
-        store.save(step, {"model": {"w": torch.full((4,), float(step))}, "extra": {"step": step}},
-                   async_=False)
-    store.close()
-    shutil.copytree(seen_by_0, seen_by_1)
+    seen_by_0, seen_by_1 = _two_views_of_steps_1_and_2(tmp_path)
     manifest = seen_by_1 / "step-0000000002" / "manifest.json"
     manifest.unlink()
     manifest.mkdir()                  # reading it is IsADirectoryError on rank 1 only
