@@ -192,7 +192,7 @@ def test_power_off_forever_of_the_rank0_host(bed_cluster):
     _check_checkpoints(cluster, url, steps)
     lost = _lost_events(cluster, job, victim)
     assert len(lost) == 1, cluster.events(job)
-    assert lost[0]["detail"]["cause"] == "lease_expired", lost
+    assert lost[0]["detail"]["cause"] == "host_silent", lost
     survivors = [n for n in cluster.nodes if n != victim]
     per_node = cluster.restarts_per_node(job)
     assert all(per_node[n] == 1 for n in survivors), per_node       # one recovery for one fault
