@@ -1,9 +1,12 @@
 """The commit fence: rank 0 writes a manifest only while its world may still commit.
 
 ``CheckpointStore(fence_file=...)`` names a local JSON file ``{"valid_until": unix_seconds,
-"ttl"?: seconds}``; marind's agent keeps one per run (its node lease: last renewal + TTL).
-Past ``valid_until`` other nodes may have formed a new world without this one, so a save
-of the old world must not commit. A missing or malformed file does not fence.
+"window"?: seconds, "ttl"?: seconds}``; marind's agent keeps one per run (its node lease's
+last renewal + the window after which its peers may replace its world). Past
+``valid_until`` other nodes may have formed a new world without this one, so a save of the
+old world must not commit. A file whose time is short is re-read until a renewal moves it
+(at most ``window`` seconds, or ``ttl``): a renewal that is merely due does not cost a
+checkpoint. A missing or malformed file does not fence.
 """
 
 from __future__ import annotations
@@ -13,14 +16,31 @@ import time
 
 from ckpt_store.errors import CheckpointSaveFailed
 
+#: how often a short fence file is re-read while waiting for a renewal
+POLL_S = 0.1
 
-def check_fence(fence: tuple[str, float] | None, now: float | None = None) -> None:
+
+def _read(path: str) -> tuple[float, float | None] | None:
+    """(valid_until, the file's window or ttl) or None when the file is missing or malformed."""
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+        valid_until = float(doc["valid_until"])
+        span = doc.get("window") or doc.get("ttl")
+        return valid_until, (float(span) if span else None)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def check_fence(fence: tuple[str, float] | None, now: float | None = None, wait: bool = True) -> None:
     """Rank 0, right before the manifest: may this world still commit?
 
     Args:
         fence: ``(path, margin_s)`` or None (no fence). The file's ``valid_until`` must leave
-            ``margin_s`` (at most a quarter of the file's ``ttl`` when it gives one).
-        now: the current Unix time (tests); ``time.time()`` when None.
+            ``margin_s`` (at most a quarter of the file's ``window``, else of its ``ttl``).
+        now: the current Unix time (tests: no waiting); ``time.time()`` when None.
+        wait: when the time left is short, re-read the file for up to its ``window`` (else
+            ``ttl``) seconds for a renewal before failing (only when ``now`` is None).
 
     Raises:
         CheckpointSaveFailed: the fence has passed (the save aborts uncommitted).
@@ -28,16 +48,22 @@ def check_fence(fence: tuple[str, float] | None, now: float | None = None) -> No
     if not fence:
         return
     path, margin = fence
-    try:
-        with open(path) as fh:
-            doc = json.load(fh)
-        valid_until = float(doc["valid_until"])
-        if doc.get("ttl"):
-            margin = min(margin, float(doc["ttl"]) / 4)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    read = _read(path)
+    if read is None:
         return                      # no fence file: nothing to fence against
-    now = time.time() if now is None else now
-    if valid_until - now < margin:
+    valid_until, span = read
+    if span:
+        margin = min(margin, span / 4)
+    clock = time.time if now is None else (lambda: now)
+    deadline = clock() + (span or 0.0) if wait and now is None else clock()
+    while valid_until - clock() < margin and clock() < deadline:
+        time.sleep(POLL_S)
+        read = _read(path)
+        if read is None:
+            return
+        valid_until = read[0]
+    t = clock()
+    if valid_until - t < margin:
         raise CheckpointSaveFailed(
             f"not committing: this world may have been replaced ({path}: valid until {valid_until:.1f}, "
-            f"now {now:.1f}, margin {margin:g}s)")
+            f"now {t:.1f}, margin {margin:g}s)")

@@ -27,6 +27,13 @@ for each run:
    node fences even while its group steps (alone it would train a world of its
    own) and gives up its replica-group slot and, if it holds it, the lighthouse,
    so the connected nodes elect one they reach.
+
+Before the rows are judged, a peer whose data endpoint went silent is checked
+against its lease (``marind.agent.silence``): silent on both networks (its
+lease unrenewed past ``silent_window``), it is lost now, before its lease
+expires. This node revokes its lease (first: it can never renew into its old
+world), marks its torchrun lost, claims the loss and, where the workers stalled,
+SIGKILLs them (``node_lost``, cause ``host_silent``).
 """
 
 from __future__ import annotations
@@ -44,8 +51,10 @@ from marind.agent.data_decisions import (
     on_data_loss,
 )
 from marind.agent.data_probe import DataProber, Endpoint, link_up
+from marind.agent.decisions import LossAction
 from marind.agent.membership import Loss
-from marind.core.lease_file import write_lease
+from marind.agent.silence import HOST_SILENT, on_silent_peer, silent_peer, suspect
+from marind.core.lease_file import silent_window, write_lease
 from marind.core.log import get_logger
 
 if TYPE_CHECKING:
@@ -200,6 +209,7 @@ class DataNetwork:
         watch.update_fence(now, self.registry)
         if not online:
             return
+        self._silent_hosts(run, now)
         rows = watch.rows(now)
         cut, verdict = cut_off(rows, now=now, window=stall_s, fresh_s=self.fresh_s)
         if not cut:
@@ -224,10 +234,51 @@ class DataNetwork:
                 self._act(run, node, action, f"{why} ({verdict})", rows.get(node))
 
     @staticmethod
-    def _loss(run: RunMonitor, node: str) -> Loss:
+    def _loss(run: RunMonitor, node: str, cause: str = DATA_NETWORK_GONE) -> Loss:
         members = run.members
         assert members is not None
-        return Loss(node, str(members.known.get(node, "?")), DATA_NETWORK_GONE, members.records.get(node, {}))
+        return Loss(node, str(members.known.get(node, "?")), cause, members.records.get(node, {}))
+
+    def _silent_hosts(self, run: RunMonitor, now: float) -> None:
+        """Act on each peer silent on both networks (``silence.silent_peer``); raises ControlPlaneUnavailable."""
+        members, watch = run.members, run.data
+        assert members is not None and watch is not None
+        states = self.prober.states(run.job)
+        client = members.client
+        for node in sorted(watch.peers()):
+            state = states.get(node)
+            down_since = state.down_since if state is not None else None
+            if not suspect(down_since, now):
+                continue
+            lease_id = client.lease_of(client.key("nodes", node))
+            lease = client.lease_time_to_live(lease_id) if lease_id is not None else None
+            silent, why = silent_peer(down_since=down_since, now=now, lease=lease,
+                                      window=silent_window(self.registry.ttl))
+            if silent:
+                self._act_silent(run, node, lease_id, why, now)
+
+    def _act_silent(self, run: RunMonitor, node: str, lease_id: int | None, why: str, now: float) -> None:
+        members, watch = run.members, run.data
+        assert members is not None and watch is not None
+        loss = self._loss(run, node, HOST_SILENT)
+        desc = members.rdzv_desc(loss)
+        action, what = on_silent_peer(in_round=members.in_current_round(loss, desc),
+                                      workers_running=bool(run.sup.worker_pids()), progress_at=run.progress_at,
+                                      now=now, torchft=run.ft is not None)
+        if action == LossAction.WAIT:
+            return
+        revoked = lease_id is not None and members.client.revoke_lease_id(lease_id)
+        members.mark_lost(loss, desc)
+        first = members.claim(loss, {"action": action.value})
+        watch.acted.add((node, loss.incarnation))
+        reason = f"{why}; {what}"
+        self.log.warning("node_lost", job=run.job, lost=node, cause=HOST_SILENT, action=action.value,
+                         reason=reason, recorded=first, rdzv_node=desc, revoked=revoked)
+        if not first:
+            return
+        killed = run.kill_workers() if action == LossAction.RESTART else []
+        self.outbox.event(run.job, "node_lost", {"node": node, "cause": HOST_SILENT, "action": action.value,
+                                                 "reason": reason, "killed": killed})
 
     def _act(self, run: RunMonitor, node: str, action: DataAction, why: str, row: ReachRow | None) -> None:
         members, watch = run.members, run.data

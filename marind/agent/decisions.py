@@ -298,8 +298,8 @@ def replica_group_lost(slot: int | None, launched_slot: int | None, *, stopping:
 def stall_window(lease_ttl: float) -> float:
     """Seconds without progress that, with a lost lease, mean the collectives are stuck.
 
-    Half the lease TTL: a silent node is noticed at the earliest 2/3 TTL after it went
-    quiet (keep-alives every TTL/3), so its peers' workers have been stuck that long;
+    Half the lease TTL: a node whose lease expired was noticed at the earliest 4/5 TTL after it
+    went quiet (keep-alives every TTL/5), so its peers' workers have been stuck that long;
     workers still stepping within it reach their peers (only the control network is gone).
     """
     return lease_ttl / 2
@@ -349,7 +349,7 @@ def on_node_loss(*, in_round: bool, workers_running: bool, progress_at: float | 
 
 
 def fence_due(*, last_renewal: float, ttl: float, now: float, progress_at: float | None,
-              stall_s: float) -> tuple[bool, str]:
+              stall_s: float, revoked: bool = False) -> tuple[bool, str]:
     """Must this node fence its run of a job (stop its workers, write nothing more for it)?
 
     Once ``ttl`` has passed since the last successful renewal of the node's lease, the
@@ -363,11 +363,16 @@ def fence_due(*, last_renewal: float, ttl: float, now: float, progress_at: float
         now: the current time.
         progress_at: when the run's workers last made progress (None: not seen yet).
         stall_s: the stall that counts as stuck (``stall_window``).
+        revoked: etcd answered that the lease is gone sooner than ``ttl`` after its last
+            renewal: the other agents revoked it (``marind.agent.silence``), so they replaced
+            this node's world whatever its workers do now.
 
     Returns:
         (fence, why).
     """
     since = now - last_renewal
+    if revoked:
+        return True, f"lease revoked by the other agents ({since:.1f}s after its last renewal): declared lost"
     if since < ttl:
         return False, f"lease renewed {since:.1f}s ago (TTL {ttl:g}s)"
     if progress_at is not None and now - progress_at < stall_s:

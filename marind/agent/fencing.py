@@ -12,9 +12,14 @@ train on. Once etcd answers after an expiry, the node registers anew
 fenced job, and the agent starts the job again, a ``node_rejoined`` event:
 the node joins the job's next round.
 
+A lease that etcd says is gone sooner than ``ttl`` after its last renewal was
+revoked by the other agents, which declared this node lost while it was silent
+(``marind.agent.silence``): every run is fenced then, whether its workers step
+or not, before the node registers anew.
+
 It also keeps each run's ``lease.json`` (``marind.core.lease_file``) at the
-lease's last renewal + TTL, so that a checkpoint commit can refuse to run
-for a world that may have been replaced.
+lease's last renewal + ``silent_window(ttl)``, so that a checkpoint commit can
+refuse to run for a world that may have been replaced.
 """
 
 from __future__ import annotations
@@ -65,14 +70,16 @@ class Fencing:
             self._write_lease_files(runs, reg.last_renewal, reg.ttl)
         for run in list(runs.values()):
             fence, why = fence_due(last_renewal=reg.last_renewal, ttl=reg.ttl, now=now,
-                                   progress_at=run.progress_at, stall_s=stall_window(reg.ttl))
+                                   progress_at=run.progress_at, stall_s=stall_window(reg.ttl),
+                                   revoked=reg.expired and reg.revoked)
             written = run.progress_written_at() if fence else None
             if written is not None and written > (run.progress_at or 0.0):
                 # progress_at dates from the agent's last look; with etcd silent (a cut link, not a
                 # refused connection) that pass's etcd calls blocked for their timeouts: the workers'
                 # own write times say whether they stepped since (frozen ones wrote nothing)
                 fence, why = fence_due(last_renewal=reg.last_renewal, ttl=reg.ttl, now=now,
-                                       progress_at=written, stall_s=stall_window(reg.ttl))
+                                       progress_at=written, stall_s=stall_window(reg.ttl),
+                                       revoked=reg.expired and reg.revoked)
             if fence:
                 self._fence(run, why, now, reg.last_renewal)
                 runs.pop(run.job, None)

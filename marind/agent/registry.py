@@ -32,6 +32,7 @@ import psutil
 from marind import __version__
 from marind.core.errors import ControlPlaneUnavailable, UsageError
 from marind.core.etcd_client import EtcdClient
+from marind.core.lease_file import renew_interval
 from marind.core.log import get_logger
 
 
@@ -94,6 +95,7 @@ class NodeRegistry:
         self.generation = 0          # bumped on every (re-)registration
         self.last_renewal = 0.0      # time.time() when the last successful renewal was sent
         self.expired = False         # etcd said the lease expired; ``rejoin`` takes a new one
+        self.revoked = False         # ... sooner than ``ttl`` after the last renewal: the others revoked it
         self.connected = False
         self.last_error: str | None = None
         self._on_failure = on_keepalive_failure
@@ -124,7 +126,7 @@ class NodeRegistry:
                 raise
             self.lease = lease
             self.last_renewal = sent
-            self.expired = False
+            self.expired = self.revoked = False
             self.generation += 1
             self.connected = True
             self.last_error = None
@@ -161,7 +163,7 @@ class NodeRegistry:
         self._thread.start()
 
     def _run(self) -> None:
-        interval = max(0.5, self.ttl / 3)
+        interval = renew_interval(self.ttl)
         while not self._stop.wait(interval if self.connected else 1.0):
             try:
                 if self.lease is None:
@@ -172,7 +174,8 @@ class NodeRegistry:
                 sent = time.time()
                 remaining = self.client.refresh_lease(self.lease)
                 if remaining <= 0:
-                    self.log.warning("lease_expired", lease=self.lease.id,
+                    self.revoked = sent - self.last_renewal < self.ttl
+                    self.log.warning("lease_revoked" if self.revoked else "lease_expired", lease=self.lease.id,
                                      renewed_s_ago=round(sent - self.last_renewal, 1))
                     self.expired = True
                     continue

@@ -381,6 +381,9 @@ class RunMonitor:
         if members is None:
             return
         for node, loss in list(self.pending_losses.items()):
+            if self.data is not None and (node, loss.incarnation) in self.data.acted:
+                del self.pending_losses[node]      # declared lost already (silent host, data network gone)
+                continue
             if members.present(loss):
                 self.log.info("node_back", node=node, reason="its record is back: it was never gone")
                 del self.pending_losses[node]

@@ -279,6 +279,32 @@ class EtcdClient:
     def revoke_lease(self, lease) -> None:
         self._call(self._client.revoke_lease, lease.id)
 
+    def lease_of(self, key: str) -> int | None:
+        """The id of the lease ``key`` is attached to; None when the key is absent or has none."""
+        _value, meta = self._call(self._client.get, key)
+        lease_id = getattr(meta, "lease_id", 0) if meta is not None else 0
+        return int(lease_id) or None
+
+    def lease_time_to_live(self, lease_id: int) -> tuple[int, int] | None:
+        """(remaining, granted) TTL of a lease in whole seconds (etcd truncates the remaining
+        time: the lease has less than ``remaining + 1`` s left); None when it is gone."""
+        resp = self._call(self._client.get_lease_info, lease_id)
+        if resp.TTL < 0:
+            return None
+        return int(resp.TTL), int(resp.grantedTTL)
+
+    def revoke_lease_id(self, lease_id: int) -> bool:
+        """Revoke another holder's lease (its keys go with it); False when it was gone already."""
+        def revoke() -> bool:
+            try:
+                self._client.revoke_lease(lease_id)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    return False
+                raise
+            return True
+        return bool(self._call(revoke))
+
     # -- watches ------------------------------------------------------------------------
     def watch_prefix(self, prefix: str, callback: Callable[[Any], None],
                      start_revision: int | None = None) -> int:

@@ -1,10 +1,14 @@
 """The lease file: how long a node's workers may still act for their world (a commit's fence).
 
 ``{run_dir}/lease.json`` (:func:`lease_path`) holds ``{"valid_until", "renewed_at", "ttl",
-"node"}``: the node's etcd lease was last renewed at ``renewed_at`` (the renewal request's
-send time, Unix seconds), so it lives at least until ``valid_until = renewed_at + ttl``.
-Past that, the other nodes may have found the lease expired and formed a new world without
-this node: whatever its workers do then belongs to a replaced world. The agent
+"window", "node"}``: the node's etcd lease was last renewed at ``renewed_at`` (the renewal
+request's send time, Unix seconds); its workers may act for their world until
+``valid_until = renewed_at + window``, where ``window = silent_window(ttl)`` (0.4 TTL).
+Past that, peers that also cannot reach this node on the data network may declare it lost
+(``marind.agent.silence``) and form a new world without it, well before the lease itself
+expires (``renewed_at + ttl``): whatever its workers do then belongs to a replaced world.
+Renewals come every ``renew_interval(ttl)`` (TTL/5), so a live node's window never runs
+out between two of them. The agent
 (``marind.agent.fencing``) rewrites it atomically after each renewal; a checkpoint commit
 asks :func:`commit_allowed` just before it writes its manifest, so a world that may have
 been replaced never commits (an etcd outage longer than the TTL only postpones commits:
@@ -19,8 +23,27 @@ from pathlib import Path
 from marind.core.jsonfile import read_json_object, write_json_atomic
 
 #: a commit needs at least this much lease left (the manifest write must end inside it);
-#: at most a quarter of the TTL (``commit_margin``), as renewals come every TTL/3
+#: at most a quarter of the window (``commit_margin``)
 COMMIT_MARGIN_S = 2.0
+#: the share of the lease TTL after which a node whose lease went unrenewed and whose data
+#: endpoint is silent may be declared lost by its peers (and its workers stop committing)
+SILENT_FRACTION = 0.4
+#: the share of the lease TTL between two renewals (keep-alives)
+RENEW_FRACTION = 0.2
+
+
+def silent_window(ttl: float) -> float:
+    """Seconds without a renewal after which a node's world may be replaced (pure).
+
+    Its peers may declare a node lost once its lease went unrenewed this long while its
+    data endpoint is silent; its workers may commit only inside it (``valid_until``).
+    """
+    return SILENT_FRACTION * ttl
+
+
+def renew_interval(ttl: float) -> float:
+    """Seconds between two renewals of a node's lease (pure): TTL/5, at least 0.5 s."""
+    return max(0.5, RENEW_FRACTION * ttl)
 
 
 def lease_path(run_dir: str | Path) -> Path:
@@ -38,14 +61,16 @@ def write_lease(run_dir: str | Path, *, renewed_at: float, ttl: float, node: str
         ttl: the lease's TTL in seconds.
         node: the node's name (informational).
         until: an earlier end (the node lost its data network then: ``marind.agent.data_watch``);
-            ``valid_until`` is the earlier of it and ``renewed_at + ttl``, and ``fenced_at`` records it.
+            ``valid_until`` is the earlier of it and ``renewed_at + window``, and ``fenced_at`` records it.
 
     Raises:
         OSError: the file could not be written.
     """
-    doc = {"valid_until": renewed_at + ttl, "renewed_at": renewed_at, "ttl": ttl, "node": node}
+    window = silent_window(ttl)
+    doc = {"valid_until": renewed_at + window, "renewed_at": renewed_at, "ttl": ttl, "window": window,
+           "node": node}
     if until is not None:
-        doc.update(valid_until=min(until, renewed_at + ttl), fenced_at=until)
+        doc.update(valid_until=min(until, renewed_at + window), fenced_at=until)
     write_json_atomic(lease_path(run_dir), doc)
 
 
@@ -61,7 +86,7 @@ def read_lease(run_dir: str | Path) -> float | None:
 def renewal_late(run_dir: str | Path, now: float) -> bool:
     """Has the agent gone more than half the TTL without renewing the node's lease?
 
-    Renewals come every TTL/3; a later one means etcd is out of this node's reach (its control
+    Renewals come every TTL/5; a later one means etcd is out of this node's reach (its control
     network may be cut, and the storage with it). False without a (valid) lease file.
 
     Args:
@@ -76,8 +101,8 @@ def renewal_late(run_dir: str | Path, now: float) -> bool:
 
 
 def commit_margin(ttl: float) -> float:
-    """The lease a commit must leave: ``COMMIT_MARGIN_S``, at most a quarter of the TTL (pure)."""
-    return min(COMMIT_MARGIN_S, ttl / 4)
+    """The lease a commit must leave: ``COMMIT_MARGIN_S``, at most a quarter of the window (pure)."""
+    return min(COMMIT_MARGIN_S, silent_window(ttl) / 4)
 
 
 def commit_allowed(valid_until: float | None, now: float, margin: float = COMMIT_MARGIN_S) -> tuple[bool, str]:
@@ -95,6 +120,6 @@ def commit_allowed(valid_until: float | None, now: float, margin: float = COMMIT
         return True, "no lease file: not run by a marind agent"
     left = valid_until - now
     if left < margin:
-        return False, (f"the node's lease may expire before a commit ends ({left:.1f}s left of its last "
-                       f"renewal + TTL, margin {margin:g}s): another world may have replaced this one")
+        return False, (f"the node's lease may lapse before a commit ends ({left:.1f}s left of its last "
+                       f"renewal + window, margin {margin:g}s): another world may have replaced this one")
     return True, f"lease valid for {left:.1f}s more"

@@ -33,7 +33,7 @@ def test_no_lease_file_allows_a_run_without_an_agent():
 def test_the_file_round_trips_and_a_bad_one_reads_as_absent(tmp_path):
     assert read_lease(tmp_path) is None
     write_lease(tmp_path, renewed_at=1000.0, ttl=10, node="a")
-    assert read_lease(tmp_path) == 1010.0
+    assert read_lease(tmp_path) == 1004.0              # the last renewal + the silent window (0.4 TTL)
     lease_path(tmp_path).write_text('{"valid_until": "soon"}')
     assert read_lease(tmp_path) is None
     lease_path(tmp_path).write_text("not json")
@@ -41,8 +41,8 @@ def test_the_file_round_trips_and_a_bad_one_reads_as_absent(tmp_path):
 
 
 @pytest.mark.unit
-def test_the_margin_is_at_most_a_quarter_of_the_ttl():
-    assert commit_margin(10) == COMMIT_MARGIN_S and commit_margin(4) == 1.0 and commit_margin(2) == 0.5
+def test_the_margin_is_at_most_a_quarter_of_the_window():
+    assert commit_margin(30) == COMMIT_MARGIN_S and commit_margin(10) == 1.0 and commit_margin(5) == 0.5
 
 
 @pytest.mark.unit
@@ -52,8 +52,33 @@ def test_a_data_network_fence_ends_the_lease_early_and_a_save_refuses(tmp_path):
     write_lease(tmp_path, renewed_at=1000.0, ttl=10, node="a", until=1003.0)
     assert read_lease(tmp_path) == 1003.0
     with pytest.raises(CheckpointSaveFailed, match="replaced"):
-        check_fence((str(lease_path(tmp_path)), COMMIT_MARGIN_S), now=1002.0)
-    write_lease(tmp_path, renewed_at=1000.0, ttl=10, node="a", until=2000.0)    # never past the lease
-    assert read_lease(tmp_path) == 1010.0
+        check_fence((str(lease_path(tmp_path)), COMMIT_MARGIN_S), now=1002.5)
+    write_lease(tmp_path, renewed_at=1000.0, ttl=10, node="a", until=2000.0)    # never past the window
+    assert read_lease(tmp_path) == 1004.0
     write_lease(tmp_path, renewed_at=1000.0, ttl=10, node="a")                  # lifted
     check_fence((str(lease_path(tmp_path)), COMMIT_MARGIN_S), now=1002.0)
+
+
+def test_a_commit_waits_for_a_renewal_that_is_due(tmp_path):
+    """A short lease file is re-read: the renewal that comes meanwhile lets the commit through."""
+    import threading
+    import time
+
+    from ckpt_store.fence import check_fence
+    write_lease(tmp_path, renewed_at=time.time() - 3.5, ttl=10, node="a")    # 0.5 s left, margin 1 s
+    renew = threading.Timer(0.3, lambda: write_lease(tmp_path, renewed_at=time.time(), ttl=10, node="a"))
+    renew.start()
+    try:
+        check_fence((str(lease_path(tmp_path)), COMMIT_MARGIN_S))
+    finally:
+        renew.cancel()
+
+
+def test_a_commit_without_a_renewal_fails_after_waiting(tmp_path):
+    import time
+
+    from ckpt_store.errors import CheckpointSaveFailed
+    from ckpt_store.fence import check_fence
+    write_lease(tmp_path, renewed_at=time.time() - 1.9, ttl=5, node="a")     # window 2 s, margin 0.5 s
+    with pytest.raises(CheckpointSaveFailed, match="replaced"):
+        check_fence((str(lease_path(tmp_path)), COMMIT_MARGIN_S))

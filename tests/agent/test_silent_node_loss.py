@@ -92,7 +92,7 @@ def test_silent_loss_of_the_rank0_node_then_fence_and_rejoin(tmp_path, etcd, etc
         lost = [e for e in _events(etcd_client, job) if e["kind"] == "node_lost"]
         assert len(lost) == 1, lost
         assert lost[0]["detail"]["node"] == victim
-        assert lost[0]["detail"]["cause"] == "lease_expired" and lost[0]["detail"]["action"] == "restart"
+        assert lost[0]["detail"]["cause"] == "host_silent" and lost[0]["detail"]["action"] == "restart"
         assert etcd_client.get_prefix_keys(etcd_client.key("jobs", job, "rdzv", "lost") + "/")
 
         before = {e["kind"] for e in _events(etcd_client, job)}

@@ -1,0 +1,55 @@
+"""A peer's lease as etcd shows it, revoked by another agent, and the holder's registry noticing (real etcd)."""
+
+from __future__ import annotations
+
+import time
+
+from marind.agent.registry import NodeRegistry
+from marind.agent.silence import silent_peer, unrenewed_for
+from marind.core.lease_file import silent_window
+from tests.agent.helpers import wait_for
+
+
+def test_a_peer_lease_ages_until_renewed_and_is_gone_once_revoked(etcd_client):
+    lease = etcd_client.lease(10)
+    key = etcd_client.key("nodes", "b")
+    etcd_client.put(key, "{}", lease=lease)
+    lease_id = etcd_client.lease_of(key)
+    assert lease_id == lease.id
+    remaining, granted = etcd_client.lease_time_to_live(lease_id)
+    assert granted == 10 and remaining in (9, 10)
+    time.sleep(2.2)
+    aged = etcd_client.lease_time_to_live(lease_id)
+    assert unrenewed_for(*aged) >= 1.0, aged                  # more than 2.2 s passed: at least 1 s certain
+    etcd_client.refresh_lease(lease)
+    assert unrenewed_for(*etcd_client.lease_time_to_live(lease_id)) <= 0.0
+    assert etcd_client.revoke_lease_id(lease_id) is True
+    assert etcd_client.revoke_lease_id(lease_id) is False     # gone already: not an error
+    assert etcd_client.lease_time_to_live(lease_id) is None
+    assert etcd_client.lease_of(key) is None                  # its keys went with it
+    ok, why = silent_peer(down_since=time.time() - 3, now=time.time(), lease=None, window=silent_window(10))
+    assert ok and "gone" in why
+
+
+def test_a_key_without_a_lease_has_none(etcd_client):
+    key = etcd_client.key("plain")
+    etcd_client.put(key, "x")
+    assert etcd_client.lease_of(key) is None
+    assert etcd_client.lease_of(etcd_client.key("absent")) is None
+
+
+def test_the_holder_tells_a_revoked_lease_from_an_expired_one(etcd_client):
+    """Revoked by a peer sooner than the TTL allows: ``revoked``; the agent then fences every run."""
+    reg = NodeRegistry(etcd_client, "a", slots=1, ttl=4)
+    reg.register()
+    reg.start()
+    try:
+        lease_id = etcd_client.lease_of(reg.key)
+        assert lease_id == reg.lease.id
+        assert etcd_client.revoke_lease_id(lease_id)
+        wait_for(lambda: reg.expired, 10, "the keep-alive to find its lease gone")
+        assert reg.revoked
+        reg.rejoin()
+        assert not reg.expired and not reg.revoked and etcd_client.lease_of(reg.key) not in (None, lease_id)
+    finally:
+        reg.stop()
