@@ -8,8 +8,12 @@ endpoints found (``data`` in its job record, docs/design.md §2): a
 other node still reaches a peer (the majority view). When no node reaches any
 other (two nodes, one link dead: each sees the other silent), the rows'
 ``link_up`` tell them apart: the nodes whose own data link is down are cut
-off, if some node's link is up. Otherwise nobody can tell which side is
-lost: nothing is decided (``job.hang_timeout`` remains).
+off, if some node's link is up. Otherwise (every link keeps its carrier, a
+switch dropping traffic; or every link lost it) nobody can tell which side
+is lost, but a world of one node needs no data network: the first node by
+name keeps the job and the others are cut off (they fence and hold, and
+rejoin once a peer answers), instead of everyone waiting for
+``job.hang_timeout``.
 
 ``on_data_loss`` turns the verdict into this node's action, like
 ``decisions.on_node_loss``: a survivor whose workers stalled restarts them
@@ -100,7 +104,12 @@ def cut_off(rows: Mapping[str, ReachRow], *, now: float, window: float, fresh_s:
     if down_links and down_links != nodes:
         return down_links, (f"no node reaches another for {window:g}s; {sorted(down_links)} lost their own "
                             f"data link, {sorted(nodes - down_links)} did not")
-    return frozenset(), f"no node reaches another for {window:g}s and no side is the majority: cannot tell"
+    if unreached != nodes:
+        return frozenset(), f"no node reaches another for {window:g}s and no side is the majority: cannot tell"
+    keep = min(nodes)
+    links = "every data link lost its carrier" if down_links else "every data link keeps its carrier"
+    return nodes - {keep}, (f"no node reaches another for {window:g}s and {links}: no side can tell, so "
+                            f"{keep} (first by name) keeps the job alone and {sorted(nodes - {keep})} are cut off")
 
 
 class DataAction(str, Enum):

@@ -354,10 +354,17 @@ class HostBed:
         net.set_links(veths, up=False)
         return veths
 
+    def drop(self, name: str, which: str = "both") -> list[str]:
+        """The bridge drops host ``name``'s ``control``, ``data`` or ``both`` frames; carriers kept."""
+        veths = [self.host(name).link(n).veth for n in nets_of(which)]
+        net.set_forwarding(veths, on=False)
+        return veths
+
     def restore(self, name: str, which: str = "both") -> list[str]:
-        """Restore what ``cut`` cut; the veths set up."""
+        """Restore what ``cut`` or ``drop`` did; the veths set up and forwarding."""
         veths = [self.host(name).link(n).veth for n in nets_of(which)]
         net.set_links(veths, up=True)
+        net.set_forwarding(veths, on=True)
         return veths
 
     def power_off(self, name: str) -> list[Frozen]:

@@ -136,6 +136,20 @@ def set_links(veths: list[str], up: bool) -> None:
     ip_batch([f"link set {v} {state}" for v in veths])
 
 
+def set_forwarding(veths: list[str], on: bool) -> None:
+    """Let the bridge forward frames of the outer veth ends ``veths`` or drop them, carriers kept.
+
+    Off (bridge port state ``disabled``), the bridge drops every frame to and from the host
+    without a word while both ends of the veth keep their carrier: a switch that drops a
+    host's traffic, which the host's own link state cannot tell from a working one.
+    """
+    state = "3" if on else "0"       # forwarding / disabled
+    res = subprocess.run(["bridge", "-batch", "-"], input="".join(f"link set dev {v} state {state}\n" for v in veths),
+                         capture_output=True, text=True, timeout=30)
+    if res.returncode != 0:
+        raise BedError(f"`bridge -batch` setting {veths} to state {state} failed: {res.stderr.strip()}")
+
+
 def link_is_up(veth: str) -> bool:
     """Whether the outer end ``veth`` is administratively up."""
     res = ip("-j", "link", "show", veth, check=False)

@@ -48,8 +48,32 @@ def test_two_nodes_are_told_apart_by_their_own_link():
     a = row("a", ["b"], {"b": long_ago}, link_up=False)
     b = row("b", ["a"], {"a": long_ago})
     assert verdict(a, b) == frozenset({"a"})
-    both_up = cut_off({"a": row("a", ["b"], {"b": long_ago}), "b": b}, now=NOW, window=WINDOW, fresh_s=FRESH)
-    assert both_up[0] == frozenset() and "cannot tell" in both_up[1]
+
+
+def test_when_no_side_can_tell_the_first_node_keeps_the_job():
+    """Both links keep their carrier (a switch dropping traffic), or both lost it: a world of one node
+    needs no data network, so the first by name trains on and the other is cut off (it fences, holds,
+    and rejoins once a peer answers) instead of both waiting for hang_timeout."""
+    long_ago = NOW - WINDOW - 1
+    a, b = row("a", ["b"], {"b": long_ago}), row("b", ["a"], {"a": long_ago})
+    cut, why = cut_off({"a": a, "b": b}, now=NOW, window=WINDOW, fresh_s=FRESH)
+    assert cut == frozenset({"b"}) and "keeps its carrier" in why and "a (first by name) keeps" in why
+    a_down, b_down = (row(n, [p], {p: long_ago}, link_up=False) for n, p in (("a", "b"), ("b", "a")))
+    cut, why = cut_off({"a": a_down, "b": b_down}, now=NOW, window=WINDOW, fresh_s=FRESH)
+    assert cut == frozenset({"b"}) and "lost its carrier" in why
+    rows = {n: row(n, [p for p in "abc" if p != n], {p: long_ago for p in "abc" if p != n}) for n in "abc"}
+    assert cut_off(rows, now=NOW, window=WINDOW, fresh_s=FRESH)[0] == frozenset({"b", "c"})   # the switch died
+    recent = NOW - WINDOW + 1
+    young = {"a": row("a", ["b"], {"b": recent}), "b": row("b", ["a"], {"a": recent})}
+    assert cut_off(young, now=NOW, window=WINDOW, fresh_s=FRESH)[0] == frozenset()       # not for long enough
+
+
+def test_an_asymmetric_silence_between_isolated_nodes_decides_nothing():
+    long_ago = NOW - WINDOW - 1
+    a = row("a", ["b"], {"b": long_ago})
+    b = row("b", ["a"])                      # b still reaches a; a reaches nobody
+    cut, why = cut_off({"a": a, "b": b}, now=NOW, window=WINDOW, fresh_s=FRESH)
+    assert cut == frozenset()
 
 
 def test_a_node_still_reached_by_a_peer_is_not_cut_off():

@@ -406,3 +406,37 @@ def test_power_off_during_a_save_and_back_inside_its_lease(bed_cluster):
         assert committed_at < replaced_at + 1 or world == 2 or step > grown_from, (step, world, committed_at,
                                                                                   replaced_at, grown_from)
     assert sorted(cluster.losses(job)) == list(range(1, steps + 1))
+
+
+# -- (g) a switch drops one host's data traffic, both links keep their carrier ------------------------
+@pytest.mark.slow
+def test_data_traffic_dropped_with_carriers_up(bed_cluster):
+    """Neither host can tell which side failed (each reaches nobody, both links look fine). A world of one
+    host needs no data network: the first by name keeps the job, even when it is the one whose traffic is
+    dropped, and the other is cut off, fenced, and rejoins once the traffic flows again; no hang_timeout."""
+    cluster = bed_cluster
+    steps = 100
+    job, url = _submit(cluster, "drop", "1:2", steps)
+    _training_on_all(cluster, job, EVERY + 2)
+    dropped, cut = "host1", "host2"
+    cluster.bed.drop(dropped, "data")
+    at = cluster.step(job)
+    try:
+        wait_for(lambda: cluster.kinds(job, "node_lost") or cluster.kinds(job, "hang_detected"), 300,
+                 "a decision on the silent data network", interval=0.5, diag=cluster.diag)
+        wait_for(lambda: cluster.world_size(job) == 2 and cluster.step(job) > at, 300,
+                 f"{dropped} training alone", interval=0.2, diag=cluster.diag)
+    finally:
+        cluster.bed.restore(dropped, "data")
+    wait_for(lambda: cluster.kinds(job, "node_rejoined"), 180, f"{cut} rejoined", diag=cluster.diag)
+    state = cluster.wait_done(job, timeout=900)
+    assert state["state"] == "SUCCEEDED", state
+    _check_checkpoints(cluster, url, steps)
+    events = cluster.events(job)
+    lost = cluster.kinds(job, "node_lost")
+    assert len(lost) == 1 and lost[0]["detail"]["node"] == cut, events
+    assert lost[0]["detail"]["cause"] == "data_network_gone" and lost[0]["detail"]["link_up"] is True, lost
+    assert [e["node"] for e in cluster.kinds(job, "host_fenced")] == [cut], events
+    assert [e["node"] for e in cluster.kinds(job, "node_rejoined")] == [cut], events
+    assert not cluster.kinds(job, "hang_detected"), events
+    assert sorted(cluster.losses(job)) == list(range(1, steps + 1))

@@ -86,6 +86,26 @@ def test_partition_cuts_one_network_and_heals(bed):
     assert probe(bed, "host2", bed.addr("host1", "data"), timeout=10)["echo"] == "ok"
 
 
+def test_partition_keeping_the_carrier_drops_frames_with_both_links_up(bed):
+    """A switch dropping a host's traffic: silence both ways, yet the host's own link looks fine."""
+    serve(bed, "host1")
+    proc = _injector("partition", "--bed", str(bed.root), "--host", "host1", "--net", "data", "--seconds", "8",
+                     "--keep-carrier")
+    cut = json.loads(proc.stdout.readline())
+    assert cut["action"] == "partition" and cut["carrier"] is True
+    assert all(hosts_net.link_is_up(v) for v in cut["links"])
+    assert probe(bed, "host2", bed.addr("host1", "data"), timeout=1)["connect"] == "timeout"
+    assert probe(bed, "host2", bed.addr("host1", "control"))["echo"] == "ok"
+    carrier = subprocess.run(["ip", "netns", "exec", bed.host("host1").netns, sys.executable, "-c",
+                              f"from marind.agent.data_probe import link_up; print(link_up({bed.addr('host1', 'data')!r}))"],
+                             capture_output=True, text=True, env=base_env(), cwd=REPO_ROOT, timeout=60)
+    assert carrier.stdout.strip() == "True", carrier.stderr      # the host cannot tell from its link
+    rc, rest, err = _finish(proc)
+    assert rc == 0, err
+    assert [line["action"] for line in rest] == ["heal"]
+    assert probe(bed, "host2", bed.addr("host1", "data"), timeout=10)["echo"] == "ok"
+
+
 def test_partition_both_and_sigterm_heals_early(bed):
     proc = _injector("partition", "--bed", str(bed.root), "--host", "host2", "--net", "both", "--seconds", "600")
     cut = json.loads(proc.stdout.readline())

@@ -195,18 +195,26 @@ def power_off(plan: BedPlan, host: HostPlan, *, forever: bool, back_after: float
              resumed=resumed, signal="SIGCONT", seed=seed)
 
 
-def partition(plan: BedPlan, host: HostPlan, nets: list[str], seconds: float, seed: int) -> None:
+def partition(plan: BedPlan, host: HostPlan, nets: list[str], seconds: float, seed: int,
+              keep_carrier: bool = False) -> None:
     """Cut ``host``'s links to ``nets`` for ``seconds`` (or until interrupted), then heal.
 
-    Two lines: ``partition`` and ``heal``.
+    ``keep_carrier``: the bridge drops the host's frames instead, both link ends keeping their
+    carrier (a switch dropping traffic). Two lines: ``partition`` and ``heal``.
     """
     links = veths(host, nets)
-    net.set_links(links, up=False)
+    if keep_carrier:
+        net.set_forwarding(links, on=False)
+    else:
+        net.set_links(links, up=False)
     emit("partition", target=host.name, node=host.name, host=host.name, bed=plan.bed_id, nets=nets,
-         links=links, seconds=seconds, seed=seed)
+         links=links, seconds=seconds, carrier=keep_carrier, seed=seed)
     try:
         interruptible_sleep(seconds)
     finally:
-        net.set_links(links, up=True)
+        if keep_carrier:
+            net.set_forwarding(links, on=True)
+        else:
+            net.set_links(links, up=True)
         emit("heal", target=host.name, node=host.name, host=host.name, bed=plan.bed_id, nets=nets,
              links=links, seed=seed)
