@@ -21,6 +21,13 @@ into a new round without the cut-off node; the cut-off node fences its run.
 Under torchft a survivor restarts nothing (its replica group's quorum drops
 the cut-off one) and the cut-off node fences its group at once.
 
+``probe_targets``: which peers a node probes. Not all of them: at thousands of
+nodes all-to-all probing is a million connects a second. Each node probes the
+``PROBE_FANOUT`` nodes after it on a ring that every agent orders alike (by a
+hash of job and node name, so that the nodes of one rack, named alike, are
+not each other's only probers); so each node is probed by as many. The
+verdicts above need no more: a row says which peers it probed.
+
 ``commit_fence_due``: a node that has reached none of its peers for
 ``COMMIT_FENCE_S`` must not commit a checkpoint any more (its world may be
 replaced); it says so before its row shows it isolated for ``window``.
@@ -28,6 +35,7 @@ replaced); it says so before its row shows it isolated for ``window``.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -36,6 +44,28 @@ from enum import Enum
 DATA_NETWORK_GONE = "data_network_gone"
 #: a node that reached no peer for this long stops committing (well before ``window``)
 COMMIT_FENCE_S = 2.0
+#: how many peers each node probes (all of them in a job of at most this many + 1 nodes)
+PROBE_FANOUT = 3
+
+
+def probe_targets(job: str, me: str, nodes: frozenset[str] | set[str], fanout: int = PROBE_FANOUT) -> frozenset[str]:
+    """The peers ``me`` probes: the ``fanout`` nodes after it on the job's ring (pure).
+
+    Args:
+        job: the job (the ring's order differs per job).
+        me: this node.
+        nodes: the job's nodes to probe among (``me`` may be among them or not).
+        fanout: how many peers to probe.
+
+    Returns:
+        The peers, all of them when there are at most ``fanout``.
+    """
+    others = set(nodes) - {me}
+    if len(others) <= fanout:
+        return frozenset(others)
+    ring = sorted(others | {me}, key=lambda n: (hashlib.sha1(f"{job}/{n}".encode()).hexdigest(), n))
+    at = ring.index(me)
+    return frozenset(ring[(at + i) % len(ring)] for i in range(1, fanout + 1))
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from marind.agent.data_decisions import (
     commit_fence_due,
     cut_off,
     on_data_loss,
+    probe_targets,
 )
 from marind.agent.data_probe import DataProber, Endpoint, link_up
 from marind.agent.decisions import LossAction
@@ -78,7 +79,8 @@ class DataWatch:
         self.commit_fence_at: float | None = None
 
     def peers(self) -> dict[str, Endpoint]:
-        """The job's other nodes' data endpoints (as last polled), less the ones acted on."""
+        """The data endpoints this node probes (``data_decisions.probe_targets`` among the job's other
+        nodes as last polled, less the ones acted on)."""
         members = self.run.members
         if members is None:
             return {}
@@ -92,7 +94,8 @@ class DataWatch:
                 out[node] = (str(data["addr"]), int(data["port"]), None if token is None else str(token))
             except (KeyError, TypeError, ValueError):
                 continue
-        return out
+        targets = probe_targets(self.run.job, self.run.node, set(out))
+        return {node: ep for node, ep in out.items() if node in targets}
 
     def refresh(self) -> tuple[dict[str, float], frozenset[str]]:
         """Probe the current peers; (peer -> silent since, the peers probed so far)."""

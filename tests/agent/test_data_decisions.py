@@ -147,3 +147,34 @@ def test_commit_fence_after_every_peer_silent_for_a_while():
     assert commit_fence_due({"b": NOW - 5, "c": NOW - 1}, probed, NOW) is None   # not long enough
     assert commit_fence_due({"b": NOW - 5, "c": NOW - 3}, probed, NOW) == NOW - 3
     assert commit_fence_due({}, frozenset(), NOW) is None                   # no peer: nothing to fence
+
+
+def test_each_node_probes_a_few_peers_and_is_probed_by_as_many():
+    from collections import Counter
+
+    from marind.agent.data_decisions import PROBE_FANOUT, probe_targets
+    assert probe_targets("j", "a", {"a", "b", "c"}) == frozenset({"b", "c"})          # small jobs: everyone
+    assert probe_targets("j", "a", {"b", "c"}) == frozenset({"b", "c"})
+    nodes = {f"node{i:04d}" for i in range(1000)}
+    targets = {n: probe_targets("job-1", n, nodes) for n in nodes}
+    assert all(len(t) == PROBE_FANOUT and n not in t for n, t in targets.items())
+    probed_by = Counter(p for t in targets.values() for p in t)
+    assert set(probed_by.values()) == {PROBE_FANOUT}                                    # a ring: no node unwatched
+    assert targets == {n: probe_targets("job-1", n, nodes) for n in nodes}              # every agent agrees
+    neighbours = sum(1 for n, t in targets.items() for p in t if abs(int(p[4:]) - int(n[4:])) == 1)
+    assert neighbours < 50                                   # not by name: one rack does not watch only itself
+    assert probe_targets("job-2", "node0000", nodes) != targets["node0000"]
+
+
+def test_a_ring_verdict_cuts_off_a_node_its_probers_lost():
+    """Five nodes, each probing three: d's link dies, so d reaches none of the three it probes and the
+    three that probe it all have it down; the others still reach peers."""
+    from marind.agent.data_decisions import probe_targets
+    nodes = {"a", "b", "c", "d", "e"}
+    long_ago = NOW - WINDOW - 1
+    rows = {}
+    for n in nodes:
+        probed = sorted(probe_targets("j", n, nodes))
+        down = {p: long_ago for p in probed if n == "d" or p == "d"}
+        rows[n] = row(n, probed, down, link_up=n != "d")
+    assert cut_off(rows, now=NOW, window=WINDOW, fresh_s=FRESH)[0] == frozenset({"d"})
