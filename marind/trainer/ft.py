@@ -106,6 +106,7 @@ class TorchftMode(TrainMode):
         self.group, self.stop, self.lighthouse = group, stop, lighthouse
         self._ft: FTGroup | None = None
         self.first = True           # the first quorum decides: restore, heal from a peer, or start
+        self.quorum_id: int | None = None   # the last quorum seen (a new one alone may be behind a checkpoint)
         self.failures = 0           # quorum failures in a row
         self.parent = 0             # torchrun's pid
 
@@ -173,17 +174,18 @@ class TorchftMode(TrainMode):
             return False
         manager, ckpt = self.ft.manager, run.ckpt
         step = manager.current_step()
+        quorum_id, self.quorum_id = self.quorum_id, self.ft.status()["quorum_id"]
+        if not self.first and quorum_id != self.quorum_id and ckpt.enabled and manager.num_participants() == 1:
+            # a new quorum of this group alone: the groups ahead of it are gone (the job may even have
+            # finished during a cut), and a durable checkpoint past its own step is their work, not lost
+            latest = ckpt.latest()
+            if latest is not None and latest > step:
+                step = self._restore(run, reason=f"alone in a new quorum at step {step}, behind checkpoint {latest}")
+                run.progress.update(phase="training", step=step, last_checkpoint_step=ckpt.last_step)
         if self.first:
             self.first = False
             if step == 0 and ckpt.enabled and ckpt.latest() is not None:
-                run.progress.update(phase="restoring")
-                restored = ckpt.restore()
-                if restored is None:
-                    raise RuntimeError("the latest durable checkpoint went away while restoring it")
-                manager.load_state_dict({"step": restored[0], "batches_committed": 0})
-                step = restored[0]
-                if run.rank == 0:
-                    run.log.info("restored", step=step, url=ckpt.url)
+                step = self._restore(run, reason="no group ahead of this one")
             elif step == 0:
                 init_run_from(run)   # [model] init_from: a fresh run (no checkpoint, no peer ahead)
             elif run.rank == 0:
@@ -191,6 +193,17 @@ class TorchftMode(TrainMode):
             run.progress.update(phase="training", step=step, last_checkpoint_step=ckpt.last_step, **self.ft.status())
         self._set_step(run, state, step)
         return step < run.spec.train.steps
+
+    def _restore(self, run: Run, reason: str) -> int:
+        """Load the latest durable checkpoint and set the Manager's step to it; the step."""
+        run.progress.update(phase="restoring")
+        restored = run.ckpt.restore()
+        if restored is None:
+            raise RuntimeError("the latest durable checkpoint went away while restoring it")
+        self.ft.manager.load_state_dict({"step": restored[0], "batches_committed": 0})
+        if run.rank == 0:
+            run.log.info("restored", step=restored[0], url=run.ckpt.url, reason=reason)
+        return restored[0]
 
     def sample_indices(self, run: Run, state: LoopState, micro_step: int) -> Sequence[int]:
         """This group's fixed slice of the step's samples (see :func:`sample_indices`)."""

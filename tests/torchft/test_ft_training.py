@@ -165,3 +165,33 @@ def test_fresh_groups_restore_the_durable_checkpoint(tmp_path, lighthouse):
     restored = [json.loads(line)["step"] for g in (0, 1) for line in (tmp_path / f"rg{g}.log").read_text().splitlines()
                 if line.startswith("{") and '"event": "restored"' in line]
     assert restored and set(restored) == {40}, restored
+
+
+def test_a_group_alone_behind_a_durable_checkpoint_restores_it(tmp_path, lighthouse):
+    """Group 1 is frozen (SIGSTOP: silent) while group 0 trains on alone to the end and commits its final
+    checkpoint. Resumed, group 1 forms a new quorum alone, at its old step: the checkpoint ahead of it is
+    the other group's work, so it restores it (and, here, is done) instead of training that stretch again."""
+    import psutil
+    ckpt = tmp_path / "ckpt"
+    spec = ft_spec(tmp_path, steps=40, ckpt=f"file://{ckpt}", every_steps=4)
+    groups = {g: start_group(tmp_path, g, spec, lighthouse=lighthouse.address) for g in (0, 1)}
+    wait_for(lambda: all(progress(tmp_path, g).get("step", 0) >= 4 for g in (0, 1)), 150, "both stepping", tmp_path)
+    frozen = [psutil.Process(groups[1].pid), *psutil.Process(groups[1].pid).children(recursive=True)]
+    for p in frozen:
+        p.send_signal(signal.SIGSTOP)
+    try:
+        at = progress(tmp_path, 1).get("step", 0)
+        wait_for(lambda: progress(tmp_path, 0).get("phase") == "done", 240, "group 0 done alone", tmp_path)
+        assert progress(tmp_path, 0)["step"] == 40
+    finally:
+        for p in frozen:
+            try:
+                p.send_signal(signal.SIGCONT)
+            except psutil.Error:
+                pass
+    wait_for(lambda: progress(tmp_path, 1).get("phase") == "done", 240, "group 1 done", tmp_path)
+    assert groups[1].wait(60) == 0, logs(tmp_path)
+    assert progress(tmp_path, 1)["step"] == 40 and at < 40
+    restored = [json.loads(line) for line in (tmp_path / "rg1.log").read_text().splitlines()
+                if line.startswith("{") and '"event": "restored"' in line]
+    assert [r["step"] for r in restored] == [40] and "alone in a new quorum" in restored[0]["reason"], restored
