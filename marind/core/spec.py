@@ -75,6 +75,7 @@ class CheckpointSpec:
     keep_every: int = spec_field(0, "int")        # also keep every step divisible by this, for good; 0 = off
     wait_timeout: float = spec_field(600.0, "duration")
     prepare_timeout: float = spec_field(2.0, "duration")   # under an agent: an async save's storage check; 0 = unbounded
+    on_stop: bool = spec_field(True, "bool")      # a stop (SIGTERM: cancel, resize, drain) saves the step reached
 
 
 FAULT_MODES = ("elastic", "torchft")

@@ -22,7 +22,7 @@ calls in this order (a hook's name in brackets)::
                          handler, MARIND_TEST_STOP_AT_STEP), agreed in the all-reduce above
       [save_due]         periodic checkpoint of (state.step, state.position)
     [after_loop]         settle the final step (torchft: the Manager's)
-    [final_save_due]     final checkpoint (not after a stop)
+    [final_save_due]     final checkpoint; after a stop [save_on_stop] (a failure is logged)
     [finish]             wait for saves, release resources; then the last log line and record
 
 Extending it: a concern every mode shares belongs in :func:`run_loop`, one only some modes
@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckpt_store import CheckpointError
 from marind.trainer.build import Run
 from marind.trainer.config import TrainerSpec
 from marind.trainer.model import lm_loss
@@ -196,6 +197,10 @@ class TrainMode(ABC):
     def final_save_due(self, run: Run, state: LoopState) -> bool:
         """Whether to write a final checkpoint (asked only when the run was not stopped)."""
 
+    def save_on_stop(self, run: Run, state: LoopState) -> bool:
+        """Whether a stopped run saves the step it reached before its workers exit (default: no)."""
+        return False
+
     @abstractmethod
     def finish(self, run: Run, state: LoopState) -> Finish:
         """Wait for checkpoints in flight, release resources; the last line's and record's extra fields."""
@@ -234,6 +239,15 @@ def _save(run: Run, mode: TrainMode, state: LoopState, *, wait: bool = False) ->
     if mode.announce_saves and run.rank == 0:
         run.log.info("durable_checkpoint", step=state.step)
     run.ckpt.save(state.step, state.position, wait=wait)
+
+
+def _save_at_stop(run: Run, mode: TrainMode, state: LoopState) -> None:
+    """A stopped run's save of the step it reached (every rank stopped at the same step): the job resumes
+    there, losing no step to a cancel, a resize or a drain. A failure is logged; the stop goes on."""
+    try:
+        _save(run, mode, state, wait=True)
+    except (CheckpointError, TimeoutError) as exc:
+        run.log.error("checkpoint_at_stop_failed", step=state.step, error=str(exc))
 
 
 def stop_here(requested: bool, step: int, stop_at: int) -> bool:
@@ -313,7 +327,10 @@ def run_loop(run: Run, mode: TrainMode, stop: StopFlag) -> Result:
             run.progress.update(phase="training", last_checkpoint_step=ckpt.last_step)
 
     mode.after_loop(run, state)
-    if not state.stopped and mode.final_save_due(run, state):
+    if state.stopped:
+        if mode.save_on_stop(run, state):
+            _save_at_stop(run, mode, state)
+    elif mode.final_save_due(run, state):
         _save(run, mode, state, wait=True)
     end = mode.finish(run, state)
     if run.rank == 0:

@@ -148,6 +148,11 @@ class ElasticMode(TrainMode):
         """Always: the last step is saved (a no-op when checkpoints are off)."""
         return True
 
+    def save_on_stop(self, run: Run, state: LoopState) -> bool:
+        """``checkpoint.on_stop``: a stop saves the step reached (torchrun's SIGTERM when the job resizes,
+        a cancel, a drain), so the next round resumes there."""
+        return run.spec.checkpoint.on_stop
+
     def finish(self, run: Run, state: LoopState) -> Finish:
         """Wait for the save in flight (a timeout is logged), close tensorboard; the final record's metrics:
         peak memory (and pipeline stage timing when ``MARIND_BENCH_PP_TIMING`` asked for it)."""

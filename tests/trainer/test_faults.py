@@ -97,3 +97,4 @@ def test_sigterm_stops_cleanly_under_torchrun(data, tmp_path):
     assert '"event": "stopping"' in out and '"job": "job-sigterm"' in out
     latest = CheckpointStore(f"file://{tmp_path / 'ckpt'}").latest()
     assert latest is not None and latest == recs[0]["last_checkpoint_step"]
+    assert latest == recs[0]["step"] == recs[1]["step"]      # checkpoint.on_stop: the step reached is saved

@@ -66,12 +66,12 @@ def test_same_layout_resume_is_bit_identical(data, uninterrupted, tmp_path):
     ckpt = tmp_path / "ckpt"
     first = run_torch_workers("tests.trainer.workers:train_and_digest", 4, timeout=240,
                               env={"MARIND_TEST_STOP_AT_STEP": 6}, spec=_spec(data, str(ckpt), dp_shard=4))
-    assert first[0]["stopped"] and first[0]["step"] == 6 and first[0]["last_checkpoint_step"] == 4
+    assert first[0]["stopped"] and first[0]["step"] == 6 and first[0]["last_checkpoint_step"] == 6   # saved at the stop
     second = run_torch_workers("tests.trainer.workers:train_and_digest", 4, timeout=240,
                                spec=_spec(data, str(ckpt), dp_shard=4))
     res = second[0]
     assert res["step"] == STEPS and res["data_position"] == STEPS * GLOBAL_BATCH
-    assert res["losses"] == full["losses"][4:]
+    assert res["losses"] == full["losses"][6:]
     mismatched = [k for k, v in full["digests"].items() if res["digests"].get(k) != v]
     assert not mismatched and set(res["digests"]) == set(full["digests"])
     assert any(k.endswith("/exp_avg_sq") for k in res["digests"])
