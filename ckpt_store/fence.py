@@ -32,12 +32,21 @@ def _read(path: str) -> tuple[float, float | None] | None:
         return None
 
 
+def _window(path: str) -> float | None:
+    try:
+        with open(path) as fh:
+            window = json.load(fh).get("window")
+        return float(window) if window else None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
 def check_fence(fence: tuple[str, float] | None, now: float | None = None, wait: bool = True) -> None:
     """Rank 0, right before the manifest: may this world still commit?
 
     Args:
         fence: ``(path, margin_s)`` or None (no fence). The file's ``valid_until`` must leave
-            ``margin_s`` (at most a quarter of the file's ``window``, else of its ``ttl``).
+            ``margin_s`` (at most half the file's ``window``, else a quarter of its ``ttl``).
         now: the current Unix time (tests: no waiting); ``time.time()`` when None.
         wait: when the time left is short, re-read the file for up to its ``window`` (else
             ``ttl``) seconds for a renewal before failing (only when ``now`` is None).
@@ -52,7 +61,10 @@ def check_fence(fence: tuple[str, float] | None, now: float | None = None, wait:
     if read is None:
         return                      # no fence file: nothing to fence against
     valid_until, span = read
-    if span:
+    window = _window(path)
+    if window:
+        margin = min(margin, window / 2)
+    elif span:
         margin = min(margin, span / 4)
     clock = time.time if now is None else (lambda: now)
     deadline = clock() + (span or 0.0) if wait and now is None else clock()

@@ -30,10 +30,11 @@ for each run:
 
 Before the rows are judged, a peer whose data endpoint went silent is checked
 against its lease (``marind.agent.silence``): silent on both networks (its
-lease unrenewed past ``silent_window``), it is lost now, before its lease
-expires. This node revokes its lease (first: it can never renew into its old
-world), marks its torchrun lost, claims the loss and, where the workers stalled,
-SIGKILLs them (``node_lost``, cause ``host_silent``).
+lease unrenewed past the silent window of its TTL) while this node's workers
+of its round stalled, it is lost now, before its lease expires. This node
+revokes its lease (first: it can never renew into its old world), marks its
+torchrun lost, claims the loss and SIGKILLs its workers (``node_lost``, cause
+``host_silent``). Without stalled workers here nothing is done early.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from marind.agent.data_decisions import (
 from marind.agent.data_probe import DataProber, Endpoint, link_up
 from marind.agent.decisions import LossAction
 from marind.agent.membership import Loss
-from marind.agent.silence import HOST_SILENT, on_silent_peer, silent_peer, suspect
+from marind.agent.silence import HOST_SILENT, on_silent_peer, silent_peer, stall_for, suspect
 from marind.core.lease_file import silent_window, write_lease
 from marind.core.log import get_logger
 
@@ -81,6 +82,12 @@ class DataWatch:
     def peers(self) -> dict[str, Endpoint]:
         """The data endpoints this node probes (``data_decisions.probe_targets`` among the job's other
         nodes as last polled, less the ones acted on)."""
+        out = self.endpoints()
+        targets = probe_targets(self.run.job, self.run.node, set(out))
+        return {node: ep for node, ep in out.items() if node in targets}
+
+    def endpoints(self) -> dict[str, Endpoint]:
+        """Every other node's data endpoint as last polled, less the ones acted on."""
         members = self.run.members
         if members is None:
             return {}
@@ -94,8 +101,7 @@ class DataWatch:
                 out[node] = (str(data["addr"]), int(data["port"]), None if token is None else str(token))
             except (KeyError, TypeError, ValueError):
                 continue
-        targets = probe_targets(self.run.job, self.run.node, set(out))
-        return {node: ep for node, ep in out.items() if node in targets}
+        return out
 
     def refresh(self) -> tuple[dict[str, float], frozenset[str]]:
         """Probe the current peers; (peer -> silent since, the peers probed so far)."""
@@ -115,7 +121,7 @@ class DataWatch:
         get_logger(__name__, node=self.run.node).warning(
             "data_commit_fence", job=self.run.job, fenced=fence_at is not None, down=sorted(down))
         try:
-            write_lease(self.run.sup.run_dir, renewed_at=registry.last_renewal, ttl=registry.ttl,
+            write_lease(self.run.sup.run_dir, renewed_at=registry.trusted_renewal, ttl=registry.ttl,
                         node=self.run.node, until=fence_at)
         except OSError:
             pass
@@ -224,7 +230,7 @@ class DataNetwork:
                                           progress_at=run.progress_at, now=now, stall_s=stall_s,
                                           torchft=run.ft is not None)
         if action == DataAction.FENCE:
-            peers = {p: ep for p, ep in watch.peers().items() if p not in cut}
+            peers = {p: ep for p, ep in watch.endpoints().items() if p not in cut}   # every one, not the ring
             self.holds[run.job] = Hold(since=now, peers=tuple(sorted(peers)))
             self.prober.want(f"hold:{run.job}", peers)
             self.prober.drop(run.job)
@@ -255,8 +261,9 @@ class DataNetwork:
                 continue
             lease_id = client.lease_of(client.key("nodes", node))
             lease = client.lease_time_to_live(lease_id) if lease_id is not None else None
-            silent, why = silent_peer(down_since=down_since, now=now, lease=lease,
-                                      window=silent_window(self.registry.ttl))
+            # the window of ITS lease (agents may differ in lease_ttl): the one its commits honour
+            window = silent_window(lease[1] if lease is not None else self.registry.ttl)
+            silent, why = silent_peer(down_since=down_since, now=now, lease=lease, window=window)
             if silent:
                 self._act_silent(run, node, lease_id, why, now)
 
@@ -267,9 +274,9 @@ class DataNetwork:
         desc = members.rdzv_desc(loss)
         action, what = on_silent_peer(in_round=members.in_current_round(loss, desc),
                                       workers_running=bool(run.sup.worker_pids()), progress_at=run.progress_at,
-                                      now=now, torchft=run.ft is not None)
-        if action == LossAction.WAIT:
-            return
+                                      now=now, torchft=run.ft is not None, stall_s=stall_for(run.progress_interval))
+        if action != LossAction.RESTART:
+            return      # no workers of this node wait on it: no evidence its own stopped; its lease decides
         revoked = lease_id is not None and members.client.revoke_lease_id(lease_id)
         members.mark_lost(loss, desc)
         first = members.claim(loss, {"action": action.value})

@@ -66,12 +66,13 @@ class Fencing:
             False while the node waits to register anew (no job may start meanwhile).
         """
         reg = self.link.registry
-        if reg.last_renewal != self._lease_written:
-            self._write_lease_files(runs, reg.last_renewal, reg.ttl)
+        expired, revoked = reg.expired, reg.expired and reg.revoked    # one look: the keep-alive thread moves them
+        if reg.trusted_renewal != self._lease_written:
+            self._write_lease_files(runs, reg.trusted_renewal, reg.ttl)
         for run in list(runs.values()):
             fence, why = fence_due(last_renewal=reg.last_renewal, ttl=reg.ttl, now=now,
                                    progress_at=run.progress_at, stall_s=stall_window(reg.ttl),
-                                   revoked=reg.expired and reg.revoked)
+                                   revoked=revoked)
             written = run.progress_written_at() if fence else None
             if written is not None and written > (run.progress_at or 0.0):
                 # progress_at dates from the agent's last look; with etcd silent (a cut link, not a
@@ -79,11 +80,11 @@ class Fencing:
                 # own write times say whether they stepped since (frozen ones wrote nothing)
                 fence, why = fence_due(last_renewal=reg.last_renewal, ttl=reg.ttl, now=now,
                                        progress_at=written, stall_s=stall_window(reg.ttl),
-                                       revoked=reg.expired and reg.revoked)
+                                       revoked=revoked)
             if fence:
                 self._fence(run, why, now, reg.last_renewal)
                 runs.pop(run.job, None)
-        if not (reg.expired or self._unreported):
+        if not (expired or self._unreported):
             return True
         try:
             anew = reg.rejoin(force=self._register_anew)
@@ -111,7 +112,7 @@ class Fencing:
         """A run just started: its lease file now (the next renewal rewrites it)."""
         reg = self.link.registry
         try:
-            write_lease(run.sup.run_dir, renewed_at=reg.last_renewal, ttl=reg.ttl, node=self.node)
+            write_lease(run.sup.run_dir, renewed_at=reg.trusted_renewal, ttl=reg.ttl, node=self.node)
         except OSError as exc:
             self.log.warning("lease_file_failed", job=run.job, error=str(exc))
 

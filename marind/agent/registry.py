@@ -2,13 +2,20 @@
 
 The lease (TTL ``lease_ttl``) carries the node key and every per-job node
 record the agent writes, so they vanish when the agent dies. The
-keep-alive thread refreshes it every ``ttl/3`` seconds and notes when a
-renewal last succeeded (``last_renewal``: the request's send time, so the
-lease lives at least ``ttl`` past it); when etcd is unreachable it counts
-the failure and retries. When etcd answers that the lease expired, the
-thread only sets ``expired``: the agent first fences what ran under the old
-lease (``decisions.fence_due``), then calls ``rejoin`` for a new lease, so
-nothing is written under the new lease for a round the others replaced.
+keep-alive thread refreshes it every ``renew_interval(ttl)`` seconds (TTL/10)
+and notes when a renewal last succeeded (``last_renewal``: the request's send
+time, so the lease lives at least ``ttl`` past it) and the last one the
+node's workers may commit on (``trusted_renewal``: not one that follows a gap
+longer than ``silent_window``, when the peers may be declaring the node lost
+at that very moment, ``marind.core.lease_file``); when etcd is unreachable it
+counts the failure and retries. When etcd answers that the lease expired, the
+thread only sets ``expired`` (and ``revoked`` when that came sooner than
+``ttl`` after the last renewal: the lease cannot have run out, so the other
+agents revoked it, declaring this node lost while it was silent,
+``marind.agent.silence``): the agent first fences what ran under the old lease
+(``decisions.fence_due``; every run when ``revoked``), then calls ``rejoin``
+for a new lease, so nothing is written under the new lease for a round the
+others replaced.
 Errors are recorded (``last_error``), never raised from the thread.
 
 A node name is unique: the node key is created only if absent; when it is
@@ -32,7 +39,7 @@ import psutil
 from marind import __version__
 from marind.core.errors import ControlPlaneUnavailable, UsageError
 from marind.core.etcd_client import EtcdClient
-from marind.core.lease_file import renew_interval
+from marind.core.lease_file import renew_interval, silent_window
 from marind.core.log import get_logger
 
 
@@ -94,6 +101,7 @@ class NodeRegistry:
         self.lease = None
         self.generation = 0          # bumped on every (re-)registration
         self.last_renewal = 0.0      # time.time() when the last successful renewal was sent
+        self.trusted_renewal = 0.0   # ... the last one not after a gap longer than the silent window
         self.expired = False         # etcd said the lease expired; ``rejoin`` takes a new one
         self.revoked = False         # ... sooner than ``ttl`` after the last renewal: the others revoked it
         self.connected = False
@@ -125,7 +133,7 @@ class NodeRegistry:
                 self._revoke_quietly(lease)
                 raise
             self.lease = lease
-            self.last_renewal = sent
+            self.last_renewal = self.trusted_renewal = sent
             self.expired = self.revoked = False
             self.generation += 1
             self.connected = True
@@ -171,15 +179,20 @@ class NodeRegistry:
                     continue
                 if self.expired:
                     continue             # the agent fences, then rejoins
-                sent = time.time()
-                remaining = self.client.refresh_lease(self.lease)
-                if remaining <= 0:
-                    self.revoked = sent - self.last_renewal < self.ttl
-                    self.log.warning("lease_revoked" if self.revoked else "lease_expired", lease=self.lease.id,
-                                     renewed_s_ago=round(sent - self.last_renewal, 1))
-                    self.expired = True
-                    continue
-                self.last_renewal = sent
+                lease, sent = self.lease, time.time()
+                remaining = self.client.refresh_lease(lease)
+                with self._lock:
+                    if self.lease is not lease:
+                        continue         # registered anew meanwhile: this answer is about the old lease
+                    if remaining <= 0:
+                        self.revoked = sent - self.last_renewal < self.ttl
+                        self.expired = True
+                        self.log.warning("lease_revoked" if self.revoked else "lease_expired", lease=lease.id,
+                                         renewed_s_ago=round(sent - self.last_renewal, 1))
+                        continue
+                    if sent - self.last_renewal <= silent_window(self.ttl):
+                        self.trusted_renewal = sent
+                    self.last_renewal = sent
                 if not self.connected:
                     self.connected = True
                     self.log.info("etcd_reachable_again")
@@ -213,6 +226,8 @@ class NodeRegistry:
         if not force and not self.expired and self.lease is not None:
             sent = time.time()
             if self.client.refresh_lease(self.lease) > 0:
+                if sent - self.last_renewal <= silent_window(self.ttl):
+                    self.trusted_renewal = sent
                 self.last_renewal = sent
                 return False
         self.register()

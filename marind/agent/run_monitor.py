@@ -118,6 +118,7 @@ class RunMonitor:
         self._ckpt_baseline = False          # the first training record's checkpoint step is a restore
         self._step_seen_at: dict[int, float] = {}   # rank 0's steps: when its record first showed them
         self.progress_at: float | None = None          # when the round's stall marker last changed
+        self.progress_interval: float | None = None    # a typical time between two changes (moving average)
         self._marker: object = None
         self.pending_losses: dict[str, Loss] = {}       # lost nodes not acted on yet
         self._waiting_logged: set[str] = set()
@@ -159,6 +160,9 @@ class RunMonitor:
         self._watch_checkpoints(records, now)
         marker = prog.stall_marker(records)
         if marker is not None and marker != self._marker:
+            if self.progress_at is not None:
+                dt, prev = now - self.progress_at, self.progress_interval
+                self.progress_interval = dt if prev is None else 0.7 * prev + 0.3 * dt
             self._marker, self.progress_at = marker, now
         self.step = prog.node_step(records) or self.step
         self._job_metrics(records)
@@ -173,7 +177,7 @@ class RunMonitor:
     def _new_generation(self, now: float) -> None:
         self.generations += 1
         self.hang.reset()
-        self._marker, self.progress_at = None, None
+        self._marker, self.progress_at, self.progress_interval = None, None, None
         self.metrics.inc("marind_rendezvous_rounds_total")
         if self._unmatched_failures or self.generations == 1:
             # the round after the latest failure counted from the log (rounds between were missed)

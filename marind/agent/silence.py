@@ -6,17 +6,21 @@ pass before its records vanish. Its peers can tell sooner, from two signals
 that a live host cannot lose together without being cut off anyway:
 
 1. its **data endpoint** (``marind.agent.data_probe``) has not answered this
-   node's probes for ``PROBE_SILENT_S`` since the first that failed (that one
-   waited its 1 s connect timeout already: two probes in a row);
+   node's probes for ``PROBE_SILENT_S`` since the first that failed (a probe
+   that timed out waited its 1 s connect timeout already);
 2. its **lease** in etcd has gone unrenewed for more than ``silent_window(ttl)``
-   (0.4 TTL; renewals come every TTL/5). etcd reports a lease's remaining time in
+   of ITS granted TTL (0.4 TTL; renewals come every TTL/10). etcd reports a lease's remaining time in
    whole seconds, truncated, so ``granted - remaining - 1`` seconds have surely
    passed since the last renewal (``unrenewed_for``), never more than the truth.
 
 A host that only lost etcd still answers on the data network; one that only
 lost the data network still renews its lease (``data_decisions`` judges it). And
-this node's own workers must have made no progress for ``STALL_S``: a step
-completed meanwhile proves the peer's workers still take part.
+this node's own workers must have made no progress for ``stall_for`` their usual
+interval (at least ``STALL_S``): a step completed meanwhile proves the peer's
+workers still take part. Only such a stall is acted on early (a restart): with
+no workers of this node waiting on it (torchft, another round, none running)
+there is no evidence that the peer's workers stopped too, and its lease is left
+to expire (``decisions.on_node_loss``).
 
 Safety: a host declared so may be alive and frozen (SIGSTOP, a hypervisor
 pause) and come back inside its old lease. Its workers commit only until
@@ -37,8 +41,14 @@ HOST_SILENT = "host_silent"
 #: a peer's data endpoint must have been unreachable this long (after its first failed probe)
 #: before its lease is asked about
 PROBE_SILENT_S = 1.0
-#: this node's workers must have made no progress this long
+#: this node's workers must have made no progress this long (or twice their usual interval)
 STALL_S = 2.0
+
+
+def stall_for(progress_interval: float | None) -> float:
+    """How long without progress shows this node's workers wait on a peer: ``STALL_S``, or twice
+    the usual time between their progress records when their steps are slower (pure)."""
+    return max(STALL_S, 2.0 * progress_interval) if progress_interval else STALL_S
 
 
 def suspect(down_since: float | None, now: float, probe_s: float = PROBE_SILENT_S) -> bool:

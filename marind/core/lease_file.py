@@ -7,8 +7,10 @@ request's send time, Unix seconds); its workers may act for their world until
 Past that, peers that also cannot reach this node on the data network may declare it lost
 (``marind.agent.silence``) and form a new world without it, well before the lease itself
 expires (``renewed_at + ttl``): whatever its workers do then belongs to a replaced world.
-Renewals come every ``renew_interval(ttl)`` (TTL/5), so a live node's window never runs
-out between two of them. The agent
+Renewals come every ``renew_interval(ttl)`` (TTL/10), so a live node's window never runs
+out between two of them. A renewal that follows a gap longer than the window does not
+reopen it (``NodeRegistry.trusted_renewal``): the peers may be declaring the node lost at
+that very moment; the next renewal, a TTL/10 later, does, unless the lease was revoked. The agent
 (``marind.agent.fencing``) rewrites it atomically after each renewal; a checkpoint commit
 asks :func:`commit_allowed` just before it writes its manifest, so a world that may have
 been replaced never commits (an etcd outage longer than the TTL only postpones commits:
@@ -23,13 +25,13 @@ from pathlib import Path
 from marind.core.jsonfile import read_json_object, write_json_atomic
 
 #: a commit needs at least this much lease left (the manifest write must end inside it);
-#: at most a quarter of the window (``commit_margin``)
+#: at most half the window (``commit_margin``)
 COMMIT_MARGIN_S = 2.0
 #: the share of the lease TTL after which a node whose lease went unrenewed and whose data
 #: endpoint is silent may be declared lost by its peers (and its workers stop committing)
 SILENT_FRACTION = 0.4
 #: the share of the lease TTL between two renewals (keep-alives)
-RENEW_FRACTION = 0.2
+RENEW_FRACTION = 0.1
 
 
 def silent_window(ttl: float) -> float:
@@ -42,8 +44,8 @@ def silent_window(ttl: float) -> float:
 
 
 def renew_interval(ttl: float) -> float:
-    """Seconds between two renewals of a node's lease (pure): TTL/5, at least 0.5 s."""
-    return max(0.5, RENEW_FRACTION * ttl)
+    """Seconds between two renewals of a node's lease (pure): TTL/10, at least 0.25 s."""
+    return max(0.25, RENEW_FRACTION * ttl)
 
 
 def lease_path(run_dir: str | Path) -> Path:
@@ -86,7 +88,7 @@ def read_lease(run_dir: str | Path) -> float | None:
 def renewal_late(run_dir: str | Path, now: float) -> bool:
     """Has the agent gone more than half the TTL without renewing the node's lease?
 
-    Renewals come every TTL/5; a later one means etcd is out of this node's reach (its control
+    Renewals come every TTL/10; a later one means etcd is out of this node's reach (its control
     network may be cut, and the storage with it). False without a (valid) lease file.
 
     Args:
@@ -101,8 +103,8 @@ def renewal_late(run_dir: str | Path, now: float) -> bool:
 
 
 def commit_margin(ttl: float) -> float:
-    """The lease a commit must leave: ``COMMIT_MARGIN_S``, at most a quarter of the window (pure)."""
-    return min(COMMIT_MARGIN_S, silent_window(ttl) / 4)
+    """The lease a commit must leave: ``COMMIT_MARGIN_S``, at most half the window (pure)."""
+    return min(COMMIT_MARGIN_S, silent_window(ttl) / 2)
 
 
 def commit_allowed(valid_until: float | None, now: float, margin: float = COMMIT_MARGIN_S) -> tuple[bool, str]:

@@ -41,8 +41,8 @@ def test_the_file_round_trips_and_a_bad_one_reads_as_absent(tmp_path):
 
 
 @pytest.mark.unit
-def test_the_margin_is_at_most_a_quarter_of_the_window():
-    assert commit_margin(30) == COMMIT_MARGIN_S and commit_margin(10) == 1.0 and commit_margin(5) == 0.5
+def test_the_margin_is_at_most_half_the_window():
+    assert commit_margin(10) == COMMIT_MARGIN_S and commit_margin(5) == 1.0 and commit_margin(2) == 0.4
 
 
 @pytest.mark.unit

@@ -53,3 +53,20 @@ def test_the_holder_tells_a_revoked_lease_from_an_expired_one(etcd_client):
         assert not reg.expired and not reg.revoked and etcd_client.lease_of(reg.key) not in (None, lease_id)
     finally:
         reg.stop()
+
+
+def test_a_renewal_after_a_silence_does_not_reopen_the_commit_window(etcd_client):
+    """Back from a gap longer than the silent window, the node's peers may be declaring it lost right now:
+    its first renewal moves ``last_renewal`` but not ``trusted_renewal`` (what lease.json holds); the next does."""
+    reg = NodeRegistry(etcd_client, "a", slots=1, ttl=10)
+    reg.register()
+    assert reg.trusted_renewal == reg.last_renewal
+    reg.last_renewal = reg.trusted_renewal = time.time() - 6.0     # as after a 6 s freeze (window 4 s)
+    before = reg.trusted_renewal
+    reg.start()
+    try:
+        first = wait_for(lambda: reg.last_renewal > before + 1 and reg.last_renewal, 10, "a renewal")
+        assert reg.trusted_renewal == before, "a renewal right after the silence reopened the window"
+        wait_for(lambda: reg.trusted_renewal > first - 0.001, 10, "the next renewal reopening it")
+    finally:
+        reg.stop()

@@ -11,8 +11,10 @@ from marind.agent.decisions import LossAction, fence_due
 from marind.agent.silence import (
     HOST_SILENT,
     PROBE_SILENT_S,
+    STALL_S,
     on_silent_peer,
     silent_peer,
+    stall_for,
     suspect,
     unrenewed_for,
 )
@@ -103,3 +105,12 @@ def test_a_revoked_lease_fences_even_stepping_workers():
 @pytest.mark.unit
 def test_the_cause_has_its_own_name():
     assert HOST_SILENT == "host_silent"
+
+
+@pytest.mark.unit
+def test_slow_steps_need_a_longer_stall():
+    assert stall_for(None) == STALL_S and stall_for(0.3) == STALL_S
+    assert stall_for(12.0) == 24.0                   # 12 s steps: 2 s without progress is no evidence
+    action, _ = on_silent_peer(in_round=True, workers_running=True, progress_at=90.0, now=100.0, torchft=False,
+                               stall_s=stall_for(12.0))
+    assert action == LossAction.WAIT

@@ -211,7 +211,7 @@ def test_torchft_power_off_and_back(bed_cluster, whom):  # noqa: F811 - the fixt
     _finish(cluster, job, url, steps)
     events = cluster.events(job)
     lost = _events_of(cluster, job, "node_lost", victim)
-    assert len(lost) == 1 and lost[0]["detail"]["cause"] == "host_silent", events
+    assert len(lost) == 1 and lost[0]["detail"]["cause"] == "lease_expired", events
     assert lost[0]["detail"]["action"] == "mark" and not lost[0]["detail"].get("killed"), lost
     if fenced:
         assert len(fenced) == 1 and len(_events_of(cluster, job, "node_rejoined", victim)) == 1, events
