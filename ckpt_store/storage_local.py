@@ -19,7 +19,7 @@ import errno
 import mmap
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ckpt_store.flush_mode import choose_syncfs, dirs_to_sync, dirty_bytes
@@ -158,16 +158,16 @@ class LocalStorage(StorageBase):
             return []
         return list(self._pool.map(lambda r: self._pread(*r), ranges))
 
-    def read_into(self, reqs: list[tuple[str, int, list]], done: Callable[[int, int], None] | None = None) -> list[int]:
+    def read_into(self, reqs: Iterable[tuple[str, int, list]],
+                  done: Callable[[int, int], None] | None = None) -> list[int]:
         """Scatter-read: fill each request's writable buffers, in order, from ``key`` at ``start``,
-        with one ``preadv`` per request in the I/O threads (no intermediate copy).
+        with one ``preadv`` per request in the I/O threads (no intermediate copy). ``reqs`` may be
+        an iterator: each read starts as soon as it yields it (the disk works while the caller
+        plans the rest).
         ``done(i, n)``: called in the I/O thread as soon as request ``i`` is read (``n`` bytes),
         so that its check overlaps the other reads. Every request is over before this returns
         or raises the first failure (in request order). Returns the bytes read per request
         (short at end of object; the caller checks)."""
-        if not reqs:
-            return []
-
         def one(i: int, req: tuple[str, int, list]) -> int:
             n = self._preadv(*req)
             if done is not None:
