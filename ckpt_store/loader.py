@@ -145,10 +145,11 @@ def load_step(st: Storage, d: str, state: dict, rank: int, values: bool = True,
     reads: list = []    # (key, start, buffers, bytes wanted, blocks), in the order started
     blocks: list = []
     tails: dict[str, bytearray] = {}    # predicted shard index -> the buffer it is read into
+    saved_values = _values_read(manifest, d, rank, reads) if values else None   # read in the same batch
     planned = _plan_reads(st, manifest, d, jobs, indexes, predicted, reads, blocks, tails)
     got = _storage_read(st, manifest, d, lambda reqs: st.read_into(reqs, done=lambda i, n: _landed(reads[i], n)),
                         planned if st.local else list(planned), keys=lambda: [r[0] for r in reads])
-    stats["bytes_read"] += sum(got)
+    stats["bytes_read"] += sum(got) - (got[0] if saved_values else 0)
     stats["objects"] += sum(1 for r in reads if r[4])
     for key, (spec, guess, _at) in predicted.items():
         raw = tails[key]
@@ -160,8 +161,8 @@ def load_step(st: Storage, d: str, state: dict, rank: int, values: bool = True,
     _check_whole_objects(manifest, d, blocks, indexes)
     for local, host in hosts:
         local.copy_(host)
-    if values:
-        _apply_values(st, d, manifest, state, rank)
+    if saved_values:
+        _apply_values(*saved_values, state)
     return stats
 
 
@@ -193,11 +194,13 @@ def _shard_indexes(st: Storage, manifest: dict, d: str, jobs: list, stats: dict)
 
 def _plan_reads(st: Storage, manifest: dict, d: str, jobs: list, indexes: dict, predicted: dict,
                 reads: list, blocks: list, tails: dict) -> Iterator[tuple[str, int, list]]:
-    """Yield the data's reads (key, start, buffers) one by one as they are planned, each
-    appended to ``reads`` (with its bytes wanted and its blocks) and its blocks to ``blocks``
-    first. A predicted shard index (``predicted``) is read into ``tails[key]``: by the read
+    """Yield the reads already in ``reads``, then the data's (key, start, buffers) one by one
+    as they are planned, each appended to ``reads`` (with its bytes wanted and its blocks)
+    and its blocks to ``blocks`` first. A predicted shard index (``predicted``) is read into ``tails[key]``: by the read
     of the data that ends where it starts (one read for a whole object, the layout
     ``encode_chunk`` writes), else by a read of its own after the object's last job."""
+    for queued in list(reads):       # reads queued before the data's (the JSON values)
+        yield queued[:3]
     left = Counter(k for k in (f"{d}/{chunk_key(j[0].name, j[3])}" for j in jobs) if k in predicted)
     for spec, box, host, cell, cbox, inter in jobs:
         key = f"{d}/{chunk_key(spec.name, cell)}"
@@ -390,16 +393,25 @@ class _Block:
             self.host[inter.slices(self.box.offset)] = self.tensor[inter.slices(self.block.offset)]
 
 
-def _apply_values(st: Storage, d: str, manifest: dict, state: dict, rank: int) -> None:
+def _values_read(manifest: dict, d: str, rank: int, reads: list) -> tuple[str, dict, bytearray] | None:
+    """The JSON values this rank gets (what the same rank number saved, else rank 0's): their
+    read is put first in ``reads``, to run with the data's; (key, manifest entry, buffer), or
+    None when the step saved none."""
     key = f"values/rank-{rank:05d}.json"
     if key not in manifest["objects"]:
         key = "values/rank-00000.json"
     obj = manifest["objects"].get(key)
     if obj is None:
-        return
-    raw = _read(st, manifest, d, [(f"{d}/{key}", 0, int(obj["size"]))])[0]
+        return None
+    buf = bytearray(int(obj["size"]))
+    reads.append((f"{d}/{key}", 0, [buf], len(buf), []))
+    return f"{d}/{key}", obj, buf
+
+
+def _apply_values(key: str, obj: dict, raw: bytearray, state: dict) -> None:
+    """Check the values read (``_values_read``) against their crc32c and merge them into ``state``."""
     if crc32c.crc32c(raw) != int(obj["crc32c"]):
-        raise CheckpointCorrupt(f"{d}/{key}", "fails its crc32c checksum")
+        raise CheckpointCorrupt(key, "fails its crc32c checksum")
     _merge(state, json.loads(raw))
 
 
