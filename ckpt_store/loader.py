@@ -147,17 +147,16 @@ def load_step(st: Storage, d: str, state: dict, rank: int, values: bool = True,
     tails: dict[str, bytearray] = {}    # predicted shard index -> the buffer it is read into
     saved_values = _values_read(manifest, d, rank, reads) if values else None   # read in the same batch
     planned = _plan_reads(st, manifest, d, jobs, indexes, predicted, reads, blocks, tails)
-    got = _storage_read(st, manifest, d, lambda reqs: st.read_into(reqs, done=lambda i, n: _landed(reads[i], n)),
+    def landed(i: int, n: int) -> None:     # in the read's I/O thread: its shard index, then its blocks
+        key, _start, bufs, want, _blocks = reads[i]
+        if n == want and key in predicted and bufs[-1] is tails.get(key):
+            indexes[key] = _checked_index(key, tails[key], *predicted[key][:2])
+        _landed(reads[i], n)
+
+    got = _storage_read(st, manifest, d, lambda reqs: st.read_into(reqs, done=landed),
                         planned if st.local else list(planned), keys=lambda: [r[0] for r in reads])
     stats["bytes_read"] += sum(got) - (got[0] if saved_values else 0)
     stats["objects"] += sum(1 for r in reads if r[4])
-    for key, (spec, guess, _at) in predicted.items():
-        raw = tails[key]
-        index = decode_index(key, raw, spec)
-        if not np.array_equal(index, guess):
-            raise CheckpointCorrupt(key, "its shard index does not match the object's size (not a layout "
-                                         "this store writes)")
-        indexes[key] = (index, bytes(raw[-4:]))
     _check_whole_objects(manifest, d, blocks, indexes)
     for local, host in hosts:
         local.copy_(host)
@@ -196,9 +195,10 @@ def _plan_reads(st: Storage, manifest: dict, d: str, jobs: list, indexes: dict, 
                 reads: list, blocks: list, tails: dict) -> Iterator[tuple[str, int, list]]:
     """Yield the reads already in ``reads``, then the data's (key, start, buffers) one by one
     as they are planned, each appended to ``reads`` (with its bytes wanted and its blocks)
-    and its blocks to ``blocks`` first. A predicted shard index (``predicted``) is read into ``tails[key]``: by the read
-    of the data that ends where it starts (one read for a whole object, the layout
-    ``encode_chunk`` writes), else by a read of its own after the object's last job."""
+    and its blocks to ``blocks`` first. A predicted shard index (``predicted``) is read into
+    ``tails[key]`` by the read of the data that ends where it starts (one read for a whole
+    object, the layout ``encode_chunk`` writes), else by a read of its own after the
+    object's last job; either way as the last buffer of its read, checked when it lands."""
     for queued in list(reads):       # reads queued before the data's (the JSON values)
         yield queued[:3]
     left = Counter(k for k in (f"{d}/{chunk_key(j[0].name, j[3])}" for j in jobs) if k in predicted)
@@ -255,6 +255,16 @@ def _landed(read: tuple, n: int) -> None:
         for blk in group_blocks:
             blk.check()
             blk.place()
+
+
+def _checked_index(key: str, raw: bytearray, spec: ArraySpec, guess: np.ndarray) -> tuple[np.ndarray, bytes]:
+    """A shard index read with the data (in its I/O thread): the one its object's size implies,
+    else CheckpointCorrupt. Returns (index, its crc32c tail)."""
+    index = decode_index(key, raw, spec)
+    if not np.array_equal(index, guess):
+        raise CheckpointCorrupt(key, "its shard index does not match the object's size (not a layout "
+                                     "this store writes)")
+    return index, bytes(raw[-4:])
 
 
 def _read(st: Storage, manifest: dict, d: str, reqs: list[tuple[str, int, int]]) -> list[bytes]:
