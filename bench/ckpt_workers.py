@@ -405,6 +405,7 @@ def reshard_worker(dim: int, layers: int, repeats: int, marind_url: str, dcp_id:
         lambda: state_of(model, optim), repeats, root)
     fields = {system: load_fields(times) for system, times in loads.items()}
     return {"marind_load_s": fields["marind"]["load_s"], "dcp_load_s": fields["dcp"]["load_s"],
+            "cold_resident_bytes": max(f["cold_resident_bytes"] or 0 for f in fields.values()) if root else None,
             "marind_load_warm_s": fields["marind"]["load_warm_s"], "dcp_load_warm_s": fields["dcp"]["load_warm_s"],
             "marind_load_all_s": fields["marind"]["load_all_s"], "dcp_load_all_s": fields["dcp"]["load_all_s"],
             "marind_read_amplification": max(amp)} if dist.get_rank() == 0 else {}

@@ -26,6 +26,9 @@ def test_ckpt_bench_quick_prints_one_json_object():
         # gathered and written whole; each rank still reads only its own rows of them
         assert result[target]["marind"]["read_amplification"] <= 1.1, result[target]["marind"]
     assert {"marind_load_s", "dcp_load_s", "marind_read_amplification"} <= set(result["reshard_4_to_2_local"])
+    # the eviction's check: the bytes of the target's files still cached as each cold load began
+    assert result["reshard_4_to_2_local"]["cold_resident_bytes"] >= 0
+    assert all(result["local"][who]["cold_resident_bytes"] >= 0 for who in ("marind", "dcp"))
     assert result["disk_write_MBps"] > 0 and "sync_save_vs_dcp" in result["ratios"]["local"]
     assert result["disk_read_MBps"] > 0 and "local_load_vs_raw_disk_read" in result["ratios"]
     for who in ("marind", "dcp"):   # local loads: from the disk (cache dropped) and again from memory
