@@ -24,6 +24,12 @@ Medians over ``--repeats``.
 
     python bench/ckpt_bench.py --repeats 3   # full: local, slow target and S3 (about 25 min on 2 cores)
     python bench/ckpt_bench.py --quick    # tiny state, checks the output shape
+    python bench/ckpt_bench.py --sections reshard --no-s3 --no-slow --repeats 7   # the reshard loads only
+
+``--sections`` picks what is timed, of ``saves`` (sync and async saves, torch.save),
+``loads`` (same-layout loads) and ``reshard`` (4 -> 2 loads); default all. Without
+``saves`` each target gets one untimed save of each system, the checkpoints the loads
+read; with ``reshard`` alone S3 is skipped (it has no reshard case).
 
 The last stdout line is one JSON object (docs/design.md §7). The ranks run
 ``bench/ckpt_workers.py`` (built from ``bench/ckpt_rank_ops.py``).
@@ -133,6 +139,10 @@ def disk_read_rate(directory: str, mb: int, repeats: int = 3) -> float | None:
             os.remove(path)
 
 
+#: what one run can time (``--sections``)
+SECTIONS = ("saves", "loads", "reshard")
+
+
 def _ratio(a, b):
     return round(a / b, 3) if a is not None and b else None
 
@@ -150,7 +160,17 @@ def main(argv=None) -> int:
     ap.add_argument("--slow-MBps", type=float, default=240.0, help="the slow target's read and write cap")
     ap.add_argument("--slow-base", default=None, help="a dir on a real disk for the slow target's image "
                     "(default: the system temp dir)")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated parts to time, of {', '.join(SECTIONS)} (default: all)")
     args = ap.parse_args(argv)
+    sections = [x for x in SECTIONS if x in set(args.sections.split(","))]
+    if not sections or not set(args.sections.split(",")) <= set(SECTIONS):
+        ap.error(f"--sections {args.sections!r}: use some of {', '.join(SECTIONS)}")
+    if sections == ["reshard"]:
+        if args.no_local:
+            ap.error("--sections reshard with --no-local: the reshard loads read the local target")
+        args.no_s3 = True        # S3 has no reshard case
+    args.sections = sections
     signal.signal(signal.SIGTERM, _exit_on_term)   # the slow target and the ranks are undone on SIGTERM too
 
     dim, layers = (128, 2) if args.quick else (2048, 12)     # full: 50M params + Adam = 604 MB
@@ -158,7 +178,8 @@ def main(argv=None) -> int:
     root = Path(args.dir or tempfile.mkdtemp(prefix="marind-ckpt-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     store_kwargs = json.loads(args.store_options) if args.store_options else {}
-    result: dict = {"bench": "ckpt", "quick": args.quick, "repeats": repeats, "store_options": store_kwargs}
+    result: dict = {"bench": "ckpt", "quick": args.quick, "repeats": repeats, "store_options": store_kwargs,
+                    "sections": args.sections}
     with contextlib.ExitStack() as stack:
         slow = None if args.no_local or args.no_slow else _open_slow(stack, args, result, dim, layers)
         try:
@@ -195,14 +216,17 @@ def _open_slow(stack: contextlib.ExitStack, args, result: dict, dim: int, layers
 def _run(args, result: dict, root: Path, slow, dim: int, layers: int, repeats: int, store_kwargs: dict) -> None:
     s3 = None
     try:
-        raw = disk_write_rate(str(root), 64 if args.quick else 512)
-        result["disk_write_MBps"], result["disk_write_MBps_by_path"] = raw["best"], raw
+        saves = "saves" in args.sections
+        if saves:
+            raw = disk_write_rate(str(root), 64 if args.quick else 512)
+            result["disk_write_MBps"], result["disk_write_MBps_by_path"] = raw["best"], raw
         result["disk_read_MBps"] = disk_read_rate(str(root), 64 if args.quick else 512)
         if slow:
-            raw = disk_write_rate(slow.path, 32 if args.quick else 256, repeats=1 if args.quick else 2)
-            result["slow_target"].update(disk_write_MBps=raw["best"], disk_write_MBps_by_path=raw,
-                                         disk_read_MBps=disk_read_rate(slow.path, 32 if args.quick else 256,
-                                                                       repeats=1 if args.quick else 2))
+            if saves:
+                raw = disk_write_rate(slow.path, 32 if args.quick else 256, repeats=1 if args.quick else 2)
+                result["slow_target"].update(disk_write_MBps=raw["best"], disk_write_MBps_by_path=raw)
+            result["slow_target"]["disk_read_MBps"] = disk_read_rate(slow.path, 32 if args.quick else 256,
+                                                                     repeats=1 if args.quick else 2)
         s3_url = s3_opts = None
         if not args.no_s3:
             s3 = SeaweedS3(root / "s3").start()
@@ -211,12 +235,13 @@ def _run(args, result: dict, root: Path, slow, dim: int, layers: int, repeats: i
         r = run_torch_workers("bench.ckpt_workers:worker", 4, timeout=3000, env=env, dim=dim, layers=layers,
                               repeats=repeats, local_dir=str(root / "local"), s3_url=s3_url,
                               s3_opts=s3_opts, local=not args.no_local, store_kwargs=store_kwargs,
-                              s3_pid=s3.pid if s3 else None, slow_dir=f"{slow.path}/ckpt" if slow else None)[0]
-        result.update({k: r[k] for k in ("world", "state_bytes", "step_s", "torch_save_s")})
+                              s3_pid=s3.pid if s3 else None, slow_dir=f"{slow.path}/ckpt" if slow else None,
+                              sections=args.sections)[0]
+        result.update({k: r.get(k) for k in ("world", "state_bytes", "step_s", "torch_save_s")})
         result["cpus"] = len(os.sched_getaffinity(0))
         result["local"], result["slow"], result["s3"] = r.get("local"), r.get("slow"), r.get("s3")
         for target, tdir in (("local", str(root / "local")), ("slow", f"{slow.path}/ckpt" if slow else None)):
-            if result[target] and tdir:
+            if result[target] and tdir and "reshard" in args.sections:
                 result[f"reshard_4_to_2_{target}"] = run_torch_workers(
                     "bench.ckpt_workers:reshard_worker", 2, timeout=3000, env=env, dim=dim, layers=layers,
                     repeats=repeats, marind_url=f"file://{tdir}/marind",
@@ -235,24 +260,25 @@ def _ratios(res: dict) -> dict:
         t = res.get(target)
         if not t:
             continue
-        m, d, dp = t["marind"], t["dcp"], t.get("dcp_process") or {}
+        m, d, dp = t["marind"], t["dcp"], t.get("dcp_process") or {}   # a section not run: its keys absent
         out[target] = {
-            "sync_save_vs_dcp": _ratio(m["sync_save_s"], d["sync_save_s"]),
-            "load_vs_dcp": _ratio(m["load_s"], d["load_s"]),
+            "sync_save_vs_dcp": _ratio(m.get("sync_save_s"), d.get("sync_save_s")),
+            "load_vs_dcp": _ratio(m.get("load_s"), d.get("load_s")),
             "load_warm_vs_dcp": _ratio(m.get("load_warm_s"), d.get("load_warm_s")),
-            "async_blocked_vs_own_sync": _ratio(m["async_blocked_s"], m["sync_save_s"]),
-            "async_commit_vs_own_sync": _ratio(m["async_commit_s"], m["sync_save_s"]),
-            "async_commit_vs_dcp_thread": _ratio(m["async_commit_s"], d["async_commit_s"]),
-            "async_commit_vs_dcp_process": _ratio(m["async_commit_s"], dp.get("async_commit_s")),
-            "async_blocked_vs_dcp_process": _ratio(m["async_blocked_s"], dp.get("async_blocked_s")),
-            "step_slowdown_during_save": _ratio(m["step_during_save_s"], m["step_before_save_s"]),
-            "dcp_step_slowdown_during_save": _ratio(d["step_during_save_s"], d["step_before_save_s"]),
+            "async_blocked_vs_own_sync": _ratio(m.get("async_blocked_s"), m.get("sync_save_s")),
+            "async_commit_vs_own_sync": _ratio(m.get("async_commit_s"), m.get("sync_save_s")),
+            "async_commit_vs_dcp_thread": _ratio(m.get("async_commit_s"), d.get("async_commit_s")),
+            "async_commit_vs_dcp_process": _ratio(m.get("async_commit_s"), dp.get("async_commit_s")),
+            "async_blocked_vs_dcp_process": _ratio(m.get("async_blocked_s"), dp.get("async_blocked_s")),
+            "step_slowdown_during_save": _ratio(m.get("step_during_save_s"), m.get("step_before_save_s")),
+            "dcp_step_slowdown_during_save": _ratio(d.get("step_during_save_s"), d.get("step_before_save_s")),
             "dcp_process_step_slowdown_during_save": _ratio(dp.get("step_during_save_s"),
                                                             dp.get("step_before_save_s")),
-            "sync_save_vs_torch_save": _ratio(m["sync_save_s"], res["torch_save_s"]) if target == "local" else None,
+            "sync_save_vs_torch_save": _ratio(m.get("sync_save_s"), res.get("torch_save_s"))
+            if target == "local" else None,
         }
         for who, key in (("server", "server_cpu_during_async_s"), ("writers", "writer_cpu_during_async_s")):
-            if m.get(key) is not None:
+            if m.get(key) is not None and m.get("async_commit_s"):
                 # the share of the machine the S3 server (or marind's writer processes) took while
                 # marind's async save ran, and the step slowdown that share alone forces on a
                 # training loop that keeps every core busy
@@ -265,11 +291,11 @@ def _ratios(res: dict) -> dict:
             out[target]["reshard_load_vs_dcp"] = _ratio(rs.get("marind_load_s"), rs.get("dcp_load_s"))
             out[target]["reshard_load_warm_vs_dcp"] = _ratio(rs.get("marind_load_warm_s"), rs.get("dcp_load_warm_s"))
         disk = res if target == "local" else res.get("slow_target", {}) if target == "slow" else {}
-        if disk.get("disk_write_MBps"):
+        if disk.get("disk_write_MBps") and m.get("sync_save_s"):
             mbps = res["state_bytes"] / 1e6 / m["sync_save_s"]
             out[target]["save_MBps"] = round(mbps, 1)
             out[target]["save_vs_raw_disk"] = round(mbps / (disk["disk_write_MBps"] * 1.048576), 3)
-        if disk.get("disk_read_MBps"):
+        if disk.get("disk_read_MBps") and m.get("load_s"):
             mbps = res["state_bytes"] / 1e6 / m["load_s"]
             out[target]["load_MBps"] = round(mbps, 1)
             out[target]["load_vs_raw_disk_read"] = round(mbps / (disk["disk_read_MBps"] * 1.048576), 3)

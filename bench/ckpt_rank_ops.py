@@ -66,13 +66,16 @@ def remove_on_rank0(path: str) -> None:
     dist.barrier()
 
 
-def evict(root: str) -> None:
+def evict(root: str) -> int:
     """Rank 0 drops ``root``'s files from the page cache (each flushed first: only clean pages
     go), then all ranks meet. DCP writes through the page cache and marind's local saves
     bypass it (O_DIRECT), so a load timed right after the saves would read one from memory
-    and the other from disk; a restore after a failure reads from the disk."""
+    and the other from disk; a restore after a failure reads from the disk. Returns the
+    bytes of ``root``'s files still in the page cache after it (rank 0; 0 elsewhere): every
+    cold load of either system should start from 0."""
     import torch.distributed as dist
 
+    left = 0
     if dist.get_rank() == 0:
         for dirpath, _, files in os.walk(root):
             for f in files:
@@ -82,7 +85,39 @@ def evict(root: str) -> None:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 finally:
                     os.close(fd)
+        left = sum(resident_bytes(os.path.join(dirpath, f)) for dirpath, _, files in os.walk(root) for f in files)
     dist.barrier()
+    return left
+
+
+def resident_bytes(path: str) -> int:
+    """Bytes of ``path`` in the page cache (mincore over a read-only mapping, which reads
+    nothing); 0 where this platform has no mincore."""
+    import ctypes
+    import mmap
+
+    size = os.path.getsize(path)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not size or not hasattr(libc, "mincore"):
+        return 0
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return 0
+        try:
+            vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+            if libc.mincore(addr, size, vec) != 0:
+                return 0
+            return min(size, sum(v & 1 for v in vec) * mmap.PAGESIZE)
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
 
 
 def timed_loads(load_fns: dict, make_target, repeats: int, evict_root: str | None) -> dict:
@@ -90,11 +125,11 @@ def timed_loads(load_fns: dict, make_target, repeats: int, evict_root: str | Non
     ``make_target()`` built outside the timing: each repeat, a load from the disk (page cache
     dropped first: ``evict``) and then the same load again from memory. Without
     ``evict_root`` (S3: the server's cache is the server's) every load is as found."""
-    out: dict = {system: {"cold": [], "warm": []} for system in load_fns}
+    out: dict = {system: {"cold": [], "warm": [], "resident": []} for system in load_fns}
     for i in range(repeats):
         for system in (list(load_fns) if i % 2 == 0 else list(reversed(load_fns))):
             if evict_root:
-                evict(evict_root)
+                out[system]["resident"].append(evict(evict_root))
                 out[system]["cold"].append(_timed_load(load_fns[system], make_target))
             out[system]["warm"].append(_timed_load(load_fns[system], make_target))
     return out
@@ -107,11 +142,14 @@ def _timed_load(load, make_target) -> float:
 
 
 def load_fields(times: dict) -> dict:
-    """load_s: from the disk where the cache was dropped, else as found; load_warm_s: from memory."""
+    """load_s: from the disk where the cache was dropped, else as found; load_warm_s: from memory;
+    cold_resident_bytes: the most of the target's bytes left in the page cache at a cold load's start."""
     cold, warm = times["cold"], times["warm"]
     return {"load_s": statistics.median(cold or warm), "load_warm_s": statistics.median(warm) if cold else None,
             "load_all_s": [round(x, 3) for x in cold or warm], "load_warm_all_s": [round(x, 3) for x in warm]
-            if cold else None}
+            if cold else None,
+            # the target's files still in the page cache as each cold load began (the eviction's check)
+            "cold_resident_bytes": max(times.get("resident") or [0]) if cold else None}
 
 
 def steps_while(done, model, optim, dim: int, limit: int = 200) -> list[float]:

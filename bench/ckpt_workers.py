@@ -161,8 +161,10 @@ def dcp_sync(t: Target) -> float:
 
     state = state_of(t.model, t.optim)
     cid = fresh_dcp_id(t)
-    return timed(lambda: dcp.save(state, checkpoint_id=dcp_checkpoint_id(cid),
+    took = timed(lambda: dcp.save(state, checkpoint_id=dcp_checkpoint_id(cid),
                                   storage_writer=dcp_writer(cid, t.opts)))
+    t.dcp_checkpoint_id = cid
+    return took
 
 
 def dcp_async(t: Target) -> AsyncSave:
@@ -265,9 +267,31 @@ def marind_background_fields(t: Target) -> dict:
         sync_phases_all_s=[{k: round(p.get(k, 0.0), 3) for k in PHASE_KEYS} for p in t.phases])
 
 
+def timed_saves(t: Target, repeats: int) -> dict:
+    """One untimed save of each (the first process-based save starts DCP's daemon), then the
+    timed ones in turns (``alternate_saves``); every system's save figures."""
+    marind_sync(t)
+    dcp_sync(t)
+    dcp_async_process(t)
+    t.phases.clear()
+    t.pruned.clear()
+    try:
+        got = alternate_saves(t, repeats)
+    finally:
+        t.dcp_proc.close()
+    res: dict = {"marind": {}, "dcp": {"checkpoint_id": t.dcp_checkpoint_id}, "dcp_process": {}}
+    for system, g in got.items():
+        res[system].update(save_fields(g))
+    res["marind"].update(marind_background_fields(t))
+    return res
+
+
 def bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: int,
-                 store_kwargs: dict | None = None, server_pid: int | None = None) -> dict:
+                 store_kwargs: dict | None = None, server_pid: int | None = None,
+                 sections: tuple[str, ...] = ("saves", "loads")) -> dict:
     """marind and DCP against one target (a local dir or an S3 prefix).
+    ``sections``: without "saves", one untimed save of each system (the checkpoints that
+    the loads read); without "loads", no timed loads.
 
     One untimed save of each first (the first write to a fresh server or
     directory pays for its setup), then the two take turns, repeat by repeat,
@@ -283,20 +307,16 @@ def bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: int
     import torch.distributed.checkpoint as dcp
 
     t = open_target(url, opts, model, optim, dim, store_kwargs, server_pid)
-    marind_sync(t)           # untimed warm-up, each (the first process-based save starts DCP's daemon)
-    dcp_sync(t)
-    dcp_async_process(t)
-    t.phases.clear()
-    t.pruned.clear()
-    try:
-        got = alternate_saves(t, repeats)
-    finally:
-        t.dcp_proc.close()
-    res: dict = {"marind": {}, "dcp": {"checkpoint_id": t.dcp_checkpoint_id}, "dcp_process": {}}
-    for system, g in got.items():
-        res[system].update(save_fields(g))
-    res["marind"].update(marind_background_fields(t))
+    if "saves" not in sections:     # the checkpoints the loads read, untimed
+        marind_sync(t)
+        dcp_sync(t)
+        res: dict = {"marind": {}, "dcp": {"checkpoint_id": t.dcp_checkpoint_id}}
+    else:
+        res = timed_saves(t, repeats)
     cid = res["dcp"]["checkpoint_id"]
+    if "loads" not in sections:
+        res["marind"]["step"] = t.store.latest()
+        return res if dist.get_rank() == 0 else {}
     loads = timed_loads({
         "marind": t.store.load,
         "dcp": lambda target: dcp.load(target, checkpoint_id=dcp_checkpoint_id(cid),
@@ -323,7 +343,8 @@ def _torch_save_full(model, optim, path: str) -> None:
 
 def worker(dim: int, layers: int, repeats: int, local_dir: str, s3_url: str | None,
            s3_opts: dict | None, local: bool = True, store_kwargs: dict | None = None,
-           s3_pid: int | None = None, slow_dir: str | None = None) -> dict:
+           s3_pid: int | None = None, slow_dir: str | None = None,
+           sections: tuple[str, ...] = ("saves", "loads", "reshard")) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -338,14 +359,20 @@ def worker(dim: int, layers: int, repeats: int, local_dir: str, s3_url: str | No
     dist.all_reduce(nbytes)
     base = [train_step(model, optim, dim) for _ in range(max(5, repeats * 3))]
     out = {"world": world, "state_bytes": int(nbytes.item()), "step_s": statistics.median(base)}
+    sections = tuple(sections)
     if local:
-        out["local"] = bench_target("local", local_dir, None, model, optim, dim, repeats, store_kwargs)
+        out["local"] = bench_target("local", local_dir, None, model, optim, dim, repeats, store_kwargs,
+                                    sections=sections)
     if slow_dir:
-        out["slow"] = bench_target("slow", slow_dir, None, model, optim, dim, repeats, store_kwargs)
+        out["slow"] = bench_target("slow", slow_dir, None, model, optim, dim, repeats, store_kwargs,
+                                   sections=sections)
     if s3_url:
-        out["s3"] = bench_target("s3", s3_url, s3_opts, model, optim, dim, repeats, store_kwargs, s3_pid)
+        out["s3"] = bench_target("s3", s3_url, s3_opts, model, optim, dim, repeats, store_kwargs, s3_pid,
+                                 sections=sections)
     if dist.get_rank() == 0:
         print(json.dumps({"partial": {k: out.get(k) for k in ("local", "slow", "s3")}}), file=sys.stderr, flush=True)
+    if "saves" not in sections:
+        return out if dist.get_rank() == 0 else {}
     os.makedirs(local_dir, exist_ok=True)
     full_path = f"{local_dir}/torch_save.pt"
     out["torch_save_s"] = statistics.median(timed(lambda: _torch_save_full(model, optim, full_path))
@@ -378,6 +405,7 @@ def reshard_worker(dim: int, layers: int, repeats: int, marind_url: str, dcp_id:
         lambda: state_of(model, optim), repeats, root)
     fields = {system: load_fields(times) for system, times in loads.items()}
     return {"marind_load_s": fields["marind"]["load_s"], "dcp_load_s": fields["dcp"]["load_s"],
+            "cold_resident_bytes": max(f["cold_resident_bytes"] or 0 for f in fields.values()) if root else None,
             "marind_load_warm_s": fields["marind"]["load_warm_s"], "dcp_load_warm_s": fields["dcp"]["load_warm_s"],
             "marind_load_all_s": fields["marind"]["load_all_s"], "dcp_load_all_s": fields["dcp"]["load_all_s"],
             "marind_read_amplification": max(amp)} if dist.get_rank() == 0 else {}

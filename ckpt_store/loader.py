@@ -14,6 +14,8 @@ from __future__ import annotations
 import errno
 import json
 import math
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import crc32c
@@ -23,7 +25,6 @@ import torch
 from ckpt_store import layout
 from ckpt_store.errors import (
     CheckpointCorrupt,
-    CheckpointError,
     CheckpointMismatch,
 )
 from ckpt_store.layout import Box
@@ -37,7 +38,6 @@ from ckpt_store.zarr_format import (
     chunks_digest,
     decode_index,
     dtype_name,
-    embedded_crcs,
     index_nbytes,
     predicted_index,
     tensor_bytes,
@@ -138,13 +138,43 @@ def load_step(st: Storage, d: str, state: dict, rank: int, values: bool = True,
             for cell in layout.cells_for_box(box, spec.chunks):
                 cbox = layout.cell_box(cell, spec.chunks, spec.shape)
                 jobs.append((spec, box, view, cell, cbox, box.intersect(cbox)))
-    # the shard index of every sharded chunk this rank needs: where the object's size is one
-    # marind writes, the index is known from it (``predicted_index``) and read with the data,
-    # to be checked after; else (another writer's layout) it is read first
+    indexes, predicted = _shard_indexes(st, manifest, d, jobs, stats)
+    # data, read straight into the target where a block lands contiguously in it; on a local
+    # disk each read starts as soon as it is planned (``_plan_reads``), so the disk works
+    # while the rest is planned
+    reads: list = []    # (key, start, buffers, bytes wanted, blocks), in the order started
+    blocks: list = []
+    tails: dict[str, bytearray] = {}    # predicted shard index -> the buffer it is read into
+    saved_values = _values_read(manifest, d, rank, reads) if values else None   # read in the same batch
+    planned = _plan_reads(st, manifest, d, jobs, indexes, predicted, reads, blocks, tails)
+    def landed(i: int, n: int) -> None:     # in the read's I/O thread: its shard index, then its blocks
+        key, _start, bufs, want, _blocks = reads[i]
+        if n == want and key in predicted and bufs[-1] is tails.get(key):
+            indexes[key] = _checked_index(key, tails[key], *predicted[key][:2])
+        _landed(reads[i], n)
+
+    got = _storage_read(st, manifest, d, lambda reqs: st.read_into(reqs, done=landed),
+                        planned if st.local else list(planned), keys=lambda: [r[0] for r in reads])
+    stats["bytes_read"] += sum(got) - (got[0] if saved_values else 0)
+    stats["objects"] += sum(1 for r in reads if r[4])
+    _check_whole_objects(manifest, d, blocks, indexes)
+    for local, host in hosts:
+        local.copy_(host)
+    if saved_values:
+        _apply_values(*saved_values, state)
+    return stats
+
+
+def _shard_indexes(st: Storage, manifest: dict, d: str, jobs: list, stats: dict) -> tuple[dict, dict]:
+    """The shard index of every sharded chunk object the ``jobs`` need: where the object's
+    size is one marind writes, the index is known from it (``predicted_index``: read with the
+    data and checked after it, ``_plan_reads``); else (another writer's layout) it is read
+    here, first. Returns ({key: (index, its crc32c tail)}, {key: (spec, predicted index, the
+    index's offset)})."""
     sharded = sorted({(j[0].name, j[3]): j for j in jobs if j[0].inner_rows}.values(), key=lambda j: j[0].name)
-    index_reqs, first = [], []
-    indexes = {}   # object key -> (decoded shard index, the index's crc32c tail)
-    predicted: dict[str, tuple[ArraySpec, np.ndarray]] = {}
+    first = []
+    indexes: dict = {}
+    predicted: dict[str, tuple[ArraySpec, np.ndarray, int]] = {}
     for spec, _, _, cell, _, _ in sharded:
         key = chunk_key(spec.name, cell)
         size = int(_obj(manifest, d, key)["size"])
@@ -153,17 +183,26 @@ def load_step(st: Storage, d: str, state: dict, rank: int, values: bool = True,
         if guess is None:
             first.append((spec, req))
         else:
-            predicted[req[0]] = (spec, guess)
+            predicted[req[0]] = (spec, guess, req[1])
             indexes[req[0]] = (guess, b"")
-            index_reqs.append(req)
     for (spec, req), raw in zip(first, _read(st, manifest, d, [r for _, r in first])):
         stats["bytes_read"] += len(raw)
         indexes[req[0]] = (decode_index(req[0], raw, spec), raw[-4:])
-    # data, read straight into the target where a block lands contiguously in it
-    reads: list = [(key, start, [bytearray(end - start)], end - start, []) for key, start, end in index_reqs]
-    blocks = []
-    for job in jobs:
-        spec, box, host, cell, cbox, inter = job
+    return indexes, predicted
+
+
+def _plan_reads(st: Storage, manifest: dict, d: str, jobs: list, indexes: dict, predicted: dict,
+                reads: list, blocks: list, tails: dict) -> Iterator[tuple[str, int, list]]:
+    """Yield the reads already in ``reads``, then the data's (key, start, buffers) one by one
+    as they are planned, each appended to ``reads`` (with its bytes wanted and its blocks)
+    and its blocks to ``blocks`` first. A predicted shard index (``predicted``) is read into
+    ``tails[key]`` by the read of the data that ends where it starts (one read for a whole
+    object, the layout ``encode_chunk`` writes), else by a read of its own after the
+    object's last job; either way as the last buffer of its read, checked when it lands."""
+    for queued in list(reads):       # reads queued before the data's (the JSON values)
+        yield queued[:3]
+    left = Counter(k for k in (f"{d}/{chunk_key(j[0].name, j[3])}" for j in jobs) if k in predicted)
+    for spec, box, host, cell, cbox, inter in jobs:
         key = f"{d}/{chunk_key(spec.name, cell)}"
         full_off = tuple(i * c for i, c in zip(cell, spec.chunks))
         if not spec.inner_rows:
@@ -188,25 +227,20 @@ def load_step(st: Storage, d: str, state: dict, rank: int, values: bool = True,
                 blk = _Block(key, spec, k, off, nb, bbox, box, host)
                 bufs += [blk.data, blk.crc]
                 group_blocks.append(blk)
+            want = sum(g[2] for g in group)
+            if key in predicted and key not in tails and group[-1][1] + group[-1][2] == predicted[key][2]:
+                tails[key] = bytearray(index_nbytes(spec))
+                bufs.append(tails[key])
+                want += len(tails[key])
             blocks += group_blocks
-            reads.append((key, group[0][1], bufs, sum(g[2] for g in group), group_blocks))
-    got = _storage_read(st, manifest, d, lambda reqs: st.read_into(reqs, done=lambda i, n: _landed(reads[i], n)),
-                        [(k, start, bufs) for k, start, bufs, _, _ in reads])
-    stats["bytes_read"] += sum(got)
-    stats["objects"] += len(got) - len(index_reqs)
-    for key, _start, (raw,), _want, _ in reads[:len(index_reqs)]:
-        spec, guess = predicted[key]
-        index = decode_index(key, raw, spec)
-        if not np.array_equal(index, guess):
-            raise CheckpointCorrupt(key, "its shard index does not match the object's size (not a layout "
-                                         "this store writes)")
-        indexes[key] = (index, bytes(raw[-4:]))
-    _check_whole_objects(manifest, d, blocks, indexes)
-    for local, host in hosts:
-        local.copy_(host)
-    if values:
-        _apply_values(st, d, manifest, state, rank)
-    return stats
+            reads.append((key, group[0][1], bufs, want, group_blocks))
+            yield reads[-1][:3]
+        if key in predicted:
+            left[key] -= 1
+            if not left[key] and key not in tails:     # no read of the data ran into the index
+                tails[key] = bytearray(index_nbytes(spec))
+                reads.append((key, predicted[key][2], [tails[key]], len(tails[key]), []))
+                yield reads[-1][:3]
 
 
 def _landed(read: tuple, n: int) -> None:
@@ -223,12 +257,24 @@ def _landed(read: tuple, n: int) -> None:
             blk.place()
 
 
+def _checked_index(key: str, raw: bytearray, spec: ArraySpec, guess: np.ndarray) -> tuple[np.ndarray, bytes]:
+    """A shard index read with the data (in its I/O thread): the one its object's size implies,
+    else CheckpointCorrupt. Returns (index, its crc32c tail)."""
+    index = decode_index(key, raw, spec)
+    if not np.array_equal(index, guess):
+        raise CheckpointCorrupt(key, "its shard index does not match the object's size (not a layout "
+                                     "this store writes)")
+    return index, bytes(raw[-4:])
+
+
 def _read(st: Storage, manifest: dict, d: str, reqs: list[tuple[str, int, int]]) -> list[bytes]:
     return _storage_read(st, manifest, d, st.read_ranges, reqs)
 
 
-def _storage_read(st: Storage, manifest: dict, d: str, read, reqs: list) -> list:
-    """``read(reqs)``: ranged reads of objects of step dir ``d``. An object that is missing or
+def _storage_read(st: Storage, manifest: dict, d: str, read, reqs: Iterable,
+                  keys: Callable[[], list[str]] | None = None) -> list:
+    """``read(reqs)``: ranged reads of objects of step dir ``d`` (``keys()``: the keys of
+    ``reqs``, where ``reqs`` is an iterator consumed by the read). An object that is missing or
     shorter than the manifest says raises CheckpointCorrupt naming it. A local disk reads a
     short object short (the caller checks), but S3 refuses a range past its end (HTTP 416:
     OSError EINVAL), and a batch's error need not name its object: then each object of the
@@ -239,7 +285,7 @@ def _storage_read(st: Storage, manifest: dict, d: str, read, reqs: list) -> list
     except OSError as exc:
         if not (isinstance(exc, FileNotFoundError) or exc.errno == errno.EINVAL):
             raise
-        bad = _find_bad_object(st, manifest, d, [r[0] for r in reqs], exc)
+        bad = _find_bad_object(st, manifest, d, keys() if keys else [r[0] for r in reqs], exc)
         if bad is None:
             raise
         log.warning("ckpt_object_corrupt", object=bad.object, reason=bad.reason)
@@ -357,16 +403,25 @@ class _Block:
             self.host[inter.slices(self.box.offset)] = self.tensor[inter.slices(self.block.offset)]
 
 
-def _apply_values(st: Storage, d: str, manifest: dict, state: dict, rank: int) -> None:
+def _values_read(manifest: dict, d: str, rank: int, reads: list) -> tuple[str, dict, bytearray] | None:
+    """The JSON values this rank gets (what the same rank number saved, else rank 0's): their
+    read is put first in ``reads``, to run with the data's; (key, manifest entry, buffer), or
+    None when the step saved none."""
     key = f"values/rank-{rank:05d}.json"
     if key not in manifest["objects"]:
         key = "values/rank-00000.json"
     obj = manifest["objects"].get(key)
     if obj is None:
-        return
-    raw = _read(st, manifest, d, [(f"{d}/{key}", 0, int(obj["size"]))])[0]
+        return None
+    buf = bytearray(int(obj["size"]))
+    reads.append((f"{d}/{key}", 0, [buf], len(buf), []))
+    return f"{d}/{key}", obj, buf
+
+
+def _apply_values(key: str, obj: dict, raw: bytearray, state: dict) -> None:
+    """Check the values read (``_values_read``) against their crc32c and merge them into ``state``."""
     if crc32c.crc32c(raw) != int(obj["crc32c"]):
-        raise CheckpointCorrupt(f"{d}/{key}", "fails its crc32c checksum")
+        raise CheckpointCorrupt(key, "fails its crc32c checksum")
     _merge(state, json.loads(raw))
 
 
@@ -382,50 +437,3 @@ def _merge(state: dict, saved: dict) -> None:
             _merge(cur, v)
         elif not isinstance(cur, torch.Tensor):
             state[key] = v
-
-
-def verify_step(st: Storage, d: str) -> tuple[list[str], int, int]:
-    """Re-read every object of a committed step; (problems, objects, bytes)."""
-    try:
-        manifest = read_manifest(st, d)
-    except CheckpointError as exc:
-        return [str(exc)], 0, 0
-    problems: list[str] = []
-    specs: dict[str, ArraySpec] = {}    # chunk object key -> its array
-    for name, meta in manifest["arrays"].items():
-        spec = ArraySpec.from_json(name, meta)
-        if any(n == 0 for n in spec.shape):
-            continue
-        for cell in layout.all_cells(spec.shape, spec.chunks):
-            specs[chunk_key(name, cell)] = spec
-            if chunk_key(name, cell) not in manifest["objects"]:
-                problems.append(f"{d}/{chunk_key(name, cell)}: chunk missing from the manifest")
-    keys = sorted(manifest["objects"])
-
-    def one(key):
-        obj = manifest["objects"][key]
-        try:
-            raw = st.read(f"{d}/{key}")
-        except FileNotFoundError:
-            return f"{d}/{key}: object missing", 0
-        except Exception as exc:  # noqa: BLE001 - a report, not a crash
-            return f"{d}/{key}: unreadable ({exc})", 0
-        if len(raw) != int(obj["size"]):
-            return f"{d}/{key}: size {len(raw)} != {obj['size']} (truncated or overwritten)", len(raw)
-        if crc32c.crc32c(raw) != int(obj["crc32c"]):
-            return f"{d}/{key}: crc32c mismatch (corrupt)", len(raw)
-        if key in specs and "chunks_crc32c" in obj:
-            try:
-                digest = chunks_digest(embedded_crcs(f"{d}/{key}", raw, specs[key]))
-            except CheckpointCorrupt as exc:
-                return str(exc), len(raw)
-            if digest != obj["chunks_crc32c"]:
-                return f"{d}/{key}: other data than the manifest lists (an object of another save)", len(raw)
-        return None, len(raw)
-
-    total = 0
-    for problem, n in st.pool().map(one, keys):
-        total += n
-        if problem:
-            problems.append(problem)
-    return problems, len(keys), total

@@ -16,7 +16,7 @@ What they share (the I/O threads, the write-rate limit) is in ``storage_base``.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -92,8 +92,10 @@ class Storage(Protocol):
         """Bytes [start, end) of each ``(key, start, end)``; short at the end of an object."""
         ...
 
-    def read_into(self, reqs: list[tuple[str, int, list]], done: Callable[[int, int], None] | None = None) -> list[int]:
+    def read_into(self, reqs: Iterable[tuple[str, int, list]],
+                  done: Callable[[int, int], None] | None = None) -> list[int]:
         """Fill each ``(key, start, buffers)`` request's buffers in order; the bytes read per request.
+        ``reqs`` may be an iterator: a local disk starts each read as it is yielded.
         ``done(i, n)`` runs in an I/O thread once request ``i`` is read: on a local disk as soon
         as its own read is over (its check overlaps the other reads), on an object store once
         the batch of ranged GETs is in; all are over before this returns or raises the first

@@ -12,7 +12,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
@@ -90,12 +90,17 @@ class StorageBase:
             pool.shutdown(wait=False)
 
 
-def run_all(pool: ThreadPoolExecutor, fn: Callable[[int, Any], Any], items: Sequence) -> list:
-    """``fn(i, item)`` for every item in ``pool``; waits for all of them (none still runs when
-    this returns or raises), then returns their results in order or raises the first
-    failure in order."""
-    futures = [pool.submit(fn, i, item) for i, item in enumerate(items)]
-    wait(futures)
+def run_all(pool: ThreadPoolExecutor, fn: Callable[[int, Any], Any], items: Iterable) -> list:
+    """``fn(i, item)`` for every item in ``pool``, each submitted as soon as ``items`` (a
+    list, or an iterator that plans them) yields it; waits for all of them (none still runs
+    when this returns or raises), then returns their results in order or raises the first
+    failure in order (an error of ``items`` itself is raised once the submitted ones are over)."""
+    futures = []
+    try:
+        for i, item in enumerate(items):
+            futures.append(pool.submit(fn, i, item))
+    finally:
+        wait(futures)
     return [f.result() for f in futures]
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import base64
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ckpt_store.storage_base import StorageBase, json_bytes, run_all
@@ -90,13 +90,15 @@ class FsspecStorage(StorageBase):
                 raise item
         return out
 
-    def read_into(self, reqs: list[tuple[str, int, list]], done: Callable[[int, int], None] | None = None) -> list[int]:
+    def read_into(self, reqs: Iterable[tuple[str, int, list]],
+                  done: Callable[[int, int], None] | None = None) -> list[int]:
         """Scatter-read: fill each request's writable buffers, in order, from ``key`` at ``start``
         (one ranged GET per request, all in one concurrent batch, then a copy in the I/O
         threads). ``done(i, n)``: called in the I/O thread once request ``i``'s buffers are
         filled (``n`` bytes), so after every GET of the batch (no overlap with the reads); every
         request is over before this returns or raises the first failure (in request order).
         Returns the bytes read per request (short at end of object; the caller checks)."""
+        reqs = list(reqs)
         if not reqs:
             return []
         got = self.read_ranges([(k, s, s + sum(memoryview(b).nbytes for b in bufs)) for k, s, bufs in reqs])

@@ -403,7 +403,7 @@ class CheckpointStore:
         Returns:
             A ``VerifyReport``: ``ok``, and the problems found (an unreadable manifest is one).
         """
-        from ckpt_store.loader import verify_step
+        from ckpt_store.verify import verify_step
         problems, count, nbytes = verify_step(self.storage, step_dir(step))
         return VerifyReport(step, not problems, problems, count, nbytes)
 

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from marind.testing.procs import REPO_ROOT, base_env
 
 
@@ -24,6 +26,9 @@ def test_ckpt_bench_quick_prints_one_json_object():
         # gathered and written whole; each rank still reads only its own rows of them
         assert result[target]["marind"]["read_amplification"] <= 1.1, result[target]["marind"]
     assert {"marind_load_s", "dcp_load_s", "marind_read_amplification"} <= set(result["reshard_4_to_2_local"])
+    # the eviction's check: the bytes of the target's files still cached as each cold load began
+    assert result["reshard_4_to_2_local"]["cold_resident_bytes"] >= 0
+    assert all(result["local"][who]["cold_resident_bytes"] >= 0 for who in ("marind", "dcp"))
     assert result["disk_write_MBps"] > 0 and "sync_save_vs_dcp" in result["ratios"]["local"]
     assert result["disk_read_MBps"] > 0 and "local_load_vs_raw_disk_read" in result["ratios"]
     for who in ("marind", "dcp"):   # local loads: from the disk (cache dropped) and again from memory
@@ -46,6 +51,28 @@ def test_ckpt_bench_quick_prints_one_json_object():
         assert slow["device"] not in subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
     else:
         assert result["slow"] is None and slow["error"]
+
+
+@pytest.mark.slow
+def test_ckpt_bench_sections_reshard_times_the_reshard_loads_only():
+    """``--sections reshard``: one untimed save of each system, then only the 4 -> 2 loads."""
+    out = subprocess.run([sys.executable, "bench/ckpt_bench.py", "--quick", "--sections", "reshard", "--no-slow"],
+                         cwd=REPO_ROOT, env=_as_documented(), capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["sections"] == ["reshard"] and result["s3"] is None, result
+    assert "sync_save_s" not in result["local"]["marind"] and "load_s" not in result["local"]["marind"]
+    assert result["torch_save_s"] is None and "disk_write_MBps" not in result
+    reshard = result["reshard_4_to_2_local"]
+    assert reshard["marind_load_s"] > 0 and reshard["dcp_load_s"] > 0 and reshard["marind_read_amplification"] <= 1.1
+    assert result["ratios"]["local"]["reshard_load_vs_dcp"] > 0
+
+
+def test_ckpt_bench_refuses_an_unknown_section():
+    out = subprocess.run([sys.executable, "bench/ckpt_bench.py", "--sections", "reshard,bogus"], cwd=REPO_ROOT,
+                         env=_as_documented(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--sections 'reshard,bogus': use some of saves, loads, reshard" in out.stderr
+    assert out.stdout == ""
 
 
 def _as_documented() -> dict[str, str]:

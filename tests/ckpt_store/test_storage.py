@@ -9,9 +9,10 @@ import os
 
 import pytest
 
+from ckpt_store import storage_local
 from ckpt_store.storage import open_storage
 from ckpt_store.storage_fsspec import s3_defaults
-from ckpt_store.storage_local import DIRECT_ALIGN, DIRECT_BOUNCE, DIRECT_MIN_BYTES
+from ckpt_store.storage_local import DIRECT_ALIGN, DIRECT_BOUNCE, DIRECT_MIN_BYTES, DIRECT_SLACK
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -38,7 +39,8 @@ def resident_pages(path) -> int:
 
 
 SIZES = [DIRECT_MIN_BYTES, DIRECT_MIN_BYTES + 1, DIRECT_BOUNCE, DIRECT_BOUNCE + DIRECT_ALIGN - 1,
-         2 * DIRECT_BOUNCE + 3]
+         2 * DIRECT_BOUNCE + 3, DIRECT_BOUNCE + DIRECT_SLACK, DIRECT_BOUNCE + DIRECT_SLACK + 1,
+         2 * DIRECT_BOUNCE]
 
 
 @pytest.mark.unit
@@ -54,6 +56,31 @@ def test_large_objects_round_trip_exactly_past_the_page_cache(tmp_path, nbytes):
     assert os.path.getsize(path) == nbytes
     assert resident_pages(path) == 0, "a direct write left the object in the page cache"
     assert st.read("a/obj") == data
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("nbytes", "writes"), [
+    (DIRECT_BOUNCE + 84, [DIRECT_BOUNCE + DIRECT_ALIGN]),           # a chunk object: data + crcs + index
+    (2 * DIRECT_BOUNCE + 84, [DIRECT_BOUNCE, DIRECT_BOUNCE + DIRECT_ALIGN]),
+    (DIRECT_BOUNCE + DIRECT_SLACK + 1, [DIRECT_BOUNCE, DIRECT_SLACK + DIRECT_ALIGN]),
+    (2 * DIRECT_BOUNCE, [DIRECT_BOUNCE, DIRECT_BOUNCE])])
+def test_a_short_tail_goes_with_the_last_full_direct_write(tmp_path, monkeypatch, nbytes, writes):
+    """A tail of at most ``DIRECT_SLACK`` bytes past a full buffer is written with it (one
+    write, so one allocation: a tail written alone got blocks of its own, often elsewhere)."""
+    st = open_storage(str(tmp_path))
+    if not st.direct:
+        pytest.skip(f"{tmp_path} refuses O_DIRECT: the buffered path is what runs there")
+    sizes: list[int] = []
+    real = storage_local._write_all
+
+    def counted(fd, view):
+        sizes.append(view.nbytes)
+        real(fd, view)
+    monkeypatch.setattr(storage_local, "_write_all", counted)
+    data = os.urandom(nbytes)
+    st.write("a/obj", [memoryview(data)[:nbytes - 84], memoryview(data)[nbytes - 84:]])
+    assert sizes == writes
+    assert os.path.getsize(tmp_path / "a" / "obj") == nbytes and st.read("a/obj") == data
 
 
 @pytest.mark.unit
