@@ -175,14 +175,17 @@ class SilentPeerWatch:
         Returns:
             ``abort=False`` when the collective ended, else the abort decision.
         """
-        started = time.monotonic()
+        started, noted = time.monotonic(), False
         while not wait_done(poll_s):
             decision = self.check()
+            pending = round(time.monotonic() - started, 2)
             if decision.abort:
                 self.aborts += 1
-                get_logger("trainer").warning("ft_collective_abandoned", reason=decision.reason,
-                                              pending_s=round(time.monotonic() - started, 2))
+                get_logger("trainer").warning("ft_collective_abandoned", reason=decision.reason, pending_s=pending)
                 return decision
+            if not noted and pending > self.heartbeat_timeout:
+                noted = True     # once per collective: why a long wait goes on
+                get_logger("trainer").info("ft_collective_pending", reason=decision.reason, pending_s=pending)
         return AbortDecision(False, "completed")
 
 
