@@ -5,7 +5,9 @@ the agent's ``$MARIND_RUN_DIR/ft/lighthouse.json`` (``marind.core.lighthouse_fil
 ``TORCHFT_LIGHTHOUSE``. On a quorum failure the Manager is rebuilt with the current lighthouse;
 its ``epoch`` prefixes the process-group store keys so that a new lighthouse's restarted
 quorum ids never meet stale keys. A quorum is abandoned when the lighthouse moves while it
-waits (``LighthouseMoved``) and when the worker is asked to stop (``StopRequested``).
+waits (``LighthouseMoved``) and when the worker is asked to stop (``StopRequested``). A
+cross-group all-reduce is given up when a member of the quorum goes silent
+(``FTGroup.await_collective``, the decision in ``marind.trainer.ft_abort``).
 """
 
 from __future__ import annotations
