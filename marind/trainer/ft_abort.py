@@ -14,6 +14,12 @@ silent longer than ``heartbeat_timeout`` (or the lighthouse epoch moved, ``light
 is then False on this group, as for a timed-out collective), and the collective is abandoned.
 The next quorum forms without the silent group and the process group is reconfigured.
 
+The other side: a group frozen before or during its collective and then resumed may complete it
+at once against a survivor's held backend and would commit a step the survivors discarded (with
+equal step counts later, nothing would heal the difference). So a step that ends longer than
+``heartbeat_timeout`` after its quorum reads the lighthouse once more: a newer quorum means the
+others went on without this group, and the step is not committed (:func:`decide_late`).
+
 Abandoning, per backend: a gloo collective cannot be cut short (``abort`` blocks until the
 collective's own timeout), so the waiting rank stops waiting, and the process group that holds
 it (:class:`Abandoned`) is detached instead of aborted at the next reconfiguration, kept alive
@@ -125,6 +131,30 @@ def decide_abort(members: tuple[str, ...] | None, heartbeats: Mapping[str, float
     return AbortDecision(False, "every member heartbeats")
 
 
+def decide_late(latest_quorum: int | None, quorum_id: int, pending_s: float, heartbeat_timeout: float) -> AbortDecision:
+    """Decide whether a step whose collective did complete, but late, must still not be committed.
+
+    A group frozen before or in the middle of a collective (its host stopped, then resumed) can complete it
+    against the held backend of peers that gave it up long ago: it would commit a step they
+    discarded, and if they have committed just as many steps since, nothing heals the difference.
+    Peers can form a newer quorum only without a member that is in this collective, so a newer
+    quorum at the lighthouse means the others went on without this rank's group.
+
+    Args:
+        latest_quorum: the lighthouse's latest quorum id; None when unknown (decides nothing).
+        quorum_id: this rank's quorum id.
+        pending_s: how long the step took, from its quorum to the collective's end.
+        heartbeat_timeout: ``fault.heartbeat_timeout``: only a step longer than this is checked.
+
+    Returns:
+        Abort (do not commit) when a newer quorum formed while the collective was pending.
+    """
+    if pending_s <= heartbeat_timeout or latest_quorum is None or latest_quorum <= quorum_id:
+        return AbortDecision(False, "completed")
+    return AbortDecision(True, f"quorum {latest_quorum} formed without this group during its {pending_s:.1f}s step "
+                               f"(quorum {quorum_id})")
+
+
 def read_status(address: str, timeout: float = STATUS_TIMEOUT_S) -> LighthouseView | None:
     """GET ``{address}/status`` and parse it; None when the lighthouse does not answer in time."""
     try:
@@ -144,12 +174,14 @@ class SilentPeerWatch:
         epoch_now: reads the current epoch (``LighthouseSource.epoch``).
         quorum_id: reads the Manager's quorum id.
         read: reads the lighthouse (``read_status``; a test passes its own).
+        clock: monotonic seconds (a test passes its own).
     """
 
     def __init__(self, address: str, heartbeat_timeout: float, epoch: int, epoch_now: Callable[[], int],
-                 quorum_id: Callable[[], int], read: Callable[[str], LighthouseView | None] = read_status) -> None:
+                 quorum_id: Callable[[], int], read: Callable[[str], LighthouseView | None] = read_status,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.address, self.heartbeat_timeout, self.epoch = address, heartbeat_timeout, epoch
-        self.epoch_now, self.quorum_id, self.read = epoch_now, quorum_id, read
+        self.epoch_now, self.quorum_id, self.read, self.clock = epoch_now, quorum_id, read, clock
         self.members: dict[int, tuple[str, ...]] = {}   # quorum id -> members, as last seen
         self.aborts = 0
 
@@ -164,21 +196,25 @@ class SilentPeerWatch:
         return decide_abort(self.members.get(qid), view.heartbeats if view is not None else None,
                             heartbeat_timeout=self.heartbeat_timeout, epoch=self.epoch, epoch_now=self.epoch_now())
 
-    def wait(self, wait_done: Callable[[float], bool], poll_s: float = POLL_S) -> AbortDecision:
+    def wait(self, wait_done: Callable[[float], bool], poll_s: float = POLL_S,
+             since: float | None = None) -> AbortDecision:
         """Wait until the collective ends, or :meth:`check` says abort.
 
         Args:
             wait_done: waits up to the given seconds for the collective; True once it ended
                 (successfully or not).
             poll_s: pending this long before the first lighthouse read, and between reads.
+            since: when this step's quorum formed (``clock`` seconds); a step that ends longer
+                than ``heartbeat_timeout`` after it (slow, or frozen before or during the
+                collective) is checked once more with :func:`decide_late`. None: the wait's start.
 
         Returns:
-            ``abort=False`` when the collective ended, else the abort decision.
+            ``abort=False`` when the collective ended in time, else the abort decision.
         """
-        started, noted = time.monotonic(), False
+        started, noted = self.clock(), False
         while not wait_done(poll_s):
             decision = self.check()
-            pending = round(time.monotonic() - started, 2)
+            pending = round(self.clock() - started, 2)
             if decision.abort:
                 self.aborts += 1
                 get_logger("trainer").warning("ft_collective_abandoned", reason=decision.reason, pending_s=pending)
@@ -186,7 +222,16 @@ class SilentPeerWatch:
             if not noted and pending > self.heartbeat_timeout:
                 noted = True     # once per collective: why a long wait goes on
                 get_logger("trainer").info("ft_collective_pending", reason=decision.reason, pending_s=pending)
-        return AbortDecision(False, "completed")
+        pending = self.clock() - (started if since is None else min(since, started))
+        if pending <= self.heartbeat_timeout:
+            return AbortDecision(False, "completed")
+        view = self.read(self.address)
+        late = decide_late(view.quorum_id if view is not None else None, self.quorum_id(), pending,
+                           self.heartbeat_timeout)
+        if late.abort:
+            self.aborts += 1
+            get_logger("trainer").warning("ft_collective_abandoned", reason=late.reason, pending_s=round(pending, 2))
+        return late
 
 
 class Abandoned:

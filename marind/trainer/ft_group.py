@@ -175,6 +175,7 @@ class FTGroup:
         self.nccl = base is ProcessGroupNCCL
         self.abandoned = abandoned
         self.watch: SilentPeerWatch | None = None
+        self.quorum_at: float | None = None     # when this step's quorum formed (time.monotonic)
         self._manager: Manager | None = None
         self.epoch = -1
         self.rebuilds = 0
@@ -279,6 +280,7 @@ class FTGroup:
             finally:
                 done.set()
 
+        self.quorum_at = None
         threading.Thread(target=run, name="ft-quorum", daemon=True).start()
         started = time.monotonic()
         while not done.wait(0.2):
@@ -288,6 +290,7 @@ class FTGroup:
                 raise LighthouseMoved(f"lighthouse epoch {self.epoch} -> {self.lighthouse.epoch()} during a quorum")
         if "error" in box:
             raise box["error"]
+        self.quorum_at = time.monotonic()
 
     def await_collective(self, work: Any) -> bool:
         """Wait for a cross-group collective of the Manager; give it up if a quorum member goes silent.
@@ -303,10 +306,12 @@ class FTGroup:
         inner = getattr(work, "_work", None)     # torchft's _ManagedWork wraps the backend's work
         if inner is None or self.watch is None:
             return True
-        decision = self.watch.wait(wait_slice(inner))
+        decision = self.watch.wait(wait_slice(inner), since=self.quorum_at)
         if not decision.abort:
             return True
         self.manager.report_error(PeerSilent(decision.reason))
+        if inner.is_completed():
+            return False             # completed late, after the others went on: not committed (decide_late)
         if self.nccl:
             self.pg.abort()          # NCCL: the pending work fails at once
         else:

@@ -14,6 +14,7 @@ from marind.trainer.ft_abort import (
     LighthouseView,
     SilentPeerWatch,
     decide_abort,
+    decide_late,
     parse_status,
     read_status,
 )
@@ -79,6 +80,20 @@ def test_abort_only_for_a_silent_member_of_this_quorum_or_a_moved_lighthouse(mem
     assert d.abort is abort and why in d.reason
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("latest, pending, abort", [
+    (7, 9.0, False),      # still this rank's quorum: the others waited for it
+    (8, 9.0, True),       # a newer quorum formed while it was pending: the others went on without it
+    (8, 1.0, False),      # quick: never checked
+    (None, 9.0, False),   # lighthouse unreadable: decides nothing
+])
+def test_a_late_completion_is_not_committed_once_the_others_went_on(latest, pending, abort):
+    d = decide_late(latest, 7, pending, heartbeat_timeout=2.0)
+    assert d.abort is abort
+    if abort:
+        assert "quorum 8 formed without this group" in d.reason
+
+
 class _Lighthouse:
     """Stands in for the HTTP read: the views a lighthouse would show, one per read."""
 
@@ -112,6 +127,31 @@ def test_a_member_that_goes_silent_ends_the_wait_and_members_outlive_a_newer_quo
     watch = _watch(_Lighthouse(alive, later))
     d = watch.wait(lambda s: False)
     assert d.abort and "job_rg1:bbbb silent for 3.1s" in d.reason and watch.aborts == 1
+
+
+@pytest.mark.unit
+def test_a_collective_that_ends_after_a_freeze_is_checked_once_more():
+    now = [100.0]
+    frozen = iter([True])
+
+    def wait_done(seconds):
+        now[0] += 10.0                          # the process was stopped 10 s inside this wait
+        return next(frozen)
+
+    lh = _Lighthouse(LighthouseView(8, ("job_rg0:aaaa",), {"job_rg0:aaaa": 0.1}))
+    watch = SilentPeerWatch("http://lh", 2.0, 3, lambda: 3, lambda: 7, read=lh, clock=lambda: now[0])
+    d = watch.wait(wait_done)
+    assert d.abort and "quorum 8 formed without this group" in d.reason and lh.reads == 1
+
+
+@pytest.mark.unit
+def test_a_step_frozen_before_its_collective_is_checked_when_the_collective_ends_at_once():
+    now = [100.0]
+    lh = _Lighthouse(LighthouseView(8, ("job_rg0:aaaa",), {"job_rg0:aaaa": 0.1}))
+    watch = SilentPeerWatch("http://lh", 2.0, 3, lambda: 3, lambda: 7, read=lh, clock=lambda: now[0])
+    assert not watch.wait(lambda s: True, since=99.0).abort and lh.reads == 0     # a quick step reads nothing
+    d = watch.wait(lambda s: True, since=90.0)                                  # quorum 10 s ago
+    assert d.abort and "quorum 8 formed without this group" in d.reason and lh.reads == 1
 
 
 @pytest.mark.unit

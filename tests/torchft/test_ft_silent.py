@@ -3,7 +3,8 @@ loses power) while its peer waits in their cross-group all-reduce: the peer give
 up once the lighthouse has not heard from the group for ``heartbeat_timeout`` and steps on alone,
 long before the collective's own ``fault.timeout`` (60 s here, so waiting it out cannot pass).
 A group that is merely slow (it waits before its all-reduce, heartbeating) is waited for.
-Resumed, the stale group heals from its peer and both end with the same parameters.
+Resumed, the stale group does not commit the step it was frozen in (the others went on without
+it), heals from its peer, and both end with the same parameters.
 
 ``MARIND_TEST_FT_PAUSE_FILE`` holds group 1 before its all-reduce while the file exists, so the
 freeze lands while group 0 is inside that all-reduce (not in a quorum, which the lighthouse
@@ -81,6 +82,9 @@ def test_survivor_abandons_the_all_reduce_of_a_silent_group_and_the_group_heals_
     pause.unlink()
     signal_group(stale, signal.SIGCONT)
     wait_for(lambda: progress(tmp_path, 0).get("participants") == 2, 120, "group 1 back in the quorum", tmp_path)
+    # resumed, its all-reduce may complete at once against group 0's held one: that step is not committed
+    late = _events(tmp_path, 1, "ft_collective_abandoned")
+    assert len(late) == 1 and "formed without this group" in late[0]["reason"], late
     wait_for(lambda: all(progress(tmp_path, g).get("phase") == "done" for g in (0, 1)), 300, "both groups done",
              tmp_path)
     assert {progress(tmp_path, g)["step"] for g in (0, 1)} == {steps}
