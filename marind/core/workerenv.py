@@ -54,6 +54,8 @@ TEST_STOP_AT_STEP = "MARIND_TEST_STOP_AT_STEP"
 TEST_NAN_AT_STEP = "MARIND_TEST_NAN_AT_STEP"
 TEST_STEP_SLEEP = "MARIND_TEST_STEP_SLEEP"
 TEST_HANG_AT_STEP = "MARIND_TEST_HANG_AT_STEP"
+#: torchft mode: a file's path; while it exists, each rank waits before its cross-group all-reduce.
+TEST_FT_PAUSE_FILE = "MARIND_TEST_FT_PAUSE_FILE"
 
 
 def _int_or_none(environ: Mapping[str, str], name: str) -> int | None:

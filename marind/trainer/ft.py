@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from marind.core.workerenv import REPLICA_GROUP, WorkerEnv
+from marind.core.workerenv import REPLICA_GROUP, TEST_FT_PAUSE_FILE, WorkerEnv
 from marind.trainer.build import Run, setup_run
 from marind.trainer.checkpointing import init_optimizer_state
 from marind.trainer.config import TrainerSpec
@@ -109,6 +109,7 @@ class TorchftMode(TrainMode):
         self.quorum_id: int | None = None   # the last quorum seen (a new one alone may be behind a checkpoint)
         self.failures = 0           # quorum failures in a row
         self.parent = 0             # torchrun's pid
+        self.pause_file = os.environ.get(TEST_FT_PAUSE_FILE) or None   # test hook
 
     @property
     def ft(self) -> FTGroup:
@@ -212,8 +213,12 @@ class TorchftMode(TrainMode):
                               dp_size=run.layout.dp_size)
 
     def on_gradients(self, run: Run, state: LoopState) -> None:
-        """Average the gradients across the quorum's replica groups."""
-        allreduce_grads(self.ft.manager, run.params)
+        """Average the gradients across the quorum's replica groups (given up if a member goes silent)."""
+        if self.pause_file and os.path.exists(self.pause_file):
+            run.log.info("test_pause", step=state.step + 1)
+            while os.path.exists(self.pause_file):
+                time.sleep(0.05)
+        allreduce_grads(self.ft.manager, run.params, self.ft)
 
     def commit(self, run: Run, state: LoopState, grad_norm: torch.Tensor) -> bool:
         """The Manager's ``should_commit`` (a non-finite norm is reported to it first: no group commits)."""

@@ -5,7 +5,9 @@ the agent's ``$MARIND_RUN_DIR/ft/lighthouse.json`` (``marind.core.lighthouse_fil
 ``TORCHFT_LIGHTHOUSE``. On a quorum failure the Manager is rebuilt with the current lighthouse;
 its ``epoch`` prefixes the process-group store keys so that a new lighthouse's restarted
 quorum ids never meet stale keys. A quorum is abandoned when the lighthouse moves while it
-waits (``LighthouseMoved``) and when the worker is asked to stop (``StopRequested``).
+waits (``LighthouseMoved``) and when the worker is asked to stop (``StopRequested``). A
+cross-group all-reduce is given up when a member of the quorum goes silent
+(``FTGroup.await_collective``, the decision in ``marind.trainer.ft_abort``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from marind.core.lighthouse_file import read_lighthouse
 from marind.core.log import get_logger
 from marind.core.workerenv import WorkerEnv
 from marind.trainer.config import TrainerSpec
+from marind.trainer.ft_abort import Abandoned, PeerSilent, SilentPeerWatch, wait_slice
 from marind.trainer.loop import StopFlag
 
 if TYPE_CHECKING:
@@ -136,18 +139,43 @@ class FTGroup:
         # gloo on CPU; NCCL when the model is on CUDA (not exercised by the CPU test suite)
         base = ProcessGroupNCCL if torch.cuda.is_available() else ProcessGroupGloo
 
+        abandoned = Abandoned()
+
         class _EpochPG(base):  # type: ignore[valid-type,misc]  # base: gloo or NCCL, chosen at run time
-            """Store keys under the lighthouse epoch: a new lighthouse restarts quorum ids."""
+            """Store keys under the lighthouse epoch: a new lighthouse restarts quorum ids.
+
+            ``stuck``: a collective given up on (``FTGroup.abandon``); at the next reconfiguration its
+            backend is detached and held (``Abandoned``) instead of aborted, which would block.
+            """
             epoch = 0
+            stuck: Any = None
 
             def configure(self, store_addr: str, *args, **kwargs) -> None:
+                self.detach_stuck()
                 super().configure(f"{store_addr}/lh{self.epoch}", *args, **kwargs)
+
+            def abort(self, *args, **kwargs) -> None:
+                if not self.detach_stuck():
+                    super().abort(*args, **kwargs)
+
+            def detach_stuck(self) -> bool:
+                work, self.stuck = self.stuck, None
+                backend: Any = getattr(self, "_pg", None)
+                if work is None or backend is None or work.is_completed():
+                    return False
+                abandoned.hold(backend, work)
+                self._pg = None
+                return True
 
         self.spec, self.live, self.rank, self.world, self.group, self.job = spec, live, rank, world, group, job
         self.stop = stop or StopFlag()
         self.lighthouse = lighthouse or LighthouseSource.from_environ()
         self.timeout = timedelta(seconds=spec.fault.timeout)
         self.pg = _EpochPG(timeout=self.timeout)
+        self.nccl = base is ProcessGroupNCCL
+        self.abandoned = abandoned
+        self.watch: SilentPeerWatch | None = None
+        self.quorum_at: float | None = None     # when this step's quorum formed (time.monotonic)
         self._manager: Manager | None = None
         self.epoch = -1
         self.rebuilds = 0
@@ -204,6 +232,9 @@ class FTGroup:
             self._manager = make(box[0])
         self.epoch = int(box[1])
         self.pg.epoch = self.epoch
+        manager = self._manager
+        self.watch = SilentPeerWatch(str(box[0]), self.spec.fault.heartbeat_timeout, self.epoch, self.lighthouse.epoch,
+                                     lambda: int(manager._quorum_id))
 
     def rebuild(self, log: Any, why: str) -> None:
         """Shut the Manager down, wait (bounded) for a new lighthouse epoch, build a new one (collective).
@@ -249,6 +280,7 @@ class FTGroup:
             finally:
                 done.set()
 
+        self.quorum_at = None
         threading.Thread(target=run, name="ft-quorum", daemon=True).start()
         started = time.monotonic()
         while not done.wait(0.2):
@@ -258,6 +290,33 @@ class FTGroup:
                 raise LighthouseMoved(f"lighthouse epoch {self.epoch} -> {self.lighthouse.epoch()} during a quorum")
         if "error" in box:
             raise box["error"]
+        self.quorum_at = time.monotonic()
+
+    def await_collective(self, work: Any) -> bool:
+        """Wait for a cross-group collective of the Manager; give it up if a quorum member goes silent.
+
+        Args:
+            work: what ``manager.allreduce`` returned.
+
+        Returns:
+            True when it completed (``work.wait()`` is then immediate); False when it was given up:
+            the step's error is reported to the Manager (``should_commit`` is False on this group)
+            and the collective abandoned (see ``marind.trainer.ft_abort``).
+        """
+        inner = getattr(work, "_work", None)     # torchft's _ManagedWork wraps the backend's work
+        if inner is None or self.watch is None:
+            return True
+        decision = self.watch.wait(wait_slice(inner), since=self.quorum_at)
+        if not decision.abort:
+            return True
+        self.manager.report_error(PeerSilent(decision.reason))
+        if inner.is_completed():
+            return False             # completed late, after the others went on: not committed (decide_late)
+        if self.nccl:
+            self.pg.abort()          # NCCL: the pending work fails at once
+        else:
+            self.pg.stuck = inner    # gloo: detached at the next reconfiguration
+        return False
 
     def _sleep(self, seconds: float) -> None:
         if self.stop.requested:
@@ -272,16 +331,22 @@ class FTGroup:
                 "lighthouse_epoch": self.epoch, "manager_rebuilds": self.rebuilds}
 
 
-def allreduce_grads(manager: Manager, params: list[torch.nn.Parameter]) -> None:
+def allreduce_grads(manager: Manager, params: list[torch.nn.Parameter], ft: FTGroup | None = None) -> None:
     """Average the local gradient shards across replica groups in one flat all-reduce.
 
     Args:
         manager: this group's Manager (its all-reduce averages over the quorum's participants).
         params: the model's parameters; those without a gradient are left out.
+        ft: this group's holder: the all-reduce is given up when a quorum member goes silent
+            (``FTGroup.await_collective``); the gradients are then left local and the step is
+            not committed.
     """
     grads = [_local(p.grad) for p in params if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    manager.allreduce(flat).wait()
+    work = manager.allreduce(flat)
+    if ft is not None and not ft.await_collective(work):
+        return
+    work.wait()
     offset = 0
     for g in grads:
         n = g.numel()

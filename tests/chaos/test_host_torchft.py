@@ -40,7 +40,7 @@ pytestmark = [pytest.mark.hosts, pytest.mark.slow, pytest.mark.timeout(1200)]
 log = get_logger("tests.host_torchft")
 EVERY = 250
 LEASE_TTL = 10      # the agent's default (docs/design.md §8)
-STEPS = 1500        # a group alone steps ~10/s here: the job must outlast the outage by far
+STEPS = 3000        # a group alone steps 10-20/s here: the job must outlast the outage and the rejoin by far
 
 
 def _ft_spec(cluster: BedCluster, name: str, url: str, steps: int, every: int = EVERY) -> str:

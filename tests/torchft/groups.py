@@ -24,7 +24,8 @@ _torchruns: list[subprocess.Popen] = []
 
 
 def ft_spec(tmp: Path, *, steps: int, groups: int = 2, min_replicas: int = 1, ckpt: str = "",
-            every_steps: int = 0, nproc: int = 1, nodes_per_group: int = 1, max_restarts: int = 3) -> Path:
+            every_steps: int = 0, nproc: int = 1, nodes_per_group: int = 1, max_restarts: int = 3,
+            timeout: str = "10s") -> Path:
     from marind.trainer.corpus import write_example_dataset
 
     data = tmp / "data"
@@ -58,7 +59,7 @@ mode = "torchft"
 replica_groups = {groups}
 nodes_per_group = {nodes_per_group}
 min_replicas = {min_replicas}
-timeout = "10s"
+timeout = "{timeout}"
 quorum_timeout = "20s"
 join_timeout = "500ms"
 heartbeat_timeout = "2s"
@@ -71,13 +72,13 @@ def run_dir(tmp: Path, group: int) -> Path:
 
 
 def start_group(tmp: Path, group: int, spec: Path, *, lighthouse: str | None = None, nproc: int = 1,
-                nodes: int = 1, rdzv: tuple[str, str] | None = None) -> subprocess.Popen:
+                nodes: int = 1, rdzv: tuple[str, str] | None = None, env: dict | None = None) -> subprocess.Popen:
     """Start replica group ``group``; returns its first node's torchrun (all are killed at teardown).
 
     With ``rdzv`` = (etcd endpoint, key prefix) the group's nodes meet in an etcd3 rendezvous, as
     under ``marind agent`` (a fresh store each round); ``nodes`` > 1 needs it.
     """
-    env = {"MARIND_REPLICA_GROUP": group, "MARIND_RUN_DIR": run_dir(tmp, group), "MARIND_LOG_JSON": "1"}
+    env = {"MARIND_REPLICA_GROUP": group, "MARIND_RUN_DIR": run_dir(tmp, group), "MARIND_LOG_JSON": "1", **(env or {})}
     if lighthouse:
         env["TORCHFT_LIGHTHOUSE"] = lighthouse
     run_dir(tmp, group).mkdir(parents=True, exist_ok=True)
@@ -116,6 +117,26 @@ def kill_torchrun(proc: subprocess.Popen) -> None:
         proc.wait(5)
     except subprocess.TimeoutExpired:
         pass
+
+
+def signal_group(proc: subprocess.Popen, sig: int) -> list[int]:
+    """Send ``sig`` to a group's torchrun and every process under it (SIGSTOP: a host gone silent).
+
+    Returns:
+        The pids signalled.
+    """
+    try:
+        procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+    sent = []
+    for p in procs:
+        try:
+            p.send_signal(sig)
+            sent.append(p.pid)
+        except psutil.Error:
+            pass
+    return sent
 
 
 def kill_all_groups() -> None:
