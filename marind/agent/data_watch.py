@@ -34,7 +34,9 @@ lease unrenewed past the silent window of its TTL) while this node's workers
 of its round stalled, it is lost now, before its lease expires. This node
 revokes its lease (first: it can never renew into its old world), marks its
 torchrun lost, claims the loss and SIGKILLs its workers (``node_lost``, cause
-``host_silent``). Without stalled workers here nothing is done early.
+``host_silent``). Without stalled workers here nothing is done early, but for
+a torchft job whose lighthouse the silent node holds: its key is deleted
+(same epoch only) so that the connected nodes elect one at once.
 """
 
 from __future__ import annotations
@@ -264,7 +266,9 @@ class DataNetwork:
             # the window of ITS lease (agents may differ in lease_ttl): the one its commits honour
             window = silent_window(lease[1] if lease is not None else self.registry.ttl)
             silent, why = silent_peer(down_since=down_since, now=now, lease=lease, window=window)
-            if silent:
+            if silent and run.ft is not None:
+                run.ft.drop_silent_holder(node)     # torchft: the lighthouse moves now; the loss waits for the lease
+            elif silent:
                 self._act_silent(run, node, lease_id, why, now)
 
     def _act_silent(self, run: RunMonitor, node: str, lease_id: int | None, why: str, now: float) -> None:

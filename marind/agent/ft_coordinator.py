@@ -266,6 +266,24 @@ class FTCoordinator:
             self.proc = None
         self.lighthouse = current
 
+    def drop_silent_holder(self, node: str) -> bool:
+        """The lighthouse's holder ``node`` went silent on both networks (``marind.agent.silence``):
+        delete its key (if it still names that node, same epoch) so that the next tick of a node
+        that reaches etcd elects a lighthouse the connected groups reach, without waiting for the
+        holder's lease to expire. A holder that comes back finds another's key and stops its own.
+
+        Returns:
+            Whether the key was deleted. Raises ControlPlaneUnavailable.
+        """
+        current = self._read_lighthouse()
+        if current is None or current.get("node") != node:
+            return False
+        dropped = self.client.delete_if(self.key("lighthouse"), int(current["epoch"]))
+        if dropped:
+            self.log.warning("ft_lighthouse_dropped", holder=node, epoch=current["epoch"],
+                             reason="its host is silent on both networks")
+        return dropped
+
     def _run_for_lighthouse(self) -> dict | None:
         if not (self.proc and self.proc.alive()):
             self.proc = LighthouseProcess(self.fault, self.run_dir / "logs" / "lighthouse.log", self.host)

@@ -264,6 +264,13 @@ class EtcdClient:
     def delete(self, key: str) -> bool:
         return self._call(self._client.delete, key)
 
+    def delete_if(self, key: str, mod_revision: int) -> bool:
+        """Delete ``key`` iff its mod_revision is still ``mod_revision``; whether it was deleted."""
+        txn = self._client.transactions
+        ok, _ = self._call(self._client.transaction, compare=[txn.mod(key) == mod_revision],
+                           success=[txn.delete(key)], failure=[])
+        return bool(ok)
+
     def delete_prefix(self, prefix: str) -> None:
         self._call(self._client.delete_prefix, prefix)
 

@@ -70,3 +70,13 @@ def test_a_renewal_after_a_silence_does_not_reopen_the_commit_window(etcd_client
         wait_for(lambda: reg.trusted_renewal > first - 0.001, 10, "the next renewal reopening it")
     finally:
         reg.stop()
+
+
+def test_delete_if_only_deletes_the_revision_it_saw(etcd_client):
+    key = etcd_client.key("ft", "lighthouse")
+    etcd_client.put(key, '{"node": "a"}')
+    _, rev = etcd_client.get(key)
+    etcd_client.put(key, '{"node": "b"}')          # a new election meanwhile: a new epoch
+    assert etcd_client.delete_if(key, rev) is False and etcd_client.get(key)[0] is not None
+    _, rev = etcd_client.get(key)
+    assert etcd_client.delete_if(key, rev) is True and etcd_client.get(key)[0] is None
