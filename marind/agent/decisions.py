@@ -314,7 +314,8 @@ class LossAction(str, Enum):
 
 
 def on_node_loss(*, in_round: bool, workers_running: bool, progress_at: float | None, now: float,
-                 stall_s: float, torchft: bool = False) -> tuple[LossAction, str]:
+                 stall_s: float, torchft: bool = False, lost: str = "lease expired",
+                 stepping: str = "its control network alone is gone") -> tuple[LossAction, str]:
     """A node of the job lost its lease (its record vanished): what does this node do?
 
     A node in the current round whose lease expired while this node's workers stopped
@@ -331,6 +332,8 @@ def on_node_loss(*, in_round: bool, workers_running: bool, progress_at: float | 
         now: the current time.
         stall_s: the stall that counts as stuck (``stall_window``).
         torchft: a torchft job: its replica groups heal without restarting this node's.
+        lost: what happened to the node, for the restart's reason.
+        stepping: what workers that still step mean, for the wait's reason.
 
     Returns:
         The action and why.
@@ -342,10 +345,9 @@ def on_node_loss(*, in_round: bool, workers_running: bool, progress_at: float | 
     if not workers_running:
         return LossAction.MARK, "this node's workers are not running: the next round forms without it"
     if progress_at is not None and now - progress_at < stall_s:
-        return LossAction.WAIT, (f"training goes on (progress {now - progress_at:.1f}s ago): "
-                                 "its control network alone is gone")
+        return LossAction.WAIT, f"training goes on (progress {now - progress_at:.1f}s ago): {stepping}"
     stalled = "no progress seen yet" if progress_at is None else f"no progress for {now - progress_at:.1f}s"
-    return LossAction.RESTART, f"lease expired and {stalled}: restart into a new round without it"
+    return LossAction.RESTART, f"{lost} and {stalled}: restart into a new round without it"
 
 
 def fence_due(*, last_renewal: float, ttl: float, now: float, progress_at: float | None,

@@ -34,7 +34,7 @@ its old world either: its agent sees the lease gone sooner than the TTL allows
 
 from __future__ import annotations
 
-from marind.agent.decisions import LossAction
+from marind.agent.decisions import LossAction, on_node_loss
 
 #: the ``node_lost`` cause of a host silent on both networks (declared before its lease expired)
 HOST_SILENT = "host_silent"
@@ -109,13 +109,6 @@ def on_silent_peer(*, in_round: bool, workers_running: bool, progress_at: float 
         The action and why: restart this node's workers into a new round without it, only
         drop it from the rendezvous (mark), or wait (the workers still step: it takes part).
     """
-    if torchft:
-        return LossAction.MARK, "torchft: the other replica groups go on without it"
-    if not in_round:
-        return LossAction.MARK, "it ran no workers in the current round: only the rendezvous forgets it"
-    if not workers_running:
-        return LossAction.MARK, "this node's workers are not running: the next round forms without it"
-    if progress_at is not None and now - progress_at < stall_s:
-        return LossAction.WAIT, f"the workers still step (progress {now - progress_at:.1f}s ago): it takes part"
-    stalled = "no progress seen yet" if progress_at is None else f"no progress for {now - progress_at:.1f}s"
-    return LossAction.RESTART, f"{stalled}: restart into a new round without it"
+    return on_node_loss(in_round=in_round, workers_running=workers_running, progress_at=progress_at, now=now,
+                        stall_s=stall_s, torchft=torchft, lost="silent on both networks",
+                        stepping="it takes part")

@@ -84,7 +84,7 @@ def test_renewals_come_often_enough_for_a_live_host_to_commit():
     ({"torchft": True}, LossAction.MARK, "torchft"),
     ({"in_round": False}, LossAction.MARK, "no workers"),
     ({"workers_running": False}, LossAction.MARK, "not running"),
-    ({"progress_at": 99.5}, LossAction.WAIT, "still step"),
+    ({"progress_at": 99.5}, LossAction.WAIT, "training goes on"),
     ({"progress_at": 95.0}, LossAction.RESTART, "no progress for 5.0s"),
     ({"progress_at": None}, LossAction.RESTART, "no progress seen yet"),
 ])

@@ -21,6 +21,8 @@ from marind.core.progress import record_path
 from marind.testing.procs import kill_group, spawn
 
 _torchruns: list[subprocess.Popen] = []
+#: the lighthouse settings of the tests' lighthouse fixture (tests/torchft/conftest.py)
+FAULT = {"min_replicas": 1, "join_timeout": 0.5, "heartbeat_timeout": 2.0}
 
 
 def ft_spec(tmp: Path, *, steps: int, groups: int = 2, min_replicas: int = 1, ckpt: str = "",

@@ -21,22 +21,13 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from marind.agent.ft_coordinator import LighthouseProcess
 from tests.torchft.groups import ft_spec, logs, progress, signal_group, start_group, wait_for
 
-FAULT = {"min_replicas": 1, "join_timeout": 0.5, "heartbeat_timeout": 2.0}
 SLOW_S = 4.0              # a slow step: longer than heartbeat_timeout plus a lighthouse read
 ADVANCE_BOUND_S = 45.0    # freeze -> survivor stepped on: under the 60 s collective timeout, so only the abort passes
 
 pytestmark = pytest.mark.timeout(600)
 
-
-@pytest.fixture
-def lighthouse(tmp_path):
-    lh = LighthouseProcess(FAULT, tmp_path / "lighthouse.log", "127.0.0.1")
-    lh.start()
-    yield lh
-    lh.stop()
 
 
 def _events(tmp_path, group: int, event: str) -> list[dict]:

@@ -18,21 +18,13 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from marind.agent.ft_coordinator import FTCoordinator, LighthouseProcess
-from tests.torchft.groups import ft_spec, kill_torchrun, logs, progress, start_group, wait_for
+from marind.agent.ft_coordinator import FTCoordinator
+from tests.torchft.groups import FAULT, ft_spec, kill_torchrun, logs, progress, start_group, wait_for
 
 REJOIN_BOUND_S = 60.0     # kill -> the restarted group has committed a step (CPU, 2 cores, loaded)
-FAULT = {"min_replicas": 1, "join_timeout": 0.5, "heartbeat_timeout": 2.0}
 
 pytestmark = pytest.mark.timeout(600)
 
-
-@pytest.fixture
-def lighthouse(tmp_path):
-    lh = LighthouseProcess(FAULT, tmp_path / "lighthouse.log", "127.0.0.1")
-    lh.start()
-    yield lh
-    lh.stop()
 
 
 @pytest.mark.parametrize("groups, nproc, nodes", [(2, 1, 1), pytest.param(2, 1, 2, marks=pytest.mark.slow),
