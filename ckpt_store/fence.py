@@ -20,24 +20,15 @@ from ckpt_store.errors import CheckpointSaveFailed
 POLL_S = 0.1
 
 
-def _read(path: str) -> tuple[float, float | None] | None:
-    """(valid_until, the file's window or ttl) or None when the file is missing or malformed."""
+def _read(path: str) -> tuple[float, float | None, float | None] | None:
+    """(valid_until, window, ttl) of the file (None where it gives none), or None when it is missing
+    or malformed."""
     try:
         with open(path) as fh:
             doc = json.load(fh)
-        valid_until = float(doc["valid_until"])
-        span = doc.get("window") or doc.get("ttl")
-        return valid_until, (float(span) if span else None)
+        window, ttl = doc.get("window"), doc.get("ttl")
+        return float(doc["valid_until"]), float(window) if window else None, float(ttl) if ttl else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
-def _window(path: str) -> float | None:
-    try:
-        with open(path) as fh:
-            window = json.load(fh).get("window")
-        return float(window) if window else None
-    except (OSError, ValueError, TypeError, AttributeError):
         return None
 
 
@@ -60,21 +51,17 @@ def check_fence(fence: tuple[str, float] | None, now: float | None = None, wait:
     read = _read(path)
     if read is None:
         return                      # no fence file: nothing to fence against
-    valid_until, span = read
-    window = _window(path)
-    if window:
-        margin = min(margin, window / 2)
-    elif span:
-        margin = min(margin, span / 4)
-    clock = time.time if now is None else (lambda: now)
-    deadline = clock() + (span or 0.0) if wait and now is None else clock()
-    while valid_until - clock() < margin and clock() < deadline:
-        time.sleep(POLL_S)
-        read = _read(path)
-        if read is None:
-            return
-        valid_until = read[0]
-    t = clock()
+    valid_until, window, ttl = read
+    margin = min(margin, window / 2) if window else min(margin, ttl / 4) if ttl else margin
+    if now is None and wait:
+        deadline = time.time() + (window or ttl or 0.0)
+        while valid_until - time.time() < margin and time.time() < deadline:
+            time.sleep(POLL_S)
+            read = _read(path)
+            if read is None:
+                return
+            valid_until = read[0]
+    t = time.time() if now is None else now
     if valid_until - t < margin:
         raise CheckpointSaveFailed(
             f"not committing: this world may have been replaced ({path}: valid until {valid_until:.1f}, "

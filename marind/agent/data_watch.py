@@ -80,13 +80,16 @@ class DataWatch:
         self.run, self.prober = run, prober
         self.acted: set[tuple[str, str]] = set()    # (node, incarnation) acted on
         self.commit_fence_at: float | None = None
+        self._ring: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())   # (nodes, targets)
 
     def peers(self) -> dict[str, Endpoint]:
         """The data endpoints this node probes (``data_decisions.probe_targets`` among the job's other
         nodes as last polled, less the ones acted on)."""
         out = self.endpoints()
-        targets = probe_targets(self.run.job, self.run.node, set(out))
-        return {node: ep for node, ep in out.items() if node in targets}
+        nodes = frozenset(out)
+        if nodes != self._ring[0]:      # the ring hashes every node: once per change of the job's nodes
+            self._ring = (nodes, probe_targets(self.run.job, self.run.node, nodes))
+        return {node: ep for node, ep in out.items() if node in self._ring[1]}
 
     def endpoints(self) -> dict[str, Endpoint]:
         """Every other node's data endpoint as last polled, less the ones acted on."""
@@ -272,8 +275,8 @@ class DataNetwork:
                 self._act_silent(run, node, lease_id, why, now)
 
     def _act_silent(self, run: RunMonitor, node: str, lease_id: int | None, why: str, now: float) -> None:
-        members, watch = run.members, run.data
-        assert members is not None and watch is not None
+        members = run.members
+        assert members is not None
         loss = self._loss(run, node, HOST_SILENT)
         desc = members.rdzv_desc(loss)
         action, what = on_silent_peer(in_round=members.in_current_round(loss, desc),
@@ -282,34 +285,31 @@ class DataNetwork:
         if action != LossAction.RESTART:
             return      # no workers of this node wait on it: no evidence its own stopped; its lease decides
         revoked = lease_id is not None and members.client.revoke_lease_id(lease_id)
-        members.mark_lost(loss, desc)
-        first = members.claim(loss, {"action": action.value})
-        watch.acted.add((node, loss.incarnation))
-        reason = f"{why}; {what}"
-        self.log.warning("node_lost", job=run.job, lost=node, cause=HOST_SILENT, action=action.value,
-                         reason=reason, recorded=first, rdzv_node=desc, revoked=revoked)
-        if not first:
-            return
-        killed = run.kill_workers() if action == LossAction.RESTART else []
-        self.outbox.event(run.job, "node_lost", {"node": node, "cause": HOST_SILENT, "action": action.value,
-                                                 "reason": reason, "killed": killed})
+        self._declare(run, loss, desc, action.value, f"{why}; {what}", restart=True, log={"revoked": revoked})
 
     def _act(self, run: RunMonitor, node: str, action: DataAction, why: str, row: ReachRow | None) -> None:
+        members = run.members
+        assert members is not None
+        loss = self._loss(run, node)
+        self._declare(run, loss, members.rdzv_desc(loss), action.value, why, restart=action == DataAction.RESTART,
+                      event={"link_up": row.link_up if row is not None else None})
+
+    def _declare(self, run: RunMonitor, loss: Loss, desc: str | None, action: str, reason: str, *, restart: bool,
+                 log: dict | None = None, event: dict | None = None) -> None:
+        """Mark ``loss``'s torchrun lost for the rendezvous and claim the loss; the agent whose claim wins
+        SIGKILLs its workers when ``restart`` and writes ``node_lost`` (with ``event``'s fields)."""
         members, watch = run.members, run.data
         assert members is not None and watch is not None
-        loss = self._loss(run, node)
-        desc = members.rdzv_desc(loss)
         members.mark_lost(loss, desc)
-        first = members.claim(loss, {"action": action.value})
-        watch.acted.add((node, loss.incarnation))
-        self.log.warning("node_lost", job=run.job, lost=node, cause=DATA_NETWORK_GONE, action=action.value,
-                         reason=why, recorded=first, rdzv_node=desc)
+        first = members.claim(loss, {"action": action})
+        watch.acted.add((loss.node, loss.incarnation))
+        self.log.warning("node_lost", job=run.job, lost=loss.node, cause=loss.cause, action=action, reason=reason,
+                         recorded=first, rdzv_node=desc, **(log or {}))
         if not first:
             return
-        killed = run.kill_workers() if action == DataAction.RESTART else []
-        self.outbox.event(run.job, "node_lost", {
-            "node": node, "cause": DATA_NETWORK_GONE, "action": action.value, "reason": why, "killed": killed,
-            "link_up": row.link_up if row is not None else None})
+        killed = run.kill_workers() if restart else []
+        self.outbox.event(run.job, "node_lost", {"node": loss.node, "cause": loss.cause, "action": action,
+                                                 "reason": reason, "killed": killed, **(event or {})})
 
     def stop(self) -> None:
         """Stop the prober."""

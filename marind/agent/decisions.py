@@ -298,8 +298,8 @@ def replica_group_lost(slot: int | None, launched_slot: int | None, *, stopping:
 def stall_window(lease_ttl: float) -> float:
     """Seconds without progress that, with a lost lease, mean the collectives are stuck.
 
-    Half the lease TTL: a node whose lease expired was noticed at the earliest 4/5 TTL after it
-    went quiet (keep-alives every TTL/5), so its peers' workers have been stuck that long;
+    Half the lease TTL: a node whose lease expired was noticed at the earliest 9/10 TTL after it
+    went quiet (keep-alives every TTL/10), so its peers' workers have been stuck that long;
     workers still stepping within it reach their peers (only the control network is gone).
     """
     return lease_ttl / 2

@@ -190,9 +190,7 @@ class NodeRegistry:
                         self.log.warning("lease_revoked" if self.revoked else "lease_expired", lease=lease.id,
                                          renewed_s_ago=round(sent - self.last_renewal, 1))
                         continue
-                    if sent - self.last_renewal <= silent_window(self.ttl):
-                        self.trusted_renewal = sent
-                    self.last_renewal = sent
+                    self._renewed(sent)
                 if not self.connected:
                     self.connected = True
                     self.log.info("etcd_reachable_again")
@@ -210,6 +208,13 @@ class NodeRegistry:
                 if self._on_failure:
                     self._on_failure()
 
+    def _renewed(self, sent: float) -> None:
+        """A renewal sent at ``sent`` succeeded; it reopens the commit window only if the previous
+        one is no older than the silent window (``trusted_renewal``)."""
+        if sent - self.last_renewal <= silent_window(self.ttl):
+            self.trusted_renewal = sent
+        self.last_renewal = sent
+
     def rejoin(self, force: bool = False) -> bool:
         """After an expiry: a new lease and registration (the agent has fenced its runs first).
 
@@ -226,9 +231,7 @@ class NodeRegistry:
         if not force and not self.expired and self.lease is not None:
             sent = time.time()
             if self.client.refresh_lease(self.lease) > 0:
-                if sent - self.last_renewal <= silent_window(self.ttl):
-                    self.trusted_renewal = sent
-                self.last_renewal = sent
+                self._renewed(sent)
                 return False
         self.register()
         return True
