@@ -30,7 +30,10 @@ verdicts above need no more: a row says which peers it probed.
 
 ``commit_fence_due``: a node that has reached none of its peers for
 ``COMMIT_FENCE_S`` must not commit a checkpoint any more (its world may be
-replaced); it says so before its row shows it isolated for ``window``.
+replaced); it says so before its row shows it isolated for ``window``. Peers
+that etcd shows silent too (their lease unrenewed past the silent window) do
+not count: this node is not the one cut off (a torchft survivor of a power-off
+commits again within seconds, not when the lost host's lease expires).
 """
 
 from __future__ import annotations
@@ -204,18 +207,24 @@ def _on_torchft_data_loss(me: str, cut: frozenset[str], acted: frozenset[str]) -
 
 
 def commit_fence_due(down: Mapping[str, float], probed: frozenset[str], now: float,
-                     after_s: float = COMMIT_FENCE_S) -> float | None:
+                     after_s: float = COMMIT_FENCE_S, dead: frozenset[str] = frozenset()) -> float | None:
     """Since when this node may not commit: every peer it probes unreachable for ``after_s``.
+
+    A peer in ``dead`` is no evidence that this node is the one cut off: etcd, which this node
+    still reaches, shows that peer's lease unrenewed past its silent window
+    (``marind.agent.silence``), so it is cut off or down, and fenced by its own lease file.
 
     Args:
         down: peer -> unreachable since (this node's probes).
         probed: the peers it probes.
         now: the current time.
         after_s: how long they must all have been down.
+        dead: peers silent on both networks (left out).
 
     Returns:
         When the isolation began (the fence time), or None (commits allowed).
     """
+    probed = probed - dead
     if not probed or any(p not in down for p in probed):
         return None
     since = max(down[p] for p in probed)

@@ -9,7 +9,9 @@ for each run:
 2. a run that has reached none of its peers for ``COMMIT_FENCE_S`` fences its
    commits at once: its ``lease.json`` ends at the isolation's start
    (``marind.core.lease_file``), so no checkpoint of a world that may be
-   replaced gets committed; the fence lifts when a peer answers again;
+   replaced gets committed; the fence lifts when a peer answers again, or
+   when every silent peer proves silent on etcd too (below: dead, not this
+   node cut off);
 3. the node publishes its own row in its job record (``record_part``): its
    endpoint, its link's carrier, the peers it probes and since when each is
    silent. The fence of step 2 is written before a row that shows the
@@ -80,6 +82,7 @@ class DataWatch:
         self.run, self.prober = run, prober
         self.acted: set[tuple[str, str]] = set()    # (node, incarnation) acted on
         self.commit_fence_at: float | None = None
+        self.dead: frozenset[str] = frozenset()     # peers silent on both networks (``silence.silent_peer``)
         self._ring: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())   # (nodes, targets)
 
     def peers(self) -> dict[str, Endpoint]:
@@ -119,12 +122,13 @@ class DataWatch:
     def update_fence(self, now: float, registry: NodeRegistry) -> None:
         """Set or lift the commit fence and rewrite ``lease.json`` when it changes."""
         down, probed = self.refresh()
-        fence_at = commit_fence_due(down, probed, now)
+        fence_at = commit_fence_due(down, probed, now, dead=self.dead)
         if (fence_at is None) == (self.commit_fence_at is None):
             return
         self.commit_fence_at = fence_at
         get_logger(__name__, node=self.run.node).warning(
-            "data_commit_fence", job=self.run.job, fenced=fence_at is not None, down=sorted(down))
+            "data_commit_fence", job=self.run.job, fenced=fence_at is not None, down=sorted(down),
+            dead=sorted(self.dead))
         try:
             write_lease(self.run.sup.run_dir, renewed_at=registry.trusted_renewal, ttl=registry.ttl,
                         node=self.run.node, until=fence_at)
@@ -224,6 +228,7 @@ class DataNetwork:
         if not online:
             return
         self._silent_hosts(run, now)
+        watch.update_fence(now, self.registry)      # a peer found dead is no sign of this node's isolation
         rows = watch.rows(now)
         cut, verdict = cut_off(rows, now=now, window=stall_s, fresh_s=self.fresh_s)
         if not cut:
@@ -259,20 +264,28 @@ class DataNetwork:
         assert members is not None and watch is not None
         states = self.prober.states(run.job)
         client = members.client
+        dead: set[str] = set()
         for node in sorted(watch.peers()):
             state = states.get(node)
             down_since = state.down_since if state is not None else None
             if not suspect(down_since, now):
+                continue        # it answers again (a frozen host resumed inside its lease): alive
+            if run.ft is not None and node in watch.dead:
+                dead.add(node)  # torchft did all it does on the first sight: no etcd reads while it stays silent
                 continue
             lease_id = client.lease_of(client.key("nodes", node))
             lease = client.lease_time_to_live(lease_id) if lease_id is not None else None
             # the window of ITS lease (agents may differ in lease_ttl): the one its commits honour
             window = silent_window(lease[1] if lease is not None else self.registry.ttl)
             silent, why = silent_peer(down_since=down_since, now=now, lease=lease, window=window)
-            if silent and run.ft is not None:
+            if not silent:
+                continue
+            dead.add(node)
+            if run.ft is not None:
                 run.ft.drop_silent_holder(node)     # torchft: the lighthouse moves now; the loss waits for the lease
-            elif silent:
+            else:
                 self._act_silent(run, node, lease_id, why, now)
+        watch.dead = frozenset(dead)
 
     def _act_silent(self, run: RunMonitor, node: str, lease_id: int | None, why: str, now: float) -> None:
         members = run.members

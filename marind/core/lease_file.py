@@ -85,21 +85,38 @@ def read_lease(run_dir: str | Path) -> float | None:
         return None
 
 
-def renewal_late(run_dir: str | Path, now: float) -> bool:
-    """Has the agent gone more than half the TTL without renewing the node's lease?
+def save_held(doc: dict | None, now: float) -> str | None:
+    """Why a save due now should be skipped, from a lease file's contents; None: go ahead (pure).
 
-    Renewals come every TTL/10; a later one means etcd is out of this node's reach (its control
-    network may be cut, and the storage with it). False without a (valid) lease file.
+    Two reasons, both of which would hold the save's commit (the commit fence) and could stall
+    the step behind it (a due save first waits for the one before):
+
+    * the agent has gone more than half the TTL without renewing the node's lease: renewals
+      come every TTL/10, so etcd is out of this node's reach (its control network may be cut,
+      and the storage with it);
+    * the agent has fenced commits because this node reached none of its data-network peers
+      (``fenced_at``, ``marind.agent.data_watch``): until a peer answers, or the peers prove
+      dead rather than this node cut off, nothing may commit.
 
     Args:
-        run_dir: the job's run directory on this node.
+        doc: the lease file's JSON object (:func:`read_lease_doc`); None or malformed: go ahead.
         now: the current Unix time.
     """
-    doc = read_json_object(lease_path(run_dir))
+    if doc is None:
+        return None
     try:
-        return doc is not None and now - float(doc["renewed_at"]) > float(doc["ttl"]) / 2
+        if now - float(doc["renewed_at"]) > float(doc["ttl"]) / 2:
+            return "the node's lease is not being renewed: the control plane is out of reach"
     except (KeyError, TypeError, ValueError):
-        return False
+        return None
+    if doc.get("fenced_at") is not None:
+        return "commits are fenced: this node reaches none of its data-network peers"
+    return None
+
+
+def read_lease_doc(run_dir: str | Path) -> dict | None:
+    """The run's lease file as a JSON object, or None when it is missing or malformed."""
+    return read_json_object(lease_path(run_dir))
 
 
 def commit_margin(ttl: float) -> float:

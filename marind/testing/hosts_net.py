@@ -144,10 +144,17 @@ def set_forwarding(veths: list[str], on: bool) -> None:
     host's traffic, which the host's own link state cannot tell from a working one.
     """
     state = "3" if on else "0"       # forwarding / disabled
-    res = subprocess.run(["bridge", "-batch", "-"], input="".join(f"link set dev {v} state {state}\n" for v in veths),
-                         capture_output=True, text=True, timeout=30)
-    if res.returncode != 0:
-        raise BedError(f"`bridge -batch` setting {veths} to state {state} failed: {res.stderr.strip()}")
+    deadline = time.monotonic() + 5.0
+    while True:
+        res = subprocess.run(["bridge", "-batch", "-"], input="".join(f"link set dev {v} state {state}\n" for v in veths),
+                             capture_output=True, text=True, timeout=30)
+        if res.returncode == 0:
+            return
+        # a port set up a moment ago is not operationally up yet (its veth's carrier comes asynchronously):
+        # the kernel refuses any state but disabled until it is
+        if "Network is down" not in res.stderr or time.monotonic() > deadline:
+            raise BedError(f"`bridge -batch` setting {veths} to state {state} failed: {res.stderr.strip()}")
+        time.sleep(0.05)
 
 
 def link_is_up(veth: str) -> bool:

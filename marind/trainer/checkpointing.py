@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from ckpt_store import CheckpointSaveFailed, CheckpointStore, PendingSave
 from ckpt_store.agreement import all_ranks_ok
 from marind.core import workerenv as WE
-from marind.core.lease_file import lease_path, renewal_late
+from marind.core.lease_file import lease_path, read_lease_doc, save_held
 from marind.core.log import get_logger
 from marind.trainer.config import TrainerSpec
 from marind.trainer.pipeline_ckpt import StageArrays
@@ -233,17 +233,19 @@ class Checkpointer:
                 raise CheckpointSaveFailed(f"checkpoint step {step} did not commit (see checkpoint_failed)")
 
     def _skip_while_cut_off(self, step: int) -> bool:
-        """Under an agent: skip this save, on every rank, when on some rank the agent has not renewed
-        the node's lease for more than half its TTL (etcd, and likely the storage, out of reach):
-        its storage calls could stall the step (waiting on the previous save too), and its commit
-        would wait for a renewal anyway (the commit fence). One all-reduce per save."""
+        """Under an agent: skip this save, on every rank, when on some rank the lease file holds
+        commits (``lease_file.save_held``: the node's lease unrenewed for more than half its TTL,
+        or commits fenced while no data-network peer answers): its storage calls could stall the
+        step (waiting on the previous save too, itself held in the commit fence), and its commit
+        would wait for the fence anyway. One all-reduce per save."""
         if self.run_dir is None:
             return False
-        if all_ranks_ok(not renewal_late(self.run_dir, time.time())):
+        reason = save_held(read_lease_doc(self.run_dir), time.time())
+        if all_ranks_ok(reason is None):
             return False
         self.failures += 1
         log.error("checkpoint_skipped", step=step, failures=self.failures,
-                  reason="the node's lease is not being renewed: the control plane is out of reach")
+                  reason=reason or "held on another rank of this world")
         return True
 
     def wait(self, timeout: float | None = None) -> None:

@@ -49,6 +49,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from marind.core.workerenv import REPLICA_GROUP, TEST_FT_PAUSE_FILE, WorkerEnv
 from marind.trainer.build import Run, setup_run
@@ -65,6 +66,9 @@ from marind.trainer.ft_group import (
 )
 from marind.trainer.init_from import init_run_from
 from marind.trainer.loop import Finish, LoopState, Result, StepReport, StopFlag, TrainMode, log_due, run_loop
+
+#: a group that did not save the last step looks for its checkpoint this often before it ends
+FINAL_POLL_S = 0.2
 
 
 def sample_indices(step: int, *, micro_step: int, spec: TrainerSpec, group: int, groups: int,
@@ -260,10 +264,35 @@ class TorchftMode(TrainMode):
         return ckpt.enabled and self.ft.manager.participating_rank() == 0 and ckpt.last_step != state.step
 
     def finish(self, run: Run, state: LoopState) -> Finish:
-        """Wait for the save in flight, shut the Manager down; the record gets ``param_digest``."""
+        """Wait for the save in flight and for the last step's checkpoint, shut the Manager down; the
+        record gets ``param_digest``."""
         run.ckpt.wait()
+        self._await_final_checkpoint(run, state.step)
         self.ft.manager.shutdown(wait=False)
         return Finish(log_fields={"rebuilds": self.ft.rebuilds}, record_fields={"param_digest": param_digest(run.model)})
+
+
+    def _await_final_checkpoint(self, run: Run, step: int) -> None:
+        """A group that did not save the last step ends once the group that did has committed it.
+
+        The agent marks a job SUCCEEDED when a first torchrun exits 0, and a job that SUCCEEDED
+        must have its last step durable: the other groups finish before the saving one's commit
+        ends. Rank 0 polls the store (every ``FINAL_POLL_S``, at most ``checkpoint.wait_timeout``;
+        past it a warning, and the group ends anyway: the saving group's own exit then decides),
+        the others wait for it.
+        """
+        ckpt = run.ckpt
+        if not ckpt.enabled or ckpt.last_step == step:
+            return
+        if run.rank == 0:
+            started = time.monotonic()
+            while (ckpt.latest() or 0) < step:
+                if time.monotonic() - started > run.spec.checkpoint.wait_timeout:
+                    run.log.warning("final_checkpoint_not_seen", step=step, waited_s=round(time.monotonic() - started))
+                    break
+                time.sleep(FINAL_POLL_S)
+        if run.world > 1:
+            dist.barrier()
 
 
 def train_ft(spec: TrainerSpec, device: torch.device, *, stop: StopFlag | None = None,

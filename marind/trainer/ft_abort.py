@@ -43,6 +43,7 @@ from typing import Any
 from marind.core.log import get_logger
 
 POLL_S = 1.0               # a collective pending this long reads the lighthouse, then once per POLL_S
+EPOCH_SLICE_S = 0.25       # meanwhile, how often it reads the lighthouse epoch (a local file)
 STATUS_TIMEOUT_S = 1.0     # one status read; an unreadable lighthouse decides nothing
 WAIT_SLICE_S = 0.05        # how often the waiting rank looks at its collective
 
@@ -185,8 +186,16 @@ class SilentPeerWatch:
         self.members: dict[int, tuple[str, ...]] = {}   # quorum id -> members, as last seen
         self.aborts = 0
 
+    def moved(self) -> bool:
+        """Has the lighthouse epoch moved away from this Manager's (a local file read, no request)?"""
+        return self.epoch_now() not in (self.epoch, -1)
+
     def check(self) -> AbortDecision:
-        """Read the lighthouse once and decide (see :func:`decide_abort`)."""
+        """Read the lighthouse once and decide (see :func:`decide_abort`); no read once it moved."""
+        epoch_now = self.epoch_now()
+        if epoch_now not in (self.epoch, -1):      # the old lighthouse may be gone: a read would wait out its timeout
+            return decide_abort(None, None, heartbeat_timeout=self.heartbeat_timeout, epoch=self.epoch,
+                                epoch_now=epoch_now)
         view = self.read(self.address)
         qid = self.quorum_id()
         if view is not None and view.quorum_id is not None and view.members:
@@ -197,7 +206,7 @@ class SilentPeerWatch:
                             heartbeat_timeout=self.heartbeat_timeout, epoch=self.epoch, epoch_now=self.epoch_now())
 
     def wait(self, wait_done: Callable[[float], bool], poll_s: float = POLL_S,
-             since: float | None = None) -> AbortDecision:
+             since: float | None = None, slice_s: float = EPOCH_SLICE_S) -> AbortDecision:
         """Wait until the collective ends, or :meth:`check` says abort.
 
         Args:
@@ -207,13 +216,19 @@ class SilentPeerWatch:
             since: when this step's quorum formed (``clock`` seconds); a step that ends longer
                 than ``heartbeat_timeout`` after it (slow, or frozen before or during the
                 collective) is checked once more with :func:`decide_late`. None: the wait's start.
+            slice_s: how often the lighthouse epoch is looked at in between (a moved lighthouse
+                ends the wait at once, without a read of the old one, which may be gone).
 
         Returns:
             ``abort=False`` when the collective ended in time, else the abort decision.
         """
         started, noted = self.clock(), False
-        while not wait_done(poll_s):
+        next_read = started + poll_s
+        while not wait_done(min(slice_s, poll_s)):
+            if self.clock() < next_read and not self.moved():
+                continue
             decision = self.check()
+            next_read = self.clock() + poll_s
             pending = round(self.clock() - started, 2)
             if decision.abort:
                 self.aborts += 1

@@ -267,8 +267,12 @@ class FTGroup:
         A dead lighthouse is not reported to the waiting client: it would wait out
         ``fault.quorum_timeout``. The call runs in a helper thread instead, and a new
         lighthouse epoch (seen after ``MOVED_GRACE_S``, so that a quorum that was about to
-        complete on the old one is not cut short) raises ``LighthouseMoved``.
+        complete on the old one is not cut short) raises ``LighthouseMoved``; an epoch that
+        moved before the quorum starts raises it at once.
         """
+        epoch = self.lighthouse.epoch()
+        if epoch not in (self.epoch, -1):     # moved already (seen while the last step waited): no quorum on the old one
+            raise LighthouseMoved(f"lighthouse epoch {self.epoch} -> {epoch} before a quorum")
         manager, done = self.manager, threading.Event()
         box: dict[str, BaseException] = {}
 

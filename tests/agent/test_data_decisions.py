@@ -149,6 +149,13 @@ def test_commit_fence_after_every_peer_silent_for_a_while():
     assert commit_fence_due({}, frozenset(), NOW) is None                   # no peer: nothing to fence
 
 
+def test_peers_silent_on_etcd_too_are_no_sign_that_this_node_is_cut_off():
+    probed, down = frozenset({"b", "c"}), {"b": NOW - 5, "c": NOW - 3}
+    assert commit_fence_due(down, probed, NOW, dead=frozenset({"b"})) == NOW - 3     # c may still be alive
+    assert commit_fence_due(down, probed, NOW, dead=frozenset({"b", "c"})) is None   # both dead: this one is not cut off
+    assert commit_fence_due({"b": NOW - 5}, frozenset({"b"}), NOW, dead=frozenset({"b"})) is None   # the torchft survivor
+
+
 def test_each_node_probes_a_few_peers_and_is_probed_by_as_many():
     from collections import Counter
 

@@ -10,6 +10,8 @@ from marind.core.lease_file import (
     commit_margin,
     lease_path,
     read_lease,
+    read_lease_doc,
+    save_held,
     write_lease,
 )
 
@@ -57,6 +59,20 @@ def test_a_data_network_fence_ends_the_lease_early_and_a_save_refuses(tmp_path):
     assert read_lease(tmp_path) == 1004.0
     write_lease(tmp_path, renewed_at=1000.0, ttl=10, node="a")                  # lifted
     check_fence((str(lease_path(tmp_path)), COMMIT_MARGIN_S), now=1002.0)
+
+
+@pytest.mark.unit
+def test_a_due_save_is_held_while_the_lease_is_late_or_commits_are_fenced(tmp_path):
+    assert save_held(read_lease_doc(tmp_path), 1000.0) is None              # no agent: save
+    write_lease(tmp_path, renewed_at=1000.0, ttl=10, node="a")
+    assert save_held(read_lease_doc(tmp_path), 1004.9) is None              # renewals due every second
+    assert "not being renewed" in save_held(read_lease_doc(tmp_path), 1005.1)   # past half the TTL
+    write_lease(tmp_path, renewed_at=1000.0, ttl=10, node="a", until=999.0)    # no data-network peer answers
+    assert "fenced" in save_held(read_lease_doc(tmp_path), 1000.5)
+    write_lease(tmp_path, renewed_at=1001.0, ttl=10, node="a")                  # lifted
+    assert save_held(read_lease_doc(tmp_path), 1001.5) is None
+    lease_path(tmp_path).write_text('{"renewed_at": "soon", "ttl": 10}')
+    assert save_held(read_lease_doc(tmp_path), 1001.5) is None              # malformed: as without an agent
 
 
 def test_a_commit_waits_for_a_renewal_that_is_due(tmp_path):

@@ -43,7 +43,7 @@ LEASE_TTL = 10      # the agent's default (docs/design.md §8)
 STEPS = 3000        # a group alone steps 10-20/s here: the job must outlast the outage and the rejoin by far
 
 
-def _ft_spec(cluster: BedCluster, name: str, url: str, steps: int, every: int = EVERY) -> str:
+def _ft_spec(cluster: BedCluster, name: str, url: str, steps: int, every: int = EVERY, keep_last: int = 0) -> str:
     """The trainer on S3 under torchft: one replica group (one rank) per host, min_replicas 1."""
     groups = len(cluster.nodes)
     text = f"""
@@ -77,7 +77,7 @@ log_every = 10
 url = "{url}"
 every_steps = {every}
 async = true
-keep_last = 0
+keep_last = {keep_last}
 [fault]
 mode = "torchft"
 replica_groups = {groups}
@@ -92,11 +92,11 @@ heartbeat_timeout = "2s"
     return str(path)
 
 
-def _submit(cluster: BedCluster, name: str, steps: int) -> tuple[str, str]:
+def _submit(cluster: BedCluster, name: str, steps: int, every: int = EVERY, keep_last: int = 0) -> tuple[str, str]:
     from marind.cli import main as marind_main
     url = cluster.s3.url(f"bedft-{uuid.uuid4().hex[:8]}", name)
     cluster.capsys.readouterr()
-    rc = marind_main(["submit", _ft_spec(cluster, name, url, steps)])
+    rc = marind_main(["submit", _ft_spec(cluster, name, url, steps, every, keep_last)])
     out = cluster.capsys.readouterr().out
     assert rc == 0, out
     return out.strip().splitlines()[-1], url
@@ -218,6 +218,50 @@ def test_torchft_power_off_and_back(bed_cluster, whom):  # noqa: F811 - the fixt
         assert back["pid"] != old_pid, "fenced, yet the stale worker runs on"
         assert _healed_since(cluster, job, victim, off_at), "the restarted group joined without healing from a peer"
     assert not cluster.kinds(job, "hang_detected") and not cluster.kinds(job, "group_failed"), events
+
+
+def _commits_between(cluster: BedCluster, job: str, node: str, start: float, end: float) -> list[int]:
+    """The steps whose checkpoint ``node``'s group committed between ``start`` and ``end`` (Unix times)."""
+    path = cluster.tmp / f"state-{node}" / "jobs" / job / "logs" / "torchrun.log"
+    steps = []
+    for line in path.read_text(errors="replace").splitlines():
+        if '"event": "ckpt_committed"' in line and line.startswith("{"):
+            rec = json.loads(line)
+            if rec.get("rank") == 0 and start < datetime.fromisoformat(
+                    rec["timestamp"].replace("Z", "+00:00")).timestamp() < end:
+                steps.append(int(rec["step"]))
+    return steps
+
+
+@pytest.mark.parametrize("hostbed", [("host1", "host2")], indirect=True)
+def test_torchft_survivor_commits_before_the_lost_hosts_lease_expires(bed_cluster):  # noqa: F811 - the fixture
+    """Two hosts, the one without the lighthouse powered off: the survivor reaches no data-network peer,
+    so its agent fences its commits (it could be the one cut off); once etcd shows the lost host's
+    lease unrenewed past its silent window (dead, not this node cut off), the fence lifts and the
+    survivor's group commits checkpoints again before that lease expires, not after (the fence held
+    until the expiry before: every save of those ~10 s failed, and training stalled behind them)."""
+    cluster = bed_cluster
+    steps = 1500
+    job, url = _submit(cluster, "ft-fence", steps, every=10, keep_last=3)
+    _all_stepping(cluster, job, 10)
+    victim = _victim(cluster, job)
+    survivor = next(n for n in cluster.nodes if n != victim)
+    off_at = time.time()
+    frozen = cluster.bed.power_off(victim)
+    assert frozen, f"nothing ran in {victim}"
+    try:
+        lost = wait_for(lambda: _events_of(cluster, job, "node_lost", victim), 60, f"{victim} recorded lost",
+                        interval=0.2, diag=cluster.diag)
+    finally:
+        cluster.bed.power_on(victim, frozen)
+    lost_at = float(lost[0]["at"])
+    assert lost[0]["detail"]["cause"] == "lease_expired" and lost_at - off_at > 6, lost
+    committed = _commits_between(cluster, job, survivor, off_at + 5.0, lost_at)
+    assert committed, (f"no checkpoint committed by {survivor} between the fence's lifting and {victim}'s lease "
+                       f"expiry ({lost_at - off_at:.1f} s after the power-off)\n{cluster.diag()}")
+    _rejoined_and_stepping(cluster, job, victim, None, max(committed))
+    _finish(cluster, job, url, steps)
+    assert not cluster.kinds(job, "hang_detected") and not cluster.kinds(job, "group_failed"), cluster.events(job)
 
 
 # -- (ii) partition a group's host's data network, then heal --------------------------------------

@@ -105,8 +105,28 @@ class _Lighthouse:
         return self.views.pop(0) if len(self.views) > 1 else self.views[0]
 
 
-def _watch(lighthouse, quorum_id=7, epoch=3):
-    return SilentPeerWatch("http://lh", 2.0, epoch, lambda: epoch, lambda: quorum_id, read=lighthouse)
+class _Clock:
+    """A clock that a collective's wait advances by the seconds it waited (no real sleeping)."""
+
+    def __init__(self, now=100.0):
+        self.now = now
+
+    def __call__(self):
+        return self.now
+
+    def waiting(self, *results):
+        """A ``wait_done`` that waits its slice and gives ``results`` in turn (the last one from then on)."""
+        results = list(results)
+
+        def wait_done(seconds):
+            self.now += seconds
+            return results.pop(0) if len(results) > 1 else results[0]
+        return wait_done
+
+
+def _watch(lighthouse, quorum_id=7, epoch=3, clock=None, epoch_now=None):
+    return SilentPeerWatch("http://lh", 2.0, epoch, epoch_now or (lambda: epoch), lambda: quorum_id, read=lighthouse,
+                           clock=clock or _Clock())
 
 
 @pytest.mark.unit
@@ -114,9 +134,12 @@ def test_a_collective_that_ends_is_never_given_up_and_reads_nothing_when_quick()
     lh = _Lighthouse(LighthouseView(7, MEMBERS, {"job_rg1:bbbb": 99.0}))
     assert not _watch(lh).wait(lambda s: True).abort
     assert lh.reads == 0
-    slices = iter([False, False, True])         # pending for two slices: two reads, peers alive
+    clock = _Clock()
     lh = _Lighthouse(LighthouseView(7, MEMBERS, {"job_rg1:bbbb": 0.1}))
-    assert _watch(lh).wait(lambda s: next(slices)).reason == "completed" and lh.reads == 2
+    # pending 2.25 s in slices of 0.25 s: a read after 1 s and one after 2 s, peers alive; then, the step
+    # longer than heartbeat_timeout, the late check's read (the lighthouse's quorum is still this one)
+    d = _watch(lh, clock=clock).wait(clock.waiting(*[False] * 8, True))
+    assert d.reason == "completed" and lh.reads == 3
 
 
 @pytest.mark.unit
@@ -124,9 +147,28 @@ def test_a_member_that_goes_silent_ends_the_wait_and_members_outlive_a_newer_quo
     alive = LighthouseView(7, MEMBERS, {"job_rg0:aaaa": 0.1, "job_rg1:bbbb": 1.0})
     # the lighthouse's latest quorum becomes 8 (a joiner alone); ours stays 7, remembered from the first read
     later = LighthouseView(8, ("job_rg3:dddd",), {"job_rg0:aaaa": 0.1, "job_rg1:bbbb": 3.1})
-    watch = _watch(_Lighthouse(alive, later))
-    d = watch.wait(lambda s: False)
+    clock = _Clock()
+    watch = _watch(_Lighthouse(alive, later), clock=clock)
+    d = watch.wait(clock.waiting(False))
     assert d.abort and "job_rg1:bbbb silent for 3.1s" in d.reason and watch.aborts == 1
+    assert clock.now == 102.0       # read at 1 s (alive) and 2 s (silent)
+
+
+@pytest.mark.unit
+def test_a_moved_lighthouse_ends_the_wait_within_a_slice_without_reading_the_old_one():
+    clock, epoch = _Clock(), [3]
+    lh = _Lighthouse(None)         # the old lighthouse's host is gone: a read would wait out its timeout
+
+    def wait_done(seconds):
+        clock.now += seconds
+        if clock.now >= 101.3:
+            epoch[0] = 4           # the agent elected a new lighthouse
+        return False
+
+    watch = _watch(lh, clock=clock, epoch_now=lambda: epoch[0])
+    d = watch.wait(wait_done)
+    assert d.abort and "lighthouse moved (epoch 3 -> 4)" in d.reason
+    assert clock.now == 101.5 and lh.reads == 1     # seen in the slice it moved in; the old one read once (at 1 s)
 
 
 @pytest.mark.unit
@@ -156,9 +198,12 @@ def test_a_step_frozen_before_its_collective_is_checked_when_the_collective_ends
 
 @pytest.mark.unit
 def test_an_unknown_quorum_waits_for_the_collective():
-    slices = iter([False, False, False, True])
+    clock = _Clock()
     lh = _Lighthouse(LighthouseView(9, ("job_rg5:eeee",), {"job_rg1:bbbb": 50.0}))
-    assert not _watch(lh, quorum_id=7).wait(lambda s: next(slices)).abort
+    # pending 3 s (three reads): never given up while it waits, whatever the heartbeats of an unknown quorum say;
+    # once it ends, the late check sees that quorum 9 formed meanwhile: not committed
+    d = _watch(lh, quorum_id=7, clock=clock).wait(clock.waiting(*[False] * 12, True))
+    assert clock.now == 103.25 and lh.reads == 4 and "quorum 9 formed without this group" in d.reason
 
 
 def test_a_real_lighthouse_page_parses():
