@@ -30,10 +30,11 @@ verdicts above need no more: a row says which peers it probed.
 
 ``commit_fence_due``: a node that has reached none of its peers for
 ``COMMIT_FENCE_S`` must not commit a checkpoint any more (its world may be
-replaced); it says so before its row shows it isolated for ``window``. Peers
-that etcd shows silent too (their lease unrenewed past the silent window) do
-not count: this node is not the one cut off (a torchft survivor of a power-off
-commits again within seconds, not when the lost host's lease expires).
+replaced); it says so before its row shows it isolated for ``window``. When
+every other node is dead (etcd shows their leases unrenewed past the silent
+window too), no world can replace this one: no fence (a torchft survivor of
+its only peer's power-off commits again within seconds, not when the lost
+host's lease expires).
 """
 
 from __future__ import annotations
@@ -207,24 +208,30 @@ def _on_torchft_data_loss(me: str, cut: frozenset[str], acted: frozenset[str]) -
 
 
 def commit_fence_due(down: Mapping[str, float], probed: frozenset[str], now: float,
-                     after_s: float = COMMIT_FENCE_S, dead: frozenset[str] = frozenset()) -> float | None:
+                     after_s: float = COMMIT_FENCE_S, dead: frozenset[str] = frozenset(),
+                     others: frozenset[str] = frozenset()) -> float | None:
     """Since when this node may not commit: every peer it probes unreachable for ``after_s``.
 
-    A peer in ``dead`` is no evidence that this node is the one cut off: etcd, which this node
-    still reaches, shows that peer's lease unrenewed past its silent window
-    (``marind.agent.silence``), so it is cut off or down, and fenced by its own lease file.
+    Unless every other node of the job is dead (``dead``: silent on the data network while etcd,
+    which this node still reaches, shows its lease unrenewed past its silent window,
+    ``marind.agent.silence``): then no live node is left to replace this node's world, and each
+    dead one is fenced by its own lease file (a torchft survivor of its only peer's power-off).
+    One live node that this node does not reach is enough to keep the fence: it may be the
+    majority that judges this node cut off (its ring targets dead with its own switch, say).
 
     Args:
         down: peer -> unreachable since (this node's probes).
         probed: the peers it probes.
         now: the current time.
         after_s: how long they must all have been down.
-        dead: peers silent on both networks (left out).
+        dead: peers silent on both networks.
+        others: every other node of the job (not only the probed ones).
 
     Returns:
         When the isolation began (the fence time), or None (commits allowed).
     """
-    probed = probed - dead
+    if others and others <= dead:
+        return None
     if not probed or any(p not in down for p in probed):
         return None
     since = max(down[p] for p in probed)

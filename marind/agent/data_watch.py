@@ -10,8 +10,8 @@ for each run:
    commits at once: its ``lease.json`` ends at the isolation's start
    (``marind.core.lease_file``), so no checkpoint of a world that may be
    replaced gets committed; the fence lifts when a peer answers again, or
-   when every silent peer proves silent on etcd too (below: dead, not this
-   node cut off);
+   when every other node of the job proves dead (silent on etcd too, below):
+   no live node is left to replace this node's world;
 3. the node publishes its own row in its job record (``record_part``): its
    endpoint, its link's carrier, the peers it probes and since when each is
    silent. The fence of step 2 is written before a row that shows the
@@ -122,7 +122,7 @@ class DataWatch:
     def update_fence(self, now: float, registry: NodeRegistry) -> None:
         """Set or lift the commit fence and rewrite ``lease.json`` when it changes."""
         down, probed = self.refresh()
-        fence_at = commit_fence_due(down, probed, now, dead=self.dead)
+        fence_at = commit_fence_due(down, probed, now, dead=self.dead, others=frozenset(self.endpoints()))
         if (fence_at is None) == (self.commit_fence_at is None):
             return
         self.commit_fence_at = fence_at
@@ -224,6 +224,8 @@ class DataNetwork:
         watch, members = run.data, run.members
         if watch is None or members is None:
             return
+        if not online:
+            watch.dead = frozenset()    # "dead" rests on etcd's word, which this node cannot hear now
         watch.update_fence(now, self.registry)
         if not online:
             return
@@ -270,9 +272,6 @@ class DataNetwork:
             down_since = state.down_since if state is not None else None
             if not suspect(down_since, now):
                 continue        # it answers again (a frozen host resumed inside its lease): alive
-            if run.ft is not None and node in watch.dead:
-                dead.add(node)  # torchft did all it does on the first sight: no etcd reads while it stays silent
-                continue
             lease_id = client.lease_of(client.key("nodes", node))
             lease = client.lease_time_to_live(lease_id) if lease_id is not None else None
             # the window of ITS lease (agents may differ in lease_ttl): the one its commits honour

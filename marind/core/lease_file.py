@@ -104,13 +104,13 @@ def save_held(doc: dict | None, now: float) -> str | None:
     """
     if doc is None:
         return None
+    if doc.get("fenced_at") is not None:
+        return "commits are fenced: this node reaches none of its data-network peers"
     try:
         if now - float(doc["renewed_at"]) > float(doc["ttl"]) / 2:
             return "the node's lease is not being renewed: the control plane is out of reach"
     except (KeyError, TypeError, ValueError):
-        return None
-    if doc.get("fenced_at") is not None:
-        return "commits are fenced: this node reaches none of its data-network peers"
+        pass
     return None
 
 

@@ -49,8 +49,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from ckpt_store.agreement import all_ranks_ok
 from marind.core.workerenv import REPLICA_GROUP, TEST_FT_PAUSE_FILE, WorkerEnv
 from marind.trainer.build import Run, setup_run
 from marind.trainer.checkpointing import init_optimizer_state
@@ -264,35 +264,46 @@ class TorchftMode(TrainMode):
         return ckpt.enabled and self.ft.manager.participating_rank() == 0 and ckpt.last_step != state.step
 
     def finish(self, run: Run, state: LoopState) -> Finish:
-        """Wait for the save in flight and for the last step's checkpoint, shut the Manager down; the
-        record gets ``param_digest``."""
+        """Wait for the save in flight and, at the end of training, for the last step's checkpoint;
+        shut the Manager down; the record gets ``param_digest``.
+
+        Raises:
+            RuntimeError: the last step's checkpoint was not committed within ``checkpoint.wait_timeout``.
+        """
         run.ckpt.wait()
-        self._await_final_checkpoint(run, state.step)
+        if not state.stopped and state.step >= run.spec.train.steps:
+            self._await_final_checkpoint(run, state.step)
         self.ft.manager.shutdown(wait=False)
         return Finish(log_fields={"rebuilds": self.ft.rebuilds}, record_fields={"param_digest": param_digest(run.model)})
-
 
     def _await_final_checkpoint(self, run: Run, step: int) -> None:
         """A group that did not save the last step ends once the group that did has committed it.
 
         The agent marks a job SUCCEEDED when a first torchrun exits 0, and a job that SUCCEEDED
         must have its last step durable: the other groups finish before the saving one's commit
-        ends. Rank 0 polls the store (every ``FINAL_POLL_S``, at most ``checkpoint.wait_timeout``;
-        past it a warning, and the group ends anyway: the saving group's own exit then decides),
-        the others wait for it.
+        ends. Rank 0 looks at the store every ``FINAL_POLL_S`` and the group agrees on what it saw
+        (one all-reduce a look: no rank waits in a collective longer than that). Past
+        ``checkpoint.wait_timeout`` the group fails instead of ending well: torchrun restarts it,
+        and alone behind the latest checkpoint it restores it and trains the rest itself.
         """
         ckpt = run.ckpt
         if not ckpt.enabled or ckpt.last_step == step:
             return
-        if run.rank == 0:
-            started = time.monotonic()
-            while (ckpt.latest() or 0) < step:
-                if time.monotonic() - started > run.spec.checkpoint.wait_timeout:
-                    run.log.warning("final_checkpoint_not_seen", step=step, waited_s=round(time.monotonic() - started))
-                    break
-                time.sleep(FINAL_POLL_S)
-        if run.world > 1:
-            dist.barrier()
+        started = time.monotonic()
+        while True:
+            seen = False
+            if run.rank == 0:
+                try:
+                    seen = (ckpt.latest() or 0) >= step
+                except Exception as exc:  # noqa: BLE001 - a storage error is a look that saw nothing
+                    run.log.warning("final_checkpoint_look_failed", step=step, error=str(exc)[:200])
+            if not all_ranks_ok(not seen):      # rank 0 saw it: every rank ends
+                return
+            if time.monotonic() - started > run.spec.checkpoint.wait_timeout:
+                raise RuntimeError(f"the checkpoint of the last step {step} was not committed within "
+                                   f"checkpoint.wait_timeout ({run.spec.checkpoint.wait_timeout:g}s) by the group "
+                                   "that saves it; failing this group so that it is restarted")
+            time.sleep(FINAL_POLL_S)
 
 
 def train_ft(spec: TrainerSpec, device: torch.device, *, stop: StopFlag | None = None,

@@ -149,11 +149,16 @@ def test_commit_fence_after_every_peer_silent_for_a_while():
     assert commit_fence_due({}, frozenset(), NOW) is None                   # no peer: nothing to fence
 
 
-def test_peers_silent_on_etcd_too_are_no_sign_that_this_node_is_cut_off():
+def test_no_fence_once_every_other_node_is_dead_and_only_then():
     probed, down = frozenset({"b", "c"}), {"b": NOW - 5, "c": NOW - 3}
-    assert commit_fence_due(down, probed, NOW, dead=frozenset({"b"})) == NOW - 3     # c may still be alive
-    assert commit_fence_due(down, probed, NOW, dead=frozenset({"b", "c"})) is None   # both dead: this one is not cut off
-    assert commit_fence_due({"b": NOW - 5}, frozenset({"b"}), NOW, dead=frozenset({"b"})) is None   # the torchft survivor
+    everyone = frozenset({"b", "c"})
+    assert commit_fence_due(down, probed, NOW, dead=frozenset({"b"}), others=everyone) == NOW - 3   # c may live
+    assert commit_fence_due(down, probed, NOW, dead=everyone, others=everyone) is None              # no one left
+    # its ring targets dead (with its own switch, say) while a node it does not probe lives: still fenced
+    assert commit_fence_due(down, probed, NOW, dead=everyone, others=everyone | {"d"}) == NOW - 3
+    # the torchft survivor of its only peer's power-off
+    assert commit_fence_due({"b": NOW - 5}, frozenset({"b"}), NOW, dead=frozenset({"b"}),
+                            others=frozenset({"b"})) is None
 
 
 def test_each_node_probes_a_few_peers_and_is_probed_by_as_many():
