@@ -9,9 +9,10 @@ its own, so a slow step never looks silent), and a group whose last heartbeat is
 So while a cross-group collective is pending longer than ``POLL_S``, the waiting rank reads the
 lighthouse's status page (``GET {lighthouse}/status``) once every ``POLL_S``: the latest quorum's
 id and members, and each replica's heartbeat age; and from the wait's start it looks at the
-lighthouse epoch (``lighthouse.json``, a local file) every ``EPOCH_SLICE_S``. When a member of this rank's quorum has been
-silent longer than ``heartbeat_timeout`` (or the lighthouse epoch moved, ``lighthouse.json``),
-:func:`decide_abort` says abort: the step's error is reported to the Manager (``should_commit``
+lighthouse epoch (``lighthouse.json``, a local file) every ``EPOCH_SLICE_S``. When a member of
+this rank's quorum has been silent longer than ``heartbeat_timeout`` (or the lighthouse epoch
+moved: then without a read of the old lighthouse, whose host may be gone), :func:`decide_abort`
+says abort: the step's error is reported to the Manager (``should_commit``
 is then False on this group, as for a timed-out collective), and the collective is abandoned.
 The next quorum forms without the silent group and the process group is reconfigured.
 
