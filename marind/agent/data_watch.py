@@ -229,8 +229,10 @@ class DataNetwork:
         watch.update_fence(now, self.registry)
         if not online:
             return
+        dead = watch.dead
         self._silent_hosts(run, now)
-        watch.update_fence(now, self.registry)      # a peer found dead is no sign of this node's isolation
+        if watch.dead != dead:
+            watch.update_fence(now, self.registry)  # a peer found dead is no sign of this node's isolation
         rows = watch.rows(now)
         cut, verdict = cut_off(rows, now=now, window=stall_s, fresh_s=self.fresh_s)
         if not cut:

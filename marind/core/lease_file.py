@@ -76,9 +76,14 @@ def write_lease(run_dir: str | Path, *, renewed_at: float, ttl: float, node: str
     write_json_atomic(lease_path(run_dir), doc)
 
 
+def read_lease_doc(run_dir: str | Path) -> dict | None:
+    """The run's lease file as a JSON object, or None when it is missing or malformed."""
+    return read_json_object(lease_path(run_dir))
+
+
 def read_lease(run_dir: str | Path) -> float | None:
     """``valid_until`` of the run's lease file, or None when it is missing or malformed."""
-    doc = read_json_object(lease_path(run_dir))
+    doc = read_lease_doc(run_dir)
     try:
         return None if doc is None else float(doc["valid_until"])
     except (KeyError, TypeError, ValueError):
@@ -112,11 +117,6 @@ def save_held(doc: dict | None, now: float) -> str | None:
     except (KeyError, TypeError, ValueError):
         pass
     return None
-
-
-def read_lease_doc(run_dir: str | Path) -> dict | None:
-    """The run's lease file as a JSON object, or None when it is missing or malformed."""
-    return read_json_object(lease_path(run_dir))
 
 
 def commit_margin(ttl: float) -> float:
