@@ -2,8 +2,8 @@
 
 All run in the caller's thread on the default process group, and only when
 there is more than one rank: every rank must call the same ones in the same
-order. A save agrees on what it saves (``agree_layout``: one all-reduce of a
-digest, before anything is written); a load lists the steps on rank 0 only
+order. A save agrees on what it saves and that every rank is ready to (``agree_layout``:
+one all-reduce of a digest and a flag, before anything is written); a load lists the steps on rank 0 only
 (``rank0_steps``: one broadcast) and agrees on each step's outcome
 (``agree_outcome``: the worst over the ranks wins), so every rank takes the
 same branch and none is left waiting in a collective; each rank of a load reads
@@ -76,17 +76,21 @@ def layout_rows(step: int, tensors: dict) -> list:
     return rows
 
 
-def agree_layout(step: int, tensors: dict) -> None:
-    """Refuse, on every rank and before anything is written, a save whose ranks disagree.
+def agree_layout(step: int, tensors: dict, ready: bool = True) -> bool:
+    """Refuse, on every rank and before anything is written, a save whose ranks disagree;
+    and tell every rank whether all of them are ``ready`` (their step directory prepared in time).
 
-    One all-reduce of a 62-bit digest of ``layout_rows``; only when the digests
-    differ do the ranks exchange the rows themselves, to name the difference.
-    Ranks that save different steps, or hold different arrays (every rank must
-    present every array, sharded or replicated; a pipeline stage presents the
-    other stages' arrays as DTensors placed on their holders' ranks, of which it
-    writes nothing, as ``marind.trainer.pipeline_ckpt`` does), would otherwise
-    commit a checkpoint with holes, or wait on each other in a collective that
-    never matches.
+    One all-reduce of a 62-bit digest of ``layout_rows`` and the ``ready`` flag; only when
+    the digests differ (and every rank is ready) do the ranks exchange the rows themselves,
+    to name the difference. Ranks that save different steps, or hold different arrays (every
+    rank must present every array, sharded or replicated; a pipeline stage presents the
+    other stages' arrays as DTensors placed on their holders' ranks, of which it writes
+    nothing, as ``marind.trainer.pipeline_ckpt`` does), would otherwise commit a checkpoint
+    with holes, or wait on each other in a collective that never matches.
+
+    Returns:
+        True when every rank was ready (then the layouts agree); False when some rank was
+        not (the layouts are not compared: the save is off on every rank anyway).
 
     Raises:
         CheckpointError: on every rank, naming the first difference.
@@ -94,10 +98,12 @@ def agree_layout(step: int, tensors: dict) -> None:
     rows = layout_rows(step, tensors)
     raw = json.dumps(rows).encode()
     digest = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big") >> 2
-    both = torch.tensor([digest, -digest], dtype=torch.int64, device=_collective_device())
+    both = torch.tensor([digest, -digest, 1 if ready else 0], dtype=torch.int64, device=_collective_device())
     dist.all_reduce(both, op=dist.ReduceOp.MIN)
+    if not int(both[2]):
+        return False
     if int(both[0]) == -int(both[1]):
-        return
+        return True
     raise CheckpointError(f"checkpoint step {step}: the ranks disagree on what they save "
                           f"({layout_difference(all_gather_json(rows))}); every rank must call save() "
                           "with the same step and the same arrays (shapes, dtypes, placements)")

@@ -14,13 +14,14 @@ negligible next to the state.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from ckpt_store import layout
-from ckpt_store.plan import ArrayPlan, all_pieces, mesh_ranks
+from ckpt_store.plan import ArrayPlan, static_pieces
 from ckpt_store.zarr_format import ArraySpec
 
 #: arrays of at most this many bytes that a save would split into several objects
@@ -29,17 +30,16 @@ SMALL_ARRAY_BYTES = 256 << 10
 GATHER_BUDGET_BYTES = 64 << 20
 
 
-def small_sharded(plan: ArrayPlan, tensor: torch.Tensor, limit: int, world: int) -> bool:
-    """Would ``plan`` write a small array as several objects, split along dim 0 only?
-    (Those become inner chunks of one object: a rank that loads its old rows reads just them.)
-    Only arrays on a mesh of the whole world (``save`` has checked that every rank holds
-    the same arrays, so every rank picks the same ones; arrays on a sub-mesh are left as
-    they are)."""
-    spec = plan.spec
+def small_sharded(static: tuple, spec: ArraySpec, limit: int, world: int) -> bool:
+    """Would the plan made from ``static`` (``ArrayPlan.static``) write a small array as several
+    objects, split along dim 0 only? (Those become inner chunks of one object: a rank that
+    loads its old rows reads just them.) Only DTensors on a mesh of the whole world (``save``
+    has checked that every rank holds the same arrays, so every rank picks the same ones;
+    arrays on a sub-mesh are left as they are)."""
+    where = static[-1] if static else None
     grid = layout.grid_shape(spec.shape, spec.chunks)
-    return (isinstance(tensor, DTensor) and len(grid) > 0 and grid[0] > 1 and math.prod(grid[1:]) == 1
-            and math.prod(spec.shape) * spec.itemsize <= limit
-            and len(mesh_ranks(tensor.device_mesh)[0]) == world)
+    return (where is not None and len(grid) > 0 and grid[0] > 1 and math.prod(grid[1:]) == 1
+            and math.prod(spec.shape) * spec.itemsize <= limit and len(where[0]) == world)
 
 
 def whole_spec(spec: ArraySpec, inner_bytes: int) -> ArraySpec:
@@ -49,6 +49,47 @@ def whole_spec(spec: ArraySpec, inner_bytes: int) -> ArraySpec:
     height = -(-spec.shape[0] // rows) * rows
     return ArraySpec(spec.name, spec.shape, spec.dtype, (height, *spec.shape[1:]),
                      rows if rows < height else None)
+
+
+@dataclass(frozen=True)
+class GatherLayout:
+    """What a save's gathering of small arrays depends on, but the data: which plans it
+    replaces, the bytes each rank sends, and per replaced plan its parts, its whole-array
+    spec, this rank's pieces and the cells it writes."""
+
+    picks: tuple[int, ...]
+    sizes: tuple[int, ...]
+    parts: tuple[tuple[layout.GatherPart, ...], ...]
+    wholes: tuple[tuple[ArraySpec, tuple, tuple], ...]
+
+
+@lru_cache(maxsize=16)
+def gather_layout(statics: tuple, specs: tuple, rank: int, world: int, limit: int, inner_bytes: int,
+                  budget: int) -> GatherLayout:
+    """The gathering of a save whose plans were made from ``statics`` (``ArrayPlan.static``;
+    ``specs`` their ArraySpecs). Pure, and cached: every save of a training run has the same
+    layout, and working it out again (every rank's pieces of every array, the cells each
+    writes) would hold up every save, in Python, before any byte moved."""
+    picks, total = [], 0
+    for i, (static, spec) in enumerate(zip(statics, specs)):
+        if small_sharded(static, spec, limit, world):
+            nbytes = math.prod(spec.shape) * spec.itemsize
+            if total + nbytes > budget:
+                break
+            picks.append(i)
+            total += nbytes
+    if not picks:
+        return GatherLayout((), (), (), ())
+    sizes, parts = layout.gather_plan([(specs[i].itemsize, static_pieces(specs[i].shape, world, statics[i][-1]))
+                                       for i in picks])
+    wholes = []
+    for i in picks:
+        spec = specs[i]
+        whole = whole_spec(spec, inner_bytes)
+        everyone = layout.replicated_pieces(spec.shape, world)
+        wholes.append((whole, tuple(everyone[rank]),
+                       tuple(layout.owned_cells(spec.shape, whole.chunks, everyone, rank, i))))
+    return GatherLayout(tuple(picks), tuple(sizes), tuple(tuple(p) for p in parts), tuple(wholes))
 
 
 def gather_small(plans: list[ArrayPlan], tensors: dict[str, torch.Tensor], rank: int, world: int,
@@ -61,43 +102,29 @@ def gather_small(plans: list[ArrayPlan], tensors: dict[str, torch.Tensor], rank:
     """
     if world <= 1 or limit <= 0:
         return plans
-    picks, total = [], 0
-    for i, plan in enumerate(plans):
-        t = tensors[plan.spec.name]
-        if small_sharded(plan, t, limit, world):
-            nbytes = math.prod(plan.spec.shape) * plan.spec.itemsize
-            if total + nbytes > budget:
-                break
-            picks.append(i)
-            total += nbytes
-    if not picks:
+    how = gather_layout(tuple(p.static for p in plans), tuple(p.spec for p in plans), rank, world, limit,
+                        inner_bytes, budget)
+    if not how.picks:
         return plans
-    arrays = [(plans[i].spec.itemsize, all_pieces(tensors[plans[i].spec.name])) for i in picks]
-    sizes, parts = layout.gather_plan(arrays)
-    width = max(sizes)
-    device = plans[picks[0]].local.device
-    send = torch.zeros(width, dtype=torch.uint8, device=device)
-    for i, array_parts in zip(picks, parts):
+    device = plans[how.picks[0]].local.device
+    send = torch.zeros(max(how.sizes), dtype=torch.uint8, device=device)
+    for i, array_parts in zip(how.picks, how.parts):
         plan = plans[i]
         for part in array_parts:
             if part.rank == rank:
                 _region(send, part, plan.local.dtype).copy_(plan.local[part.piece.local_slices()])
-    recv = [torch.empty(width, dtype=torch.uint8, device=device) for _ in range(world)]
+    recv = [torch.empty_like(send) for _ in range(world)]
     dist.all_gather(recv, send)
     out = list(plans)
-    for i, array_parts in zip(picks, parts):
+    for i, array_parts, (whole, mine, owned) in zip(how.picks, how.parts, how.wholes):
         plan, t = plans[i], tensors[plans[i].spec.name]
-        spec = plan.spec
-        whole = whole_spec(spec, inner_bytes)
-        everyone = layout.replicated_pieces(spec.shape, world)
-        owned = tuple(layout.owned_cells(spec.shape, whole.chunks, everyone, rank, i))
         if owned:
-            full = torch.empty(spec.shape, dtype=t.dtype, device=device)
+            full = torch.empty(plan.spec.shape, dtype=t.dtype, device=device)
             for part in array_parts:
                 full[part.piece.box.slices()] = _region(recv[part.rank], part, t.dtype)
         else:
             full = plan.local   # this rank writes none of it: nothing to assemble
-        out[i] = ArrayPlan(whole, tuple(everyone[rank]), full, owned, plan.layout)
+        out[i] = ArrayPlan(whole, mine, full, owned, plan.layout, plan.static)
     return out
 
 

@@ -31,6 +31,8 @@ class ArrayPlan:
     local: torch.Tensor            # this rank's local tensor
     owned: tuple                   # (cell, piece) of each chunk this rank writes
     layout: dict                   # how the saving world held it (for the manifest / inspect)
+    static: tuple = ()             # what the plan was made from, but the data (``static_plan``'s
+                                   # arguments): equal for the same array held the same way
 
 
 def flatten(state: dict, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict]:
@@ -110,22 +112,30 @@ def plan_array(name: str, t: torch.Tensor, rank: int, world: int, salt: int,
     else:
         where = None
         local = t
-    spec, mine, owned, how = _static_plan(name, shape, dtype, t.element_size(), rank, world, salt,
-                                          inner_bytes, where)
-    return ArrayPlan(spec, mine, local, owned, how)
+    static = (name, shape, dtype, t.element_size(), rank, world, salt, inner_bytes, where)
+    spec, mine, owned, how = static_plan(*static)
+    return ArrayPlan(spec, mine, local, owned, how, static)
+
+
+def static_pieces(shape: tuple[int, ...], world: int, where: tuple | None) -> dict[int, list]:
+    """Every rank's pieces of an array held as ``where`` says (``plan_array``'s; None: replicated
+    on all ``world`` ranks)."""
+    if where is None:
+        return layout.replicated_pieces(shape, world)
+    ranks, mesh_shape, specs = where[:3]
+    return layout.pieces_from_specs(shape, ranks, mesh_shape, specs)
 
 
 @lru_cache(maxsize=65536)
-def _static_plan(name, shape, dtype, itemsize, rank, world, salt, inner_bytes, where):
+def static_plan(name, shape, dtype, itemsize, rank, world, salt, inner_bytes, where):
     """The part of a plan that depends only on shapes and layout (cached: every save of a
     training run asks for the same ones)."""
+    pieces = static_pieces(shape, world, where)
     if where is not None:
-        ranks, mesh_shape, specs, dim_names, placement_names, copies = where
-        pieces = layout.pieces_from_specs(shape, ranks, mesh_shape, specs)
+        _, mesh_shape, _, dim_names, placement_names, copies = where
         how: dict[str, Any] = {"mesh_shape": list(mesh_shape), "mesh_dim_names": list(dim_names),
                "placements": list(placement_names)}
     else:
-        pieces = layout.replicated_pieces(shape, world)
         how = {"replicated": True}
         copies = (0, 1)
     mine = tuple(pieces.get(rank, []))
@@ -178,12 +188,3 @@ def _check_placements(t: DTensor) -> None:
         if p.is_partial():
             raise ValueError("cannot checkpoint a DTensor with Partial placement; "
                              "reduce it (redistribute to Replicate/Shard) first")
-
-
-def all_pieces(t: torch.Tensor) -> dict[int, list]:
-    """Every rank's pieces of ``t`` (a DTensor: its mesh's ranks; a plain tensor: rank 0 only)."""
-    if isinstance(t, DTensor):
-        ranks, mesh_shape = mesh_ranks(t.device_mesh)
-        return layout.pieces_from_specs(tuple(t.shape), ranks, mesh_shape,
-                                        tuple(layout.placement_spec(p) for p in t.placements))
-    return {0: [layout.Piece((0,) * t.dim(), layout.full_box(tuple(t.shape)))]}

@@ -155,7 +155,7 @@ def prepare_step_dir_within(st: Storage, url: str, step: int, rank: int,
     """``prepare_step_dir``, waited on for at most ``timeout_s`` (a silent storage must not stall a step).
 
     Past the timeout the storage calls go on in a daemon thread until the storage answers;
-    the caller does not save this step (every rank agrees first: ``agreement.all_ranks_ok``)
+    the caller does not save this step (every rank agrees first: ``agreement.agree_layout``)
     and must let that thread end before it prepares any step again (it may still clear and
     mark the step directory).
 

@@ -207,28 +207,28 @@ class CheckpointStore:
         tensors, values = flatten(state)
         bounded = async_ and self.prepare_timeout_s is not None
         stale = self._stale_prepare
+        failure: BaseException | None = None
+        ready = True
         if bounded:
             assert self.prepare_timeout_s is not None
-            failure: BaseException | None = None
             if stale is not None and stale.is_alive():       # an earlier prepare still waits on the storage
                 ready = False
             else:
                 self._stale_prepare, failure = prepare_step_dir_within(self.storage, self.url, step, rank,
                                                                      self.prepare_timeout_s)
                 ready = self._stale_prepare is None and failure is None
-            if not agreement.all_ranks_ok(ready):
-                if isinstance(failure, CheckpointError) and not isinstance(failure, CheckpointStorageUnavailable):
-                    raise failure                               # e.g. the step is committed already
-                raise CheckpointSaveFailed(f"checkpoint step {step} not saved: the storage did not answer within "
-                                           f"{self.prepare_timeout_s:g}s or failed (on rank {rank} or another)"
-                                           + (f": {type(failure).__name__}: {failure}" if failure else "")) from failure
         else:
             if stale is not None:
                 stale.join()      # a timed-out prepare ends before this one clears or marks any step
                 self._stale_prepare = None
             prepare_step_dir(self.storage, self.url, step, rank)   # then the agreement: the barrier after it
-        if world > 1:
-            agreement.agree_layout(step, tensors)
+        # one all-reduce: every rank ready (the bounded prepare) and saving the same arrays
+        if not (agreement.agree_layout(step, tensors, ready) if world > 1 else ready):
+            if isinstance(failure, CheckpointError) and not isinstance(failure, CheckpointStorageUnavailable):
+                raise failure                               # e.g. the step is committed already
+            raise CheckpointSaveFailed(f"checkpoint step {step} not saved: the storage did not answer within "
+                                       f"{self.prepare_timeout_s:g}s or failed (on rank {rank} or another)"
+                                       + (f": {type(failure).__name__}: {failure}" if failure else "")) from failure
         plans = [plan_array(name, tensors[name], rank, world, salt=i, inner_bytes=self.inner_chunk_bytes)
                  for i, name in enumerate(sorted(tensors))]
         plans = gather_small(plans, tensors, rank, world, self.gather_small_bytes, self.inner_chunk_bytes)

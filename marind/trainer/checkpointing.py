@@ -126,6 +126,7 @@ class Checkpointer:
         self.last_step: int | None = None      # last save known committed (or restored)
         self.failures = 0
         self.last_saved_at = time.monotonic()
+        self._held: tuple[bool, str | None] | None = None   # this step's agreed hold (``held_here``/``agree_held``)
 
     @property
     def enabled(self) -> bool:
@@ -232,16 +233,39 @@ class Checkpointer:
             if self.last_step != step:
                 raise CheckpointSaveFailed(f"checkpoint step {step} did not commit (see checkpoint_failed)")
 
-    def _skip_while_cut_off(self, step: int) -> bool:
-        """Under an agent: skip this save, on every rank, when on some rank the lease file holds
-        commits (``lease_file.save_held``: the node's lease unrenewed for more than half its TTL,
-        or commits fenced while no data-network peer answers): its storage calls could stall the
-        step (waiting on the previous save too, itself held in the commit fence), and its commit
-        would wait for the fence anyway. One all-reduce per save."""
-        if self.run_dir is None:
+    def held_here(self) -> bool:
+        """Whether this rank's lease file holds commits now (``lease_file.save_held``: the node's
+        lease unrenewed for more than half its TTL, or commits fenced while no data-network peer
+        answers); False without an agent or checkpoints. The training loop all-reduces it with
+        its per-step flags and hands the result to ``agree_held``, so that a save's skip costs no
+        collective of its own."""
+        if self.run_dir is None or self.store is None:
             return False
         reason = save_held(read_lease_doc(self.run_dir), time.time())
-        if all_ranks_ok(reason is None):
+        self._held = (False, reason)
+        return reason is not None
+
+    def agree_held(self, anywhere: bool) -> None:
+        """Whether ``held_here`` was True on any rank this step (the loop's all-reduce); the next
+        ``save`` of this step skips on every rank when it was."""
+        reason = self._held[1] if self._held else None
+        self._held = (anywhere, reason)
+
+    def _skip_while_cut_off(self, step: int) -> bool:
+        """Under an agent: skip this save, on every rank, when on some rank the lease file holds
+        commits (``held_here``): its storage calls could stall the step (waiting on the previous
+        save too, itself held in the commit fence), and its commit would wait for the fence
+        anyway. The ranks agree through the loop's per-step all-reduce (``agree_held``) or,
+        when nothing agreed this step, one all-reduce here."""
+        if self.run_dir is None:
+            return False
+        agreed, self._held = self._held, None
+        if agreed is None:
+            reason = save_held(read_lease_doc(self.run_dir), time.time())
+            held = not all_ranks_ok(reason is None)
+        else:
+            held, reason = agreed
+        if not held:
             return False
         self.failures += 1
         log.error("checkpoint_skipped", step=step, failures=self.failures,

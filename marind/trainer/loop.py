@@ -14,7 +14,8 @@ calls in this order (a hook's name in brackets)::
       [commit]           apply this step? then optimizer.step() if so, and zero_grad
                          (set_to_none = mode.grads_to_none)
       [advance]          step counter and data position after the step
-      all-reduce         mean loss, stop request, time-based checkpoint due (within the torch world)
+      all-reduce         mean loss, stop request, time-based checkpoint due, checkpoint commits held
+                         on some rank (within the torch world)
       [report_step]      the step's log line (rank 0)
       [after_step]       elastic: roll back after train.max_bad_steps non-finite steps
       progress record    step, loss, tokens/s, last checkpoint, [progress_fields] (marind.worker's report)
@@ -301,10 +302,12 @@ def run_loop(run: Run, mode: TrainMode, stop: StopFlag) -> Result:
         mode.advance(run, state, committed)
         flags = torch.stack([loss_acc.float(),
                              torch.tensor(float(stop_here(stop.requested, state.step, stop_at)), device=run.device),
-                             torch.tensor(float(run.rank == 0 and ckpt.time_due()), device=run.device)])
+                             torch.tensor(float(run.rank == 0 and ckpt.time_due()), device=run.device),
+                             torch.tensor(float(ckpt.held_here()), device=run.device)])
         if router.numel():   # MoE: the router statistics ride on the same all-reduce
             flags = torch.cat([flags.double(), router])
         dist.all_reduce(flags)
+        ckpt.agree_held(float(flags[3]) > 0)
         state.loss = loss = float(flags[0]) / (run.world // run.layout.pp)   # the ranks that have a loss
         now = time.perf_counter()
         dt, state.t_mark = now - state.t_mark, now
@@ -315,7 +318,7 @@ def run_loop(run: Run, mode: TrainMode, stop: StopFlag) -> Result:
             state.skipped_steps.append(attempted)
         mode.report_step(run, state, StepReport(step=state.step, loss=loss, grad_norm=norm, lr=lr,
                                                 tokens_per_s=tps, step_s=dt, committed=committed,
-                                                router=_router(run, flags[3:])))
+                                                router=_router(run, flags[4:])))
         mode.after_step(run, state)
         run.progress.report(state.step, loss, tokens=tokens_per_step, last_checkpoint_step=ckpt.poll(),
                             **mode.progress_fields())

@@ -214,3 +214,26 @@ def check_reshard(resume: Callable[[str], list[dict]], src_ckpt: str | Path, dst
     assert len(got) == len(want_losses), (got, want_losses)
     assert all(abs(g - w) <= 1e-4 * abs(w) for g, w in zip(got, want_losses)), (got, want_losses)
     return resumed
+
+
+def train_with_commits_held(spec: dict, run_root: str, held_rank: int | None) -> dict:
+    """Train under a fake agent run directory per rank whose lease file fences commits on
+    ``held_rank`` only (None: on no rank); rank 0 returns the committed steps."""
+    import os
+    import time
+
+    from ckpt_store import CheckpointStore
+    from marind.core.lease_file import write_lease
+    from marind.core.workerenv import RUN_DIR
+
+    rank = int(os.environ["RANK"])
+    run_dir = Path(run_root) / f"rank-{rank}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    write_lease(run_dir, renewed_at=now + 3600, ttl=10, node=f"n{rank}",
+                until=now - 1 if rank == held_rank else None)
+    os.environ[RUN_DIR] = str(run_dir)
+    typed = TrainerSpec.from_dict(spec, check_worlds=False)
+    result, _, _ = train(typed, device_for_local_rank())
+    steps = CheckpointStore(typed.checkpoint.url).steps() if rank == 0 else None
+    return {"step": result.step, "steps": steps}
