@@ -11,7 +11,8 @@ marind runs with ``gather_small_bytes=0`` here, so that every array has one obje
 rank (FSDP's layout for arrays too big to gather): the case where per-array, per-rank
 metadata work costs most. ``--gather`` keeps the default (small arrays gathered and
 written whole). Each point: one untimed save, then ``--repeats`` timed sync saves
-(the commit included) and loads of each system, medians.
+(the commit included), loads, and async saves (how long the call holds the caller:
+``*_blocked_s``, DCP's thread-based ``async_save``) of each system, medians.
 
 The growth exponent of each figure is the least-squares slope of log(time) against
 log(arrays) (or log(ranks)): 1.0 is linear. The floor (issue 21): marind's save
@@ -36,7 +37,8 @@ from pathlib import Path
 
 from marind.testing.procs import kill_all, run_torch_workers
 
-FIGURES = ("marind_save_s", "marind_commit_s", "marind_load_s", "dcp_save_s", "dcp_load_s")
+FIGURES = ("marind_save_s", "marind_commit_s", "marind_load_s", "dcp_save_s", "dcp_load_s", "marind_blocked_s",
+           "dcp_blocked_s")
 
 
 def slope(xs: list[float], ys: list[float]) -> float | None:
@@ -78,7 +80,7 @@ def sweep(root: Path, by: str, sizes: list[int], fixed: int, rows: int, cols: in
                               store_kwargs=store_kwargs)[0]
         shutil.rmtree(out, ignore_errors=True)
         r.pop("at", None)
-        points.append({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})
+        points.append({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()})
         print(json.dumps({"point": by, **points[-1]}), file=sys.stderr, flush=True)
     return points
 

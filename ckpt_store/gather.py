@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ckpt_store import layout
-from ckpt_store.plan import ArrayPlan, static_pieces
+from ckpt_store.plan import ArrayPlan, static_pieces, static_where
 from ckpt_store.zarr_format import ArraySpec
 
 #: arrays of at most this many bytes that a save would split into several objects
@@ -36,7 +36,7 @@ def small_sharded(static: tuple, spec: ArraySpec, limit: int, world: int) -> boo
     loads its old rows reads just them.) Only DTensors on a mesh of the whole world (``save``
     has checked that every rank holds the same arrays, so every rank picks the same ones;
     arrays on a sub-mesh are left as they are)."""
-    where = static[-1] if static else None
+    where = static_where(static)
     grid = layout.grid_shape(spec.shape, spec.chunks)
     return (where is not None and len(grid) > 0 and grid[0] > 1 and math.prod(grid[1:]) == 1
             and math.prod(spec.shape) * spec.itemsize <= limit and len(where[0]) == world)
@@ -80,7 +80,7 @@ def gather_layout(statics: tuple, specs: tuple, rank: int, world: int, limit: in
             total += nbytes
     if not picks:
         return GatherLayout((), (), (), ())
-    sizes, parts = layout.gather_plan([(specs[i].itemsize, static_pieces(specs[i].shape, world, statics[i][-1]))
+    sizes, parts = layout.gather_plan([(specs[i].itemsize, static_pieces(specs[i].shape, world, static_where(statics[i])))
                                        for i in picks])
     wholes = []
     for i in picks:

@@ -32,7 +32,8 @@ class ArrayPlan:
     owned: tuple                   # (cell, piece) of each chunk this rank writes
     layout: dict                   # how the saving world held it (for the manifest / inspect)
     static: tuple = ()             # what the plan was made from, but the data (``static_plan``'s
-                                   # arguments): equal for the same array held the same way
+                                   # arguments): equal for the same array held the same way; a
+                                   # gathered plan (``gather``) keeps the one of the plan it replaced
 
 
 def flatten(state: dict, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict]:
@@ -115,6 +116,12 @@ def plan_array(name: str, t: torch.Tensor, rank: int, world: int, salt: int,
     static = (name, shape, dtype, t.element_size(), rank, world, salt, inner_bytes, where)
     spec, mine, owned, how = static_plan(*static)
     return ArrayPlan(spec, mine, local, owned, how, static)
+
+
+def static_where(static: tuple) -> tuple | None:
+    """How the array of a plan made from ``static`` (``ArrayPlan.static``) was held: ``plan_array``'s
+    ``where`` (mesh ranks, mesh shape, placement specs, ...), or None for a plain tensor."""
+    return static[-1] if static else None
 
 
 def static_pieces(shape: tuple[int, ...], world: int, where: tuple | None) -> dict[int, list]:

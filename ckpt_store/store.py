@@ -3,7 +3,9 @@
 Save protocol, per step (the background part uses no torch collectives):
 
 0. in the caller's thread: refuse an already committed step; rank 0 removes leftovers of
-   an earlier failed attempt at this step, then one barrier on the default group;
+   an earlier failed attempt at this step, then one all-reduce on the default group (the
+   layout's digest and every rank's readiness: ``agreement.agree_layout``) and, for small
+   sharded arrays, one all-gather (``gather.py``);
 1. every rank snapshots the chunks it owns into reused host memory shared with its
    writer process (the caller waits only for this; ``snapshot.py``);
 2. in the background (the writer process: ``writer_client.py``, ``rank_part.py``) each
@@ -226,8 +228,9 @@ class CheckpointStore:
         if not (agreement.agree_layout(step, tensors, ready) if world > 1 else ready):
             if isinstance(failure, CheckpointError) and not isinstance(failure, CheckpointStorageUnavailable):
                 raise failure                               # e.g. the step is committed already
-            raise CheckpointSaveFailed(f"checkpoint step {step} not saved: the storage did not answer within "
-                                       f"{self.prepare_timeout_s:g}s or failed (on rank {rank} or another)"
+            bound = f"within {self.prepare_timeout_s:g}s " if self.prepare_timeout_s is not None else ""
+            raise CheckpointSaveFailed(f"checkpoint step {step} not saved: the storage did not answer {bound}"
+                                       f"or failed (on rank {rank} or another)"
                                        + (f": {type(failure).__name__}: {failure}" if failure else "")) from failure
         plans = [plan_array(name, tensors[name], rank, world, salt=i, inner_bytes=self.inner_chunk_bytes)
                  for i, name in enumerate(sorted(tensors))]

@@ -126,7 +126,9 @@ class Checkpointer:
         self.last_step: int | None = None      # last save known committed (or restored)
         self.failures = 0
         self.last_saved_at = time.monotonic()
-        self._held: tuple[bool, str | None] | None = None   # this step's agreed hold (``held_here``/``agree_held``)
+        # (step, held on some rank, this rank's reason): the loop's agreement (``held_here``/``agree_held``)
+        self._held: tuple[int, bool, str | None] | None = None
+        self._held_reason: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -233,38 +235,39 @@ class Checkpointer:
             if self.last_step != step:
                 raise CheckpointSaveFailed(f"checkpoint step {step} did not commit (see checkpoint_failed)")
 
-    def held_here(self) -> bool:
+    def held_here(self, step: int) -> bool:
         """Whether this rank's lease file holds commits now (``lease_file.save_held``: the node's
         lease unrenewed for more than half its TTL, or commits fenced while no data-network peer
-        answers); False without an agent or checkpoints. The training loop all-reduces it with
-        its per-step flags and hands the result to ``agree_held``, so that a save's skip costs no
-        collective of its own."""
-        if self.run_dir is None or self.store is None:
+        answers); False without an agent or checkpoints, or when no save can be due at ``step``
+        (not a multiple of ``every_steps`` and no ``every_seconds``: the same on every rank).
+        The training loop all-reduces it with its per-step flags and hands the result to
+        ``agree_held``, so that a save's skip costs no collective of its own."""
+        self._held_reason = None
+        if self.run_dir is None or self.store is None or not (
+                self.due(step) or self.spec.checkpoint.every_seconds is not None):
             return False
-        reason = save_held(read_lease_doc(self.run_dir), time.time())
-        self._held = (False, reason)
-        return reason is not None
+        self._held_reason = save_held(read_lease_doc(self.run_dir), time.time())
+        return self._held_reason is not None
 
-    def agree_held(self, anywhere: bool) -> None:
-        """Whether ``held_here`` was True on any rank this step (the loop's all-reduce); the next
-        ``save`` of this step skips on every rank when it was."""
-        reason = self._held[1] if self._held else None
-        self._held = (anywhere, reason)
+    def agree_held(self, step: int, anywhere: bool) -> None:
+        """Whether ``held_here(step)`` was True on any rank (the loop's all-reduce); a ``save`` of
+        ``step`` then skips on every rank when it was."""
+        self._held = (step, anywhere, self._held_reason)
 
     def _skip_while_cut_off(self, step: int) -> bool:
         """Under an agent: skip this save, on every rank, when on some rank the lease file holds
         commits (``held_here``): its storage calls could stall the step (waiting on the previous
         save too, itself held in the commit fence), and its commit would wait for the fence
-        anyway. The ranks agree through the loop's per-step all-reduce (``agree_held``) or,
-        when nothing agreed this step, one all-reduce here."""
+        anyway. The ranks agree through the loop's per-step all-reduce (``agree_held`` for this
+        step) or, for a save outside it, one all-reduce here."""
         if self.run_dir is None:
             return False
         agreed, self._held = self._held, None
-        if agreed is None:
+        if agreed is not None and agreed[0] == step:
+            _, held, reason = agreed
+        else:   # a save outside the loop's agreement (every rank takes this same branch)
             reason = save_held(read_lease_doc(self.run_dir), time.time())
             held = not all_ranks_ok(reason is None)
-        else:
-            held, reason = agreed
         if not held:
             return False
         self.failures += 1

@@ -303,11 +303,11 @@ def run_loop(run: Run, mode: TrainMode, stop: StopFlag) -> Result:
         flags = torch.stack([loss_acc.float(),
                              torch.tensor(float(stop_here(stop.requested, state.step, stop_at)), device=run.device),
                              torch.tensor(float(run.rank == 0 and ckpt.time_due()), device=run.device),
-                             torch.tensor(float(ckpt.held_here()), device=run.device)])
+                             torch.tensor(float(ckpt.held_here(state.step)), device=run.device)])
         if router.numel():   # MoE: the router statistics ride on the same all-reduce
             flags = torch.cat([flags.double(), router])
         dist.all_reduce(flags)
-        ckpt.agree_held(float(flags[3]) > 0)
+        ckpt.agree_held(state.step, float(flags[3]) > 0)
         state.loss = loss = float(flags[0]) / (run.world // run.layout.pp)   # the ranks that have a loss
         now = time.perf_counter()
         dt, state.t_mark = now - state.t_mark, now

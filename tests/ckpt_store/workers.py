@@ -263,3 +263,24 @@ def load_newest_outcome(urls: list[str]) -> dict:
         return {"raised": type(exc).__name__, "error": str(exc)}
     finally:
         store.close()
+
+
+def save_with_a_silent_rank(url: str, good_options: dict, silent_options: dict, differ: bool) -> dict:
+    """One bounded async save (``prepare_timeout_s`` 1 s) where rank 1 reaches the store through
+    ``silent_options`` (an endpoint that accepts and never answers); with ``differ`` rank 1 also
+    holds an array rank 0 does not. Returns what ``save`` raised on this rank."""
+    from ckpt_store import CheckpointError
+
+    rank = dist.get_rank()
+    store = CheckpointStore(url, storage_options=silent_options if rank == 1 else good_options,
+                            prepare_timeout_s=1.0)
+    state = {"model": {"w": torch.arange(64, dtype=torch.float32)}}
+    if differ and rank == 1:
+        state["model"]["v"] = torch.zeros(8)
+    t0 = time.monotonic()
+    try:
+        store.save(1, state, async_=True)
+        raised = None
+    except CheckpointError as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    return {"raised": raised, "seconds": time.monotonic() - t0}

@@ -31,6 +31,7 @@ seed = 3
 url = "file://{ckpt}"
 every_steps = 2
 keep_last = 0
+prepare_timeout = "60s"
 """, check_worlds=False).to_dict()
 
 
