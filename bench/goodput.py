@@ -1,7 +1,7 @@
 """Goodput under failures; ONE JSON object as the last stdout line.
 
     python bench/goodput.py [--wall 300] [--every 60] [--seed 7] [--nodes 2] [--nproc 2]
-        [--ckpt-every 5] [--fixed] [--quick] [--fault kill|power_off|both] [--back-after 20]
+        [--ckpt-every 5] [--fixed] [--quick] [--fault kill|power_off|both] [--back-after 20] [--keep]
 
 The example job (the tiny GPT, nodes x nproc gloo ranks under ``marind
 agent``s on this machine, async checkpoints to a local directory) runs
@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -351,6 +352,9 @@ def main() -> int:
                              "multi-host bed (needs root and ip netns); both: each in its own run on the bed")
     parser.add_argument("--back-after", type=float, default=20.0,
                         help="power_off: seconds until the host reboots and its agent is back (default 20)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the run's directory (agents' and workers' logs, checkpoints) for a post-mortem; "
+                             "its path goes to stderr (default: removed at the end)")
     args = parser.parse_args()
     if args.quick:
         args.wall, args.every, args.fixed = 90.0, 50.0, True
@@ -359,9 +363,18 @@ def main() -> int:
         parser.error(f"--fault {args.fault} needs --nodes >= 2 (a survivor)")
     draws = draw_schedule(args.seed, args.every, args.wall, fixed=args.fixed, min_gap=args.min_gap,
                           max_actions=1 if args.quick else None)
-    if args.fault != "kill":
-        return run_on_bed(args, draws)
     root = Path(tempfile.mkdtemp(prefix="marind-goodput-"))
+    try:
+        return run_on_bed(args, draws, root) if args.fault != "kill" else run_here(args, draws, root)
+    finally:
+        if args.keep:
+            print(f"goodput: the run's directory is kept: {root}", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def run_here(args: argparse.Namespace, draws: list, root: Path) -> int:
+    """``--fault kill``: the baseline and the faulted runs on this machine's agents (loopback)."""
     etcd = LocalEtcd(root / "etcd").start()
     try:
         data = make_data(root)
@@ -403,14 +416,13 @@ def main() -> int:
     return 0
 
 
-def run_on_bed(args: argparse.Namespace, draws: list) -> int:
+def run_on_bed(args: argparse.Namespace, draws: list, root: Path) -> int:
     """``--fault power_off`` / ``both``: the baseline and each fault kind's run on one multi-host bed."""
     reason = bed_unavailable()
     if reason:
         print(f"Error: --fault {args.fault} needs the multi-host bed: {reason}", file=sys.stderr)
         return 2
     kinds = list(FAULTS) if args.fault == "both" else [args.fault]
-    root = Path(tempfile.mkdtemp(prefix="marind-goodput-"))
     runs: dict[str, dict] = {}
     ft_runs: dict[str, dict] = {}
     with HostBed(root / "bed", [f"host{i + 1}" for i in range(args.nodes)]) as bed:

@@ -98,3 +98,19 @@ def test_sigterm_stops_cleanly_under_torchrun(data, tmp_path):
     latest = CheckpointStore(f"file://{tmp_path / 'ckpt'}").latest()
     assert latest is not None and latest == recs[0]["last_checkpoint_step"]
     assert latest == recs[0]["step"] == recs[1]["step"]      # checkpoint.on_stop: the step reached is saved
+
+
+@pytest.mark.parametrize("held_rank,expected", [(None, [2, 4, 6]), (1, [6])])
+def test_a_save_held_on_one_rank_is_skipped_on_all(data, tmp_path, held_rank, expected):
+    """Under an agent, a due save is skipped on every rank when one rank's lease file holds commits
+    (here: fenced on ``held_rank``). The ranks agree through the loop's per-step all-reduce
+    (``Checkpointer.held_here`` / ``agree_held``): a rank that skipped while another saved would
+    leave the saver waiting in the save's collectives."""
+    text = SPEC.format(data=data, ckpt=tmp_path / "ckpt", steps=6, every=2) + 'prepare_timeout = "60s"\n'
+    spec = load_trainer_spec(text, check_worlds=False).to_dict()
+    results = run_torch_workers("tests.trainer.workers:train_with_commits_held", 2, timeout=180, spec=spec,
+                                run_root=str(tmp_path / "runs"), held_rank=held_rank)
+    assert [r["step"] for r in results] == [6, 6]
+    # the periodic saves were skipped everywhere; the final save (waited for) is not skipped,
+    # and rank 0, whose own lease allows it, commits it
+    assert results[0]["steps"] == expected
