@@ -121,7 +121,8 @@ class SeaweedS3(ServerProcess):
         if self.running:
             return self
         (self.root / "data").mkdir(parents=True, exist_ok=True)
-        for attempt in range(1, PORT_ATTEMPTS + 1):
+        attempt = 1
+        while True:
             log_from = self.log_path.stat().st_size if self.log_path.exists() else 0
             logf = open(self.log_path, "ab")
             self.proc = subprocess.Popen(self.command(), stdout=logf, stderr=subprocess.STDOUT,
@@ -138,10 +139,10 @@ class SeaweedS3(ServerProcess):
                 if self._started or attempt == PORT_ATTEMPTS or not self._lost_a_port(log_from):
                     raise
                 self.ports = dict(zip(self.ports, free_ports(len(self.ports), self.host)))
+                attempt += 1
                 continue
             self._started = True
             return self
-        return self
 
     def _lost_a_port(self, log_from: int) -> bool:
         """Did the last start's log (from byte ``log_from``) say a port was already taken?"""

@@ -246,8 +246,13 @@ class Checkpointer:
         if self.run_dir is None or self.store is None or not (
                 self.due(step) or self.spec.checkpoint.every_seconds is not None):
             return False
-        self._held_reason = save_held(read_lease_doc(self.run_dir), time.time())
+        self._held_reason = self._lease_hold()
         return self._held_reason is not None
+
+    def _lease_hold(self) -> str | None:
+        """Why this rank's lease file holds commits now (``lease_file.save_held``); None: it does not."""
+        assert self.run_dir is not None
+        return save_held(read_lease_doc(self.run_dir), time.time())
 
     def agree_held(self, step: int, anywhere: bool) -> None:
         """Whether ``held_here(step)`` was True on any rank (the loop's all-reduce); a ``save`` of
@@ -266,7 +271,7 @@ class Checkpointer:
         if agreed is not None and agreed[0] == step:
             _, held, reason = agreed
         else:   # a save outside the loop's agreement (every rank takes this same branch)
-            reason = save_held(read_lease_doc(self.run_dir), time.time())
+            reason = self._lease_hold()
             held = not all_ranks_ok(reason is None)
         if not held:
             return False
