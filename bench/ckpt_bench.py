@@ -20,7 +20,7 @@ from the disk with the page cache dropped first, which is ``load_s``, then
 from memory, ``load_warm_s``; DCP writes through the page cache and marind
 around it, so a load timed as found would compare memory with disk), bytes
 read per byte needed, and the disk's raw sequential write and read rates.
-Medians over ``--repeats``.
+Medians over ``--repeats`` (saves) and ``--load-repeats`` (loads).
 
     python bench/ckpt_bench.py --repeats 3   # full: local, slow target and S3 (about 25 min on 2 cores)
     python bench/ckpt_bench.py --quick    # tiny state, checks the output shape
@@ -139,6 +139,10 @@ def disk_read_rate(directory: str, mb: int, repeats: int = 3) -> float | None:
             os.remove(path)
 
 
+#: timed loads of each kind by default (``--load-repeats``): cold loads of either system
+#: spread from 0.3 to 0.8 s on the 2-core VM, so a median of 3 turns on one draw
+LOAD_REPEATS = 7
+
 #: what one run can time (``--sections``)
 SECTIONS = ("saves", "loads", "reshard")
 
@@ -150,7 +154,10 @@ def _ratio(a, b):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny state, one repeat (checks the JSON shape)")
-    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=None, help="timed saves of each kind (default 3; --quick 1)")
+    ap.add_argument("--load-repeats", type=int, default=None,
+                    help="timed loads of each kind (default: 7, or --repeats if more; --quick 1): a cold "
+                         "load takes a fraction of a second and varies by 2x on a shared machine")
     ap.add_argument("--no-s3", action="store_true")
     ap.add_argument("--no-local", action="store_true", help="S3 only (no local target, no reshard)")
     ap.add_argument("--store-options", default=None, help="JSON of extra CheckpointStore keywords "
@@ -175,15 +182,17 @@ def main(argv=None) -> int:
 
     dim, layers = (128, 2) if args.quick else (2048, 12)     # full: 50M params + Adam = 604 MB
     repeats = args.repeats or (1 if args.quick else 3)
+    load_repeats = args.load_repeats or (1 if args.quick else max(repeats, LOAD_REPEATS))
     root = Path(args.dir or tempfile.mkdtemp(prefix="marind-ckpt-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     store_kwargs = json.loads(args.store_options) if args.store_options else {}
-    result: dict = {"bench": "ckpt", "quick": args.quick, "repeats": repeats, "store_options": store_kwargs,
+    result: dict = {"bench": "ckpt", "quick": args.quick, "repeats": repeats, "load_repeats": load_repeats,
+                    "store_options": store_kwargs,
                     "sections": args.sections}
     with contextlib.ExitStack() as stack:
         slow = None if args.no_local or args.no_slow else _open_slow(stack, args, result, dim, layers)
         try:
-            _run(args, result, root, slow, dim, layers, repeats, store_kwargs)
+            _run(args, result, root, slow, dim, layers, (repeats, load_repeats), store_kwargs)
         finally:
             kill_all()
             if not args.dir:
@@ -213,7 +222,9 @@ def _open_slow(stack: contextlib.ExitStack, args, result: dict, dim: int, layers
     return slow
 
 
-def _run(args, result: dict, root: Path, slow, dim: int, layers: int, repeats: int, store_kwargs: dict) -> None:
+def _run(args, result: dict, root: Path, slow, dim: int, layers: int, repeats: tuple[int, int],
+         store_kwargs: dict) -> None:
+    """``repeats``: (timed saves, timed loads) of each kind."""
     s3 = None
     try:
         saves = "saves" in args.sections
@@ -233,7 +244,7 @@ def _run(args, result: dict, root: Path, slow, dim: int, layers: int, repeats: i
             s3_url, s3_opts = s3.url("bench"), s3.storage_options
         env = {"OMP_NUM_THREADS": "1", "MARIND_LOG_LEVEL": "WARNING"}
         r = run_torch_workers("bench.ckpt_workers:worker", 4, timeout=3000, env=env, dim=dim, layers=layers,
-                              repeats=repeats, local_dir=str(root / "local"), s3_url=s3_url,
+                              repeats=repeats[0], load_repeats=repeats[1], local_dir=str(root / "local"), s3_url=s3_url,
                               s3_opts=s3_opts, local=not args.no_local, store_kwargs=store_kwargs,
                               s3_pid=s3.pid if s3 else None, slow_dir=f"{slow.path}/ckpt" if slow else None,
                               sections=args.sections)[0]
@@ -244,7 +255,7 @@ def _run(args, result: dict, root: Path, slow, dim: int, layers: int, repeats: i
             if result[target] and tdir and "reshard" in args.sections:
                 result[f"reshard_4_to_2_{target}"] = run_torch_workers(
                     "bench.ckpt_workers:reshard_worker", 2, timeout=3000, env=env, dim=dim, layers=layers,
-                    repeats=repeats, marind_url=f"file://{tdir}/marind",
+                    repeats=repeats[1], marind_url=f"file://{tdir}/marind",
                     dcp_id=r[target]["dcp"]["checkpoint_id"], opts=None)[0]
         result["ratios"] = _ratios(result)
     finally:

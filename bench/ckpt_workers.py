@@ -288,8 +288,9 @@ def timed_saves(t: Target, repeats: int) -> dict:
 
 def bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: int,
                  store_kwargs: dict | None = None, server_pid: int | None = None,
-                 sections: tuple[str, ...] = ("saves", "loads")) -> dict:
-    """marind and DCP against one target (a local dir or an S3 prefix).
+                 sections: tuple[str, ...] = ("saves", "loads"), load_repeats: int | None = None) -> dict:
+    """marind and DCP against one target (a local dir or an S3 prefix): ``repeats`` timed
+    saves of each kind, ``load_repeats`` (default ``repeats``) timed loads.
     ``sections``: without "saves", one untimed save of each system (the checkpoints that
     the loads read); without "loads", no timed loads.
 
@@ -321,7 +322,7 @@ def bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: int
         "marind": t.store.load,
         "dcp": lambda target: dcp.load(target, checkpoint_id=dcp_checkpoint_id(cid),
                                        storage_reader=dcp_reader(cid, opts)),
-    }, lambda: state_of(model, optim), repeats, url if t.local else None)
+    }, lambda: state_of(model, optim), load_repeats or repeats, url if t.local else None)
     for system, times in loads.items():
         res[system].update(load_fields(times))
     st = t.store.last_load_stats
@@ -344,7 +345,7 @@ def _torch_save_full(model, optim, path: str) -> None:
 def worker(dim: int, layers: int, repeats: int, local_dir: str, s3_url: str | None,
            s3_opts: dict | None, local: bool = True, store_kwargs: dict | None = None,
            s3_pid: int | None = None, slow_dir: str | None = None,
-           sections: tuple[str, ...] = ("saves", "loads", "reshard")) -> dict:
+           sections: tuple[str, ...] = ("saves", "loads", "reshard"), load_repeats: int | None = None) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -362,13 +363,13 @@ def worker(dim: int, layers: int, repeats: int, local_dir: str, s3_url: str | No
     sections = tuple(sections)
     if local:
         out["local"] = bench_target("local", local_dir, None, model, optim, dim, repeats, store_kwargs,
-                                    sections=sections)
+                                    sections=sections, load_repeats=load_repeats)
     if slow_dir:
         out["slow"] = bench_target("slow", slow_dir, None, model, optim, dim, repeats, store_kwargs,
-                                   sections=sections)
+                                   sections=sections, load_repeats=load_repeats)
     if s3_url:
         out["s3"] = bench_target("s3", s3_url, s3_opts, model, optim, dim, repeats, store_kwargs, s3_pid,
-                                 sections=sections)
+                                 sections=sections, load_repeats=load_repeats)
     if dist.get_rank() == 0:
         print(json.dumps({"partial": {k: out.get(k) for k in ("local", "slow", "s3")}}), file=sys.stderr, flush=True)
     if "saves" not in sections:
