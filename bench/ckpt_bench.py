@@ -20,9 +20,11 @@ from the disk with the page cache dropped first, which is ``load_s``, then
 from memory, ``load_warm_s``; DCP writes through the page cache and marind
 around it, so a load timed as found would compare memory with disk), bytes
 read per byte needed, and the disk's raw sequential write and read rates.
-Medians over ``--repeats`` (saves) and ``--load-repeats`` (loads).
+Medians over ``--repeats`` (sync saves), ``--async-repeats`` (async saves) and
+``--load-repeats`` (loads); a step slowdown is the median step during a system's async
+saves over the median of every system's steps just before theirs (``quiet_step_s``).
 
-    python bench/ckpt_bench.py --repeats 3   # full: local, slow target and S3 (about 25 min on 2 cores)
+    python bench/ckpt_bench.py --repeats 3   # full: local, slow target and S3 (about 11 min on 2 cores)
     python bench/ckpt_bench.py --quick    # tiny state, checks the output shape
     python bench/ckpt_bench.py --sections reshard --no-s3 --no-slow --repeats 7   # the reshard loads only
 
@@ -155,6 +157,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny state, one repeat (checks the JSON shape)")
     ap.add_argument("--repeats", type=int, default=None, help="timed saves of each kind (default 3; --quick 1)")
+    ap.add_argument("--async-repeats", type=int, default=None,
+                    help="timed async saves of each system (default: 2 x --repeats; --quick 1): each spans "
+                         "only one to three training steps")
     ap.add_argument("--load-repeats", type=int, default=None,
                     help="timed loads of each kind (default: 7, or --repeats if more; --quick 1): a cold "
                          "load takes a fraction of a second and varies by 2x on a shared machine")
@@ -183,16 +188,17 @@ def main(argv=None) -> int:
     dim, layers = (128, 2) if args.quick else (2048, 12)     # full: 50M params + Adam = 604 MB
     repeats = args.repeats or (1 if args.quick else 3)
     load_repeats = args.load_repeats or (1 if args.quick else max(repeats, LOAD_REPEATS))
+    async_repeats = max(repeats, args.async_repeats or (1 if args.quick else 2 * repeats))
     root = Path(args.dir or tempfile.mkdtemp(prefix="marind-ckpt-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     store_kwargs = json.loads(args.store_options) if args.store_options else {}
     result: dict = {"bench": "ckpt", "quick": args.quick, "repeats": repeats, "load_repeats": load_repeats,
-                    "store_options": store_kwargs,
+                    "async_repeats": async_repeats, "store_options": store_kwargs,
                     "sections": args.sections}
     with contextlib.ExitStack() as stack:
         slow = None if args.no_local or args.no_slow else _open_slow(stack, args, result, dim, layers)
         try:
-            _run(args, result, root, slow, dim, layers, (repeats, load_repeats), store_kwargs)
+            _run(args, result, root, slow, dim, layers, (repeats, load_repeats, async_repeats), store_kwargs)
         finally:
             kill_all()
             if not args.dir:
@@ -222,9 +228,9 @@ def _open_slow(stack: contextlib.ExitStack, args, result: dict, dim: int, layers
     return slow
 
 
-def _run(args, result: dict, root: Path, slow, dim: int, layers: int, repeats: tuple[int, int],
+def _run(args, result: dict, root: Path, slow, dim: int, layers: int, repeats: tuple[int, int, int],
          store_kwargs: dict) -> None:
-    """``repeats``: (timed saves, timed loads) of each kind."""
+    """``repeats``: (timed sync saves, timed loads, timed async saves) of each system."""
     s3 = None
     try:
         saves = "saves" in args.sections
@@ -244,7 +250,7 @@ def _run(args, result: dict, root: Path, slow, dim: int, layers: int, repeats: t
             s3_url, s3_opts = s3.url("bench"), s3.storage_options
         env = {"OMP_NUM_THREADS": "1", "MARIND_LOG_LEVEL": "WARNING"}
         r = run_torch_workers("bench.ckpt_workers:worker", 4, timeout=3000, env=env, dim=dim, layers=layers,
-                              repeats=repeats[0], load_repeats=repeats[1], local_dir=str(root / "local"), s3_url=s3_url,
+                              repeats=repeats[0], load_repeats=repeats[1], async_repeats=repeats[2], local_dir=str(root / "local"), s3_url=s3_url,
                               s3_opts=s3_opts, local=not args.no_local, store_kwargs=store_kwargs,
                               s3_pid=s3.pid if s3 else None, slow_dir=f"{slow.path}/ckpt" if slow else None,
                               sections=args.sections)[0]
@@ -272,6 +278,10 @@ def _ratios(res: dict) -> dict:
         if not t:
             continue
         m, d, dp = t["marind"], t["dcp"], t.get("dcp_process") or {}   # a section not run: its keys absent
+        # the steps just before each async save, every system's: the same steps on the same machine
+        # with no save running, so one baseline for all (a system's own few would hand it its noise)
+        quiet = [x for s in (m, d, dp) for x in s.get("step_before_all_s") or []]
+        base = statistics.median(quiet) if quiet else None
         out[target] = {
             "sync_save_vs_dcp": _ratio(m.get("sync_save_s"), d.get("sync_save_s")),
             "load_vs_dcp": _ratio(m.get("load_s"), d.get("load_s")),
@@ -281,10 +291,10 @@ def _ratios(res: dict) -> dict:
             "async_commit_vs_dcp_thread": _ratio(m.get("async_commit_s"), d.get("async_commit_s")),
             "async_commit_vs_dcp_process": _ratio(m.get("async_commit_s"), dp.get("async_commit_s")),
             "async_blocked_vs_dcp_process": _ratio(m.get("async_blocked_s"), dp.get("async_blocked_s")),
-            "step_slowdown_during_save": _ratio(m.get("step_during_save_s"), m.get("step_before_save_s")),
-            "dcp_step_slowdown_during_save": _ratio(d.get("step_during_save_s"), d.get("step_before_save_s")),
-            "dcp_process_step_slowdown_during_save": _ratio(dp.get("step_during_save_s"),
-                                                            dp.get("step_before_save_s")),
+            "step_slowdown_during_save": _ratio(m.get("step_during_save_s"), base),
+            "dcp_step_slowdown_during_save": _ratio(d.get("step_during_save_s"), base),
+            "dcp_process_step_slowdown_during_save": _ratio(dp.get("step_during_save_s"), base),
+            "quiet_step_s": round(base, 4) if base else None,
             "sync_save_vs_torch_save": _ratio(m.get("sync_save_s"), res.get("torch_save_s"))
             if target == "local" else None,
         }

@@ -221,16 +221,18 @@ RUNS = {"marind": (marind_sync, marind_async), "dcp": (dcp_sync, dcp_async),
         "dcp_process": (None, dcp_async_process)}
 
 
-def alternate_saves(t: Target, repeats: int) -> dict[str, dict[str, list]]:
-    """Each repeat, a sync and an async save of each system, the systems in alternating order
-    so that a drift in the machine's load favours neither; every figure, by system."""
+def alternate_saves(t: Target, repeats: int, async_repeats: int | None = None) -> dict[str, dict[str, list]]:
+    """Each repeat, a sync (the first ``repeats``) and an async save (``async_repeats``, default
+    ``repeats``) of each system, the systems in alternating order so that a drift in the
+    machine's load favours neither; every figure, by system. A save of the bench's state
+    spans one to three training steps: more async saves, more steps timed during a save."""
     got: dict[str, dict[str, list]] = {
         k: {"sync": [], "blocked": [], "commit": [], "during": [], "quiet": [], "server": []} for k in RUNS}
-    for i in range(repeats):
+    for i in range(max(repeats, async_repeats or repeats)):
         for system in (list(RUNS) if i % 2 == 0 else list(reversed(RUNS))):
             sync_fn, async_fn = RUNS[system]
             g = got[system]
-            if sync_fn is not None:
+            if sync_fn is not None and i < repeats:
                 g["sync"].append(sync_fn(t))
             run = async_fn(t)
             g["blocked"].append(run.blocked)
@@ -251,7 +253,9 @@ def save_fields(g: dict[str, list]) -> dict:
                steps_during_save=len(g["during"]),
                step_before_save_s=statistics.median(g["quiet"]),
                sync_all_s=[round(x, 3) for x in g["sync"]],
-               commit_all_s=[round(x, 3) for x in g["commit"]])
+               commit_all_s=[round(x, 3) for x in g["commit"]],
+               step_during_all_s=[round(x, 3) for x in g["during"]],
+               step_before_all_s=[round(x, 3) for x in g["quiet"]])
     if g["server"]:
         out["server_cpu_during_async_s"] = statistics.median(g["server"])
     return out
@@ -267,7 +271,7 @@ def marind_background_fields(t: Target) -> dict:
         sync_phases_all_s=[{k: round(p.get(k, 0.0), 3) for k in PHASE_KEYS} for p in t.phases])
 
 
-def timed_saves(t: Target, repeats: int) -> dict:
+def timed_saves(t: Target, repeats: int, async_repeats: int | None = None) -> dict:
     """One untimed save of each (the first process-based save starts DCP's daemon), then the
     timed ones in turns (``alternate_saves``); every system's save figures."""
     marind_sync(t)
@@ -276,7 +280,7 @@ def timed_saves(t: Target, repeats: int) -> dict:
     t.phases.clear()
     t.pruned.clear()
     try:
-        got = alternate_saves(t, repeats)
+        got = alternate_saves(t, repeats, async_repeats)
     finally:
         t.dcp_proc.close()
     res: dict = {"marind": {}, "dcp": {"checkpoint_id": t.dcp_checkpoint_id}, "dcp_process": {}}
@@ -288,9 +292,11 @@ def timed_saves(t: Target, repeats: int) -> dict:
 
 def bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: int,
                  store_kwargs: dict | None = None, server_pid: int | None = None,
-                 sections: tuple[str, ...] = ("saves", "loads"), load_repeats: int | None = None) -> dict:
+                 sections: tuple[str, ...] = ("saves", "loads"), load_repeats: int | None = None,
+                 async_repeats: int | None = None) -> dict:
     """marind and DCP against one target (a local dir or an S3 prefix): ``repeats`` timed
-    saves of each kind, ``load_repeats`` (default ``repeats``) timed loads.
+    sync saves, ``async_repeats`` (default ``repeats``) async saves, ``load_repeats`` (default
+    ``repeats``) timed loads of each system.
     ``sections``: without "saves", one untimed save of each system (the checkpoints that
     the loads read); without "loads", no timed loads.
 
@@ -313,7 +319,7 @@ def bench_target(name: str, url: str, opts, model, optim, dim: int, repeats: int
         dcp_sync(t)
         res: dict = {"marind": {}, "dcp": {"checkpoint_id": t.dcp_checkpoint_id}}
     else:
-        res = timed_saves(t, repeats)
+        res = timed_saves(t, repeats, async_repeats)
     cid = res["dcp"]["checkpoint_id"]
     if "loads" not in sections:
         res["marind"]["step"] = t.store.latest()
@@ -345,7 +351,8 @@ def _torch_save_full(model, optim, path: str) -> None:
 def worker(dim: int, layers: int, repeats: int, local_dir: str, s3_url: str | None,
            s3_opts: dict | None, local: bool = True, store_kwargs: dict | None = None,
            s3_pid: int | None = None, slow_dir: str | None = None,
-           sections: tuple[str, ...] = ("saves", "loads", "reshard"), load_repeats: int | None = None) -> dict:
+           sections: tuple[str, ...] = ("saves", "loads", "reshard"), load_repeats: int | None = None,
+           async_repeats: int | None = None) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -363,13 +370,16 @@ def worker(dim: int, layers: int, repeats: int, local_dir: str, s3_url: str | No
     sections = tuple(sections)
     if local:
         out["local"] = bench_target("local", local_dir, None, model, optim, dim, repeats, store_kwargs,
-                                    sections=sections, load_repeats=load_repeats)
+                                    sections=sections, load_repeats=load_repeats,
+                                    async_repeats=async_repeats)
     if slow_dir:
         out["slow"] = bench_target("slow", slow_dir, None, model, optim, dim, repeats, store_kwargs,
-                                   sections=sections, load_repeats=load_repeats)
+                                   sections=sections, load_repeats=load_repeats,
+                                    async_repeats=async_repeats)
     if s3_url:
         out["s3"] = bench_target("s3", s3_url, s3_opts, model, optim, dim, repeats, store_kwargs, s3_pid,
-                                 sections=sections, load_repeats=load_repeats)
+                                 sections=sections, load_repeats=load_repeats,
+                                    async_repeats=async_repeats)
     if dist.get_rank() == 0:
         print(json.dumps({"partial": {k: out.get(k) for k in ("local", "slow", "s3")}}), file=sys.stderr, flush=True)
     if "saves" not in sections:

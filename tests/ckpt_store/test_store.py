@@ -142,14 +142,15 @@ def test_retention_and_leftover_gc(tmp_path):
 
 def test_failed_background_save_surfaces_and_training_carries_on(tmp_path):
     root = tmp_path / "ckpt"
-    # throttled uploads: the background thread sleeps before its first write, so the
-    # obstacle below is in place before it writes anything
+    # throttled uploads (about a second of chunk writes): the obstacle below, where the rank's
+    # object list goes once its chunks are written, is in place long before the writer gets there
+    # (an obstacle where the first chunk goes lost that race on a loaded machine)
     store = CheckpointStore(f"file://{root}", io_rate_limit=20_000)
     store.save(1, _state(1), async_=False)
     for step in (2, 3):
         pending = store.save(step, _state(step))
         (root / f"step-{step:010d}").mkdir(parents=True, exist_ok=True)
-        (root / f"step-{step:010d}" / "model").write_text("a file where a directory must go")
+        (root / f"step-{step:010d}" / "parts").write_text("a file where a directory must go")
         if step == 2:
             with pytest.raises(CheckpointSaveFailed, match="step 2"):
                 pending.wait(timeout=60)
