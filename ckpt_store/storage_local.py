@@ -9,11 +9,14 @@ large part (``flush_mode``); JSON objects are renamed into place with the
 directory fsynced. The store root is created at the first write, and the
 parent of each directory level created for it is fsynced right then (once per
 store): a new root's own name is durable too.
-Range reads run ``pread``/``preadv`` in the I/O threads (they release the GIL).
+Range reads run ``pread``/``preadv`` in the I/O threads (they release the GIL); a load's
+chunk reads (``read_into``) go around the page cache where each reading rank has a core
+(``read_mode``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -22,7 +25,10 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
+
 from ckpt_store.flush_mode import choose_syncfs, dirs_to_sync, dirty_bytes
+from ckpt_store.read_mode import choose_direct_reads, cpus_here, readers_here
 from ckpt_store.storage_base import StorageBase, json_bytes, run_all
 from ckpt_store.write_mode import WriteModes
 
@@ -44,6 +50,9 @@ class LocalStorage(StorageBase):
         self.direct = self.direct_ok
         self.modes = WriteModes()
         self.last_flush: tuple[str, str] | None = None    # make_durable's last way and its reason
+        self.direct_reads_ok = self.direct_ok               # False once the filesystem refused a direct read
+        self.last_read_mode: tuple[int, str] | None = None  # read_into's last direct reads in flight (0:
+        #                                                     the page cache) and why (read_mode)
         self._root_made = False
         self._root_lock = threading.Lock()
         self._unsynced_parents: set[str] = set()   # parents of root levels this store created, not yet fsynced
@@ -168,13 +177,59 @@ class LocalStorage(StorageBase):
         so that its check overlaps the other reads. Every request is over before this returns
         or raises the first failure (in request order). Returns the bytes read per request
         (short at end of object; the caller checks)."""
+        in_flight, why = choose_direct_reads(readers_here(), cpus_here(), self.direct_reads_ok)
+        self.last_read_mode = (in_flight, why)
+        gate = threading.BoundedSemaphore(in_flight) if in_flight else None
+
         def one(i: int, req: tuple[str, int, list]) -> int:
-            n = self._preadv(*req)
-            if done is not None:
-                done(i, n)
+            with gate or contextlib.nullcontext():      # direct: that many requests at once, checks included
+                n = self._preadv(*req) if gate is None else self._preadv_direct(*req)
+                if done is not None:
+                    done(i, n)
             return n
 
         return run_all(self._pool, one, reqs)
+
+    def _preadv_direct(self, key: str, start: int, bufs: list) -> int:
+        """``_preadv`` around the page cache: ``O_DIRECT`` reads of the aligned span, at most
+        ``DIRECT_BOUNCE`` bytes at a time, into a per-thread aligned buffer, each copied into
+        ``bufs`` (``read_mode``). A filesystem that refuses ``O_DIRECT`` (EINVAL) is read
+        through the page cache from then on."""
+        views = [memoryview(b).cast("B") for b in bufs]
+        want = sum(v.nbytes for v in views)
+        lo = start - start % DIRECT_ALIGN
+        end = start + want
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY | (_O_DIRECT or 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self.direct_reads_ok = False
+            return self._preadv(key, start, bufs)
+        bounce = _bounce_buffer()
+        got = 0         # bytes of [start, end) copied out
+        try:
+            at = lo
+            while at < end:
+                span = _direct_cap(-(-(end - at) // DIRECT_ALIGN) * DIRECT_ALIGN)   # a few bytes more: one read
+                n = _pread_all(fd, bounce[:span], at)
+                skip = max(0, start - at)
+                useful = min(n, end - at) - skip
+                if useful <= 0:
+                    break
+                _scatter(views, at + skip - start, bounce[skip:skip + useful])
+                got = at + skip + useful - start
+                if n < span:        # the end of the file
+                    break
+                at += span
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or got:
+                raise
+            self.direct_reads_ok = False
+            return self._preadv(key, start, bufs)
+        finally:
+            os.close(fd)
+        return got
 
     def _preadv(self, key: str, start: int, bufs: list) -> int:
         views = [memoryview(b).cast("B") for b in bufs]
@@ -277,10 +332,7 @@ def _write_direct(path: str, pieces: list, nbytes: int) -> None:
     truncated to ``nbytes``. Durability still needs ``make_durable`` (the
     file's size and extents are metadata).
     """
-    buf = getattr(_bounce, "buf", None)
-    if buf is None:
-        buf = _bounce.buf = mmap.mmap(-1, DIRECT_BOUNCE + DIRECT_SLACK)     # anonymous mmap: page-aligned
-    view = memoryview(buf)
+    view = _bounce_buffer()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (_O_DIRECT or 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         fill = flushed = 0
@@ -312,6 +364,43 @@ def _write_direct(path: str, pieces: list, nbytes: int) -> None:
             pass
         raise
     os.close(fd)
+
+
+def _bounce_buffer() -> memoryview:
+    """This thread's page-aligned staging buffer for direct I/O (``DIRECT_BOUNCE`` plus
+    ``DIRECT_SLACK`` bytes; shared by its direct writes and reads, which never overlap)."""
+    buf = getattr(_bounce, "buf", None)
+    if buf is None:
+        buf = _bounce.buf = mmap.mmap(-1, DIRECT_BOUNCE + DIRECT_SLACK)     # anonymous mmap: page-aligned
+    return memoryview(buf)
+
+
+def _pread_all(fd: int, view: memoryview, offset: int) -> int:
+    """Read into ``view`` from ``offset`` until it is full or the file ends; the bytes read."""
+    got = 0
+    while got < view.nbytes:
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            break
+        got += n
+    return got
+
+
+def _scatter(views: list[memoryview], pos: int, src: memoryview) -> None:
+    """Copy ``src`` into the concatenation of ``views`` from byte ``pos`` on (numpy's copy
+    leaves the GIL to the other I/O threads)."""
+    at = 0
+    for v in views:
+        if pos >= v.nbytes:
+            pos -= v.nbytes
+            continue
+        n = min(v.nbytes - pos, src.nbytes - at)
+        np.copyto(np.frombuffer(v, dtype=np.uint8, count=n, offset=pos),
+                  np.frombuffer(src, dtype=np.uint8, count=n, offset=at))
+        at += n
+        pos = 0
+        if at == src.nbytes:
+            return
 
 
 def _direct_cap(rest: int) -> int:

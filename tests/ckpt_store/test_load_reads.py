@@ -59,6 +59,11 @@ class LoggedStorage(LocalStorage):
         self.events.append(("read", key, start, n, threading.current_thread().name))
         return n
 
+    def _preadv_direct(self, key, start, bufs):     # a load's reads around the page cache (read_mode)
+        n = super()._preadv_direct(key, start, bufs)
+        self.events.append(("read", key, start, n, threading.current_thread().name))
+        return n
+
 
 def _saved(tmp_path) -> tuple[str, torch.Tensor]:
     root = str(tmp_path / "ckpt")
@@ -139,6 +144,10 @@ def test_reads_start_while_the_rest_is_planned(tmp_path, monkeypatch):
         def _preadv(self, key, start, bufs):
             started.set()
             return super()._preadv(key, start, bufs)
+
+        def _preadv_direct(self, key, start, bufs):
+            started.set()
+            return super()._preadv_direct(key, start, bufs)
 
     real_init, waited = loader._Block.__init__, []
 

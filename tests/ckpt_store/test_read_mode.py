@@ -1,0 +1,66 @@
+"""A load's chunk reads go around the page cache where each reading rank has a core (``read_mode``).
+
+The choice is pure; the direct path is checked on the real local disk against the page
+cache's, byte for byte: unaligned starts, several buffers per request, requests longer
+than the aligned staging buffer, and a request past the end of its object (read short).
+"""
+
+from __future__ import annotations
+
+import os
+
+import fsspec
+import pytest
+
+from ckpt_store.read_mode import DIRECT_IN_FLIGHT, choose_direct_reads, cpus_here
+from ckpt_store.storage_local import DIRECT_BOUNCE, LocalStorage
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("readers, cpus, want", [
+    (1, 2, DIRECT_IN_FLIGHT),          # alone: every read in flight is its own
+    (2, 2, DIRECT_IN_FLIGHT // 2),     # the reshard bench: 2 ranks on the 2-core VM
+    (0, 2, DIRECT_IN_FLIGHT),          # no LOCAL_WORLD_SIZE: one reader
+    (8, 64, 1),                        # a GPU node: at least one each
+    (4, 2, 0),                         # more readers than cores: the page cache
+])
+def test_direct_reads_where_each_reader_has_a_core(readers, cpus, want):
+    in_flight, why = choose_direct_reads(readers, cpus)
+    assert in_flight == want, why
+    assert f"on {cpus} CPUs" in why
+
+
+@pytest.mark.unit
+def test_a_filesystem_that_refused_o_direct_reads_through_the_page_cache():
+    assert choose_direct_reads(1, 8, direct_ok=False) == (0, "the filesystem refuses O_DIRECT")
+
+
+def _requests(size: int) -> list[tuple[int, list[int]]]:
+    """(start, buffer sizes) of reads into an object of ``size`` bytes."""
+    return [
+        (0, [size]),                                   # the whole object, one buffer
+        (4097, [1_000_000, 4, 3_000_000, 4]),          # unaligned, scattered like data + crc32c
+        (1, [DIRECT_BOUNCE + 70_000]),                 # longer than the staging buffer
+        (size - 84, [80, 4]),                          # the tail alone
+        (size - 100, [300]),                           # past the end: read short
+        (size + 10, [8]),                              # wholly past the end: nothing
+    ]
+
+
+@pytest.mark.parametrize("readers", ["1", "many"])
+def test_direct_and_buffered_reads_fill_the_same_bytes(tmp_path, monkeypatch, readers):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1" if readers == "1" else str(cpus_here() + 1))
+    size = 2 * DIRECT_BOUNCE + 84
+    data = os.urandom(size)
+    st = LocalStorage(f"file://{tmp_path}", fsspec.filesystem("file"), str(tmp_path), io_threads=3)
+    try:
+        st.write("obj", [data])
+        reqs = [("obj", start, [bytearray(n) for n in sizes]) for start, sizes in _requests(size)]
+        got = st.read_into(reqs)
+        assert (st.last_read_mode[0] > 0) == (readers == "1"), st.last_read_mode
+        for (_key, start, bufs), n in zip(reqs, got):
+            want = data[start:start + sum(len(b) for b in bufs)]
+            assert n == len(want), (start, n)
+            assert b"".join(bytes(b) for b in bufs)[:n] == want, start
+    finally:
+        st.close()
