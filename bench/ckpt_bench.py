@@ -158,8 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny state, one repeat (checks the JSON shape)")
     ap.add_argument("--repeats", type=int, default=None, help="timed saves of each kind (default 3; --quick 1)")
     ap.add_argument("--async-repeats", type=int, default=None,
-                    help="timed async saves of each system (default: 2 x --repeats; --quick 1): each spans "
-                         "only one to three training steps")
+                    help="timed async saves of each system (default: 2 x --repeats; --quick 1; at least "
+                         "--repeats): each spans only one to three training steps")
     ap.add_argument("--load-repeats", type=int, default=None,
                     help="timed loads of each kind (default: 7, or --repeats if more; --quick 1): a cold "
                          "load takes a fraction of a second and varies by 2x on a shared machine")

@@ -254,8 +254,8 @@ def save_fields(g: dict[str, list]) -> dict:
                step_before_save_s=statistics.median(g["quiet"]),
                sync_all_s=[round(x, 3) for x in g["sync"]],
                commit_all_s=[round(x, 3) for x in g["commit"]],
-               step_during_all_s=[round(x, 3) for x in g["during"]],
-               step_before_all_s=[round(x, 3) for x in g["quiet"]])
+               step_during_all_s=[round(x, 6) for x in g["during"]],
+               step_before_all_s=[round(x, 6) for x in g["quiet"]])
     if g["server"]:
         out["server_cpu_during_async_s"] = statistics.median(g["server"])
     return out

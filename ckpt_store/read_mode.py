@@ -12,9 +12,11 @@ ranks, 0.233-0.240 s direct with 2 reads in flight per rank against
 direct with 4 in flight per rank was 0.26-0.41 s and with 1 0.28-0.31 s. Loaded by 4
 ranks, more processes than cores, the copy competes with the other ranks for
 the CPU: 0.32-0.38 s direct against 0.28 s buffered. So a load reads direct
-where each rank reading on this machine has a core of its own, with
-``DIRECT_IN_FLIGHT`` reads in flight on the machine, shared out between its
-readers (at least one each), and through the page cache otherwise.
+where each rank reading on this machine has a core of its own (the machine's
+CPUs: ``LOCAL_WORLD_SIZE`` counts the machine's ranks, and a rank pinned to one
+core still shares the machine), each rank keeping ``DIRECT_IN_FLIGHT`` divided
+by the machine's readers (at least one) requests in flight, a request's check
+included; through the page cache otherwise.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def choose_direct_reads(readers_here: int, cpus: int, direct_ok: bool = True) ->
         direct_ok: the filesystem takes ``O_DIRECT`` (False after a refusal).
     """
     if not direct_ok:
-        return 0, "the filesystem refuses O_DIRECT"
+        return 0, "O_DIRECT is off here (direct_io=False, or the filesystem refused it)"
     readers = max(1, readers_here)
     if readers > cpus:
         return 0, f"{readers} ranks read on {cpus} CPUs: the copy out of a direct read would compete for them"
@@ -51,8 +53,5 @@ def readers_here() -> int:
 
 
 def cpus_here() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:      # not Linux
-        return os.cpu_count() or 1
+    """This machine's CPUs (the ranks of ``readers_here`` are the machine's too)."""
+    return os.cpu_count() or 1

@@ -50,7 +50,8 @@ class LocalStorage(StorageBase):
         self.direct = self.direct_ok
         self.modes = WriteModes()
         self.last_flush: tuple[str, str] | None = None    # make_durable's last way and its reason
-        self.direct_reads_ok = self.direct_ok               # False once the filesystem refused a direct read
+        self.direct_reads_ok = self.direct_ok               # False with direct_io=False, or once the
+        #                                                     filesystem refused a direct read
         self.last_read_mode: tuple[int, str] | None = None  # read_into's last direct reads in flight (0:
         #                                                     the page cache) and why (read_mode)
         self._root_made = False
@@ -170,9 +171,11 @@ class LocalStorage(StorageBase):
     def read_into(self, reqs: Iterable[tuple[str, int, list]],
                   done: Callable[[int, int], None] | None = None) -> list[int]:
         """Scatter-read: fill each request's writable buffers, in order, from ``key`` at ``start``,
-        with one ``preadv`` per request in the I/O threads (no intermediate copy). ``reqs`` may be
-        an iterator: each read starts as soon as it yields it (the disk works while the caller
-        plans the rest).
+        in the I/O threads: where ``read_mode.choose_direct_reads`` says so, ``O_DIRECT`` reads
+        through an aligned per-thread buffer copied into them, that many requests (reads and
+        ``done``) at once (``_preadv_direct``); else one ``preadv`` per request through the page
+        cache straight into them. ``reqs`` may be an iterator: each read starts as soon as it
+        yields it (the disk works while the caller plans the rest).
         ``done(i, n)``: called in the I/O thread as soon as request ``i`` is read (``n`` bytes),
         so that its check overlaps the other reads. Every request is over before this returns
         or raises the first failure (in request order). Returns the bytes read per request
@@ -223,9 +226,9 @@ class LocalStorage(StorageBase):
                     break
                 at += span
         except OSError as exc:
-            if exc.errno != errno.EINVAL or got:
+            if exc.errno != errno.EINVAL:
                 raise
-            self.direct_reads_ok = False
+            self.direct_reads_ok = False     # the page cache from now on; it reads every buffer again
             return self._preadv(key, start, bufs)
         finally:
             os.close(fd)
@@ -376,13 +379,17 @@ def _bounce_buffer() -> memoryview:
 
 
 def _pread_all(fd: int, view: memoryview, offset: int) -> int:
-    """Read into ``view`` from ``offset`` until it is full or the file ends; the bytes read."""
+    """Direct-read into ``view`` from ``offset`` until it is full or the file ends; the bytes
+    read. A read that stops short of an aligned end is the end of the file: reading on from
+    there would be a misaligned direct read (EINVAL on some kernels)."""
     got = 0
     while got < view.nbytes:
         n = os.preadv(fd, [view[got:]], offset + got)
         if n <= 0:
             break
         got += n
+        if got % DIRECT_ALIGN:
+            break
     return got
 
 

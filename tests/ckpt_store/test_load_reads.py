@@ -60,8 +60,10 @@ class LoggedStorage(LocalStorage):
         return n
 
     def _preadv_direct(self, key, start, bufs):     # a load's reads around the page cache (read_mode)
+        logged = len(self.events)
         n = super()._preadv_direct(key, start, bufs)
-        self.events.append(("read", key, start, n, threading.current_thread().name))
+        if len(self.events) == logged:              # not already logged by a fallback to _preadv
+            self.events.append(("read", key, start, n, threading.current_thread().name))
         return n
 
 
