@@ -54,7 +54,6 @@ class LocalStorage(StorageBase):
         #                                                     filesystem refused a direct read
         self.last_read_mode: tuple[int, str] | None = None  # read_into's last direct reads in flight (0:
         #                                                     the page cache) and why (read_mode)
-        self.reads_from_cache = 0        # direct-mode requests found whole in the page cache
         self._root_made = False
         self._root_lock = threading.Lock()
         self._unsynced_parents: set[str] = set()   # parents of root levels this store created, not yet fsynced
@@ -197,16 +196,10 @@ class LocalStorage(StorageBase):
     def _preadv_direct(self, key: str, start: int, bufs: list) -> int:
         """``_preadv`` around the page cache: ``O_DIRECT`` reads of the aligned span, at most
         ``DIRECT_BOUNCE`` bytes at a time, into a per-thread aligned buffer, each copied into
-        ``bufs`` (``read_mode``). A request whose bytes are all in the page cache already
-        (a step written through it, or read before) is served from there instead
-        (``_read_cached``): a direct read would go to the disk. A filesystem that refuses
-        ``O_DIRECT`` (EINVAL) is read through the page cache from then on."""
+        ``bufs`` (``read_mode``). A filesystem that refuses ``O_DIRECT`` (EINVAL) is read
+        through the page cache from then on."""
         views = [memoryview(b).cast("B") for b in bufs]
         want = sum(v.nbytes for v in views)
-        if len(views) <= _IOV_MAX and _read_cached(self.path(key), views, start, want):
-            with self._root_lock:
-                self.reads_from_cache += 1
-            return want
         lo = start - start % DIRECT_ALIGN
         end = start + want
         try:
@@ -383,25 +376,6 @@ def _bounce_buffer() -> memoryview:
     if buf is None:
         buf = _bounce.buf = mmap.mmap(-1, DIRECT_BOUNCE + DIRECT_SLACK)     # anonymous mmap: page-aligned
     return memoryview(buf)
-
-
-def _read_cached(path: str, views: list[memoryview], start: int, want: int) -> bool:
-    """Fill ``views`` from ``path`` at ``start`` out of the page cache alone (``RWF_NOWAIT``:
-    no disk read); True when all ``want`` bytes were there. Anything less (not cached, part
-    cached, the end of the file, a kernel or filesystem without it) is False, and the
-    caller reads every buffer again."""
-    nowait = getattr(os, "RWF_NOWAIT", None)
-    if nowait is None or not want:
-        return False
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        return os.preadv(fd, views, start, nowait) == want
-    except OSError as exc:
-        if exc.errno in (errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL):
-            return False
-        raise
-    finally:
-        os.close(fd)
 
 
 def _pread_all(fd: int, view: memoryview, offset: int) -> int:

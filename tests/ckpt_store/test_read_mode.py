@@ -68,27 +68,3 @@ def test_direct_and_buffered_reads_fill_the_same_bytes(tmp_path, monkeypatch, re
             assert b"".join(bytes(b) for b in bufs)[:n] == want, start
     finally:
         st.close()
-
-
-def test_a_direct_load_takes_what_the_page_cache_holds_and_reads_the_rest_from_the_disk(tmp_path, monkeypatch):
-    """A step written through the page cache (or read before) is served from it, not re-read
-    from the disk by a direct read; evicted, it is read direct again. Same bytes either way."""
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    data = os.urandom(DIRECT_BOUNCE + 84)
-    st = LocalStorage(f"file://{tmp_path}", fsspec.filesystem("file"), str(tmp_path), io_threads=2)
-    try:
-        st.write("obj", [data])             # large: written direct, so not in the page cache
-        path = st.path("obj")
-        with open(path, "rb") as fh:        # now it is
-            assert fh.read() == data
-        reqs = [("obj", start, [bytearray(n)]) for start, n in ((0, len(data)), (4097, 100_000))]
-        assert st.read_into(reqs) == [len(data), 100_000]
-        assert st.reads_from_cache == 2 and st.last_read_mode[0] > 0
-        st.write("obj", [data])             # rewritten direct: truncated first, its pages are gone
-        again = [("obj", start, [bytearray(n)]) for start, n in ((0, len(data)), (4097, 100_000))]
-        assert st.read_into(again) == [len(data), 100_000]
-        assert st.reads_from_cache == 2, "an evicted object was served from the page cache"
-        for (_k, start, (buf,)), (_k2, _s2, (buf2,)) in zip(reqs, again):
-            assert bytes(buf) == bytes(buf2) == data[start:start + len(buf)]
-    finally:
-        st.close()
