@@ -24,7 +24,7 @@ Medians over ``--repeats`` (sync saves), ``--async-repeats`` (async saves) and
 ``--load-repeats`` (loads); a step slowdown is the median step during a system's async
 saves over the median of every system's steps just before theirs (``quiet_step_s``).
 
-    python bench/ckpt_bench.py --repeats 3   # full: local, slow target and S3 (about 11 min on 2 cores)
+    python bench/ckpt_bench.py --repeats 3   # full: local, slow target and S3 (about 15 min on 2 cores)
     python bench/ckpt_bench.py --quick    # tiny state, checks the output shape
     python bench/ckpt_bench.py --sections reshard --no-s3 --no-slow --repeats 7   # the reshard loads only
 
