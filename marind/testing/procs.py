@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -128,10 +129,13 @@ def run_torch_workers(target: str, world_size: int, *, timeout: float = 120.0,
                 proc.wait(5)
             if proc in _live:
                 _live.remove(proc)
-    if failed:
-        tails = "\n".join(f"--- rank {r} ---\n{_tail(p)}" for r, p in enumerate(logs))
-        raise WorkersFailed(f"{failed}\n{tails}")
-    return [json.loads((workdir / f"result{r}.json").read_text()) for r in range(world_size)]
+    try:
+        if failed:
+            tails = "\n".join(f"--- rank {r} ---\n{_tail(p)}" for r, p in enumerate(logs))
+            raise WorkersFailed(f"{failed}\n{tails}")
+        return [json.loads((workdir / f"result{r}.json").read_text()) for r in range(world_size)]
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)    # the ranks' logs (their tails are in a failure)
 
 
 def _tail(path: Path, lines: int = 40) -> str:
