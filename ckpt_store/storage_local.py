@@ -202,16 +202,11 @@ class LocalStorage(StorageBase):
         want = sum(v.nbytes for v in views)
         lo = start - start % DIRECT_ALIGN
         end = start + want
-        try:
-            fd = os.open(self.path(key), os.O_RDONLY | (_O_DIRECT or 0) | getattr(os, "O_CLOEXEC", 0))
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            self.direct_reads_ok = False
-            return self._preadv(key, start, bufs)
         bounce = _bounce_buffer()
         got = 0         # bytes of [start, end) copied out
+        fd = None
         try:
+            fd = os.open(self.path(key), os.O_RDONLY | (_O_DIRECT or 0) | getattr(os, "O_CLOEXEC", 0))
             at = lo
             while at < end:
                 span = _direct_cap(-(-(end - at) // DIRECT_ALIGN) * DIRECT_ALIGN)   # a few bytes more: one read
@@ -225,13 +220,14 @@ class LocalStorage(StorageBase):
                 if n < span:        # the end of the file
                     break
                 at += span
-        except OSError as exc:
+        except OSError as exc:      # EINVAL at the open or a read: this filesystem refuses O_DIRECT
             if exc.errno != errno.EINVAL:
                 raise
             self.direct_reads_ok = False     # the page cache from now on; it reads every buffer again
             return self._preadv(key, start, bufs)
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
         return got
 
     def _preadv(self, key: str, start: int, bufs: list) -> int:
