@@ -250,7 +250,8 @@ def _run(args, result: dict, root: Path, slow, dim: int, layers: int, repeats: t
             s3_url, s3_opts = s3.url("bench"), s3.storage_options
         env = {"OMP_NUM_THREADS": "1", "MARIND_LOG_LEVEL": "WARNING"}
         r = run_torch_workers("bench.ckpt_workers:worker", 4, timeout=3000, env=env, dim=dim, layers=layers,
-                              repeats=repeats[0], load_repeats=repeats[1], async_repeats=repeats[2], local_dir=str(root / "local"), s3_url=s3_url,
+                              repeats=repeats[0], load_repeats=repeats[1], async_repeats=repeats[2],
+                              local_dir=str(root / "local"), s3_url=s3_url,
                               s3_opts=s3_opts, local=not args.no_local, store_kwargs=store_kwargs,
                               s3_pid=s3.pid if s3 else None, slow_dir=f"{slow.path}/ckpt" if slow else None,
                               sections=args.sections)[0]

@@ -368,18 +368,13 @@ def worker(dim: int, layers: int, repeats: int, local_dir: str, s3_url: str | No
     base = [train_step(model, optim, dim) for _ in range(max(5, repeats * 3))]
     out = {"world": world, "state_bytes": int(nbytes.item()), "step_s": statistics.median(base)}
     sections = tuple(sections)
+    how = dict(sections=sections, load_repeats=load_repeats, async_repeats=async_repeats)   # every target's
     if local:
-        out["local"] = bench_target("local", local_dir, None, model, optim, dim, repeats, store_kwargs,
-                                    sections=sections, load_repeats=load_repeats,
-                                    async_repeats=async_repeats)
+        out["local"] = bench_target("local", local_dir, None, model, optim, dim, repeats, store_kwargs, **how)
     if slow_dir:
-        out["slow"] = bench_target("slow", slow_dir, None, model, optim, dim, repeats, store_kwargs,
-                                   sections=sections, load_repeats=load_repeats,
-                                    async_repeats=async_repeats)
+        out["slow"] = bench_target("slow", slow_dir, None, model, optim, dim, repeats, store_kwargs, **how)
     if s3_url:
-        out["s3"] = bench_target("s3", s3_url, s3_opts, model, optim, dim, repeats, store_kwargs, s3_pid,
-                                 sections=sections, load_repeats=load_repeats,
-                                    async_repeats=async_repeats)
+        out["s3"] = bench_target("s3", s3_url, s3_opts, model, optim, dim, repeats, store_kwargs, s3_pid, **how)
     if dist.get_rank() == 0:
         print(json.dumps({"partial": {k: out.get(k) for k in ("local", "slow", "s3")}}), file=sys.stderr, flush=True)
     if "saves" not in sections:
