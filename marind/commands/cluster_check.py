@@ -88,9 +88,10 @@ def run_check(client: EtcdClient, hosts: list[str], *, nbytes: int, timeout_s: f
         log.info("cluster_check_requested", request=request.id, hosts=hosts)
         deadline = time.monotonic() + timeout_s + WAIT_MARGIN_S
         while True:
-            report = collect(client, request)
+            # decide first, then read the report: read before the decision, it could miss the
+            # results that arrived in between and name every host as silent
             if finished(client, request) or time.monotonic() >= deadline:
-                return report
+                return collect(client, request)
             time.sleep(POLL_S)
     finally:
         client.delete(request_key(client, request.id))

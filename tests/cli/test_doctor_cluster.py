@@ -10,14 +10,16 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import asdict
 
 import pytest
 
+import marind.commands.cluster_check as cc
 from marind.cli import main
 from marind.commands.cluster_check import run_check
 from marind.commands.doctor import cluster_table
 from marind.core.etcd_client import EtcdClient
-from marind.doctor_cluster.keys import Phases, Request, requests_prefix
+from marind.doctor_cluster.keys import Phases, Request, requests_prefix, run_key
 from marind.doctor_cluster.verdict import Group, HostResult, build_report, bus_bandwidth, choose_group
 from marind.testing.procs import spawn
 from tests.agent.helpers import agent_log, node_registered, start_agent, wait_for
@@ -201,3 +203,27 @@ def test_two_agents_on_loopback_pass_the_text_check(etcd, etcd_prefix, tmp_path,
     assert all(line.split()[2] == "1/1" and line.endswith("  ok") and "GB/s" in line for line in lines[1:3]), lines
     assert lines[-2:] == [f"2 of 2 host(s) all-reduced {1 << 20} bytes (gloo).", "All 2 hosts passed."]
     assert (tmp_path / "state-n1" / "doctor").is_dir()       # the probe's log, by its agent
+
+
+def test_results_that_land_between_two_polls_are_in_the_report(etcd, etcd_prefix, monkeypatch):
+    """Every probe's rows land just before the CLI decides the check is finished (the CI failure of
+    stop 27: a report read before that decision named every host as silent)."""
+    real_finished = cc.finished
+    hosts = ("a", "b")
+
+    def probes_finish_now(client, request):
+        if client.get_json(run_key(client, request.id, "plan")) is None:
+            for node in hosts:
+                client.put_json(run_key(client, request.id, "addr", node),
+                                {"node": node, "host": node, "addr": "127.0.0.1", "port": 1})
+                client.put_json(run_key(client, request.id, "reach", node), {o: "ok" for o in hosts if o != node})
+                result = HostResult(node=node, host=node, rank=hosts.index(node), world_size=2, backend="gloo",
+                                    latency_s=1e-4, bus_bandwidth=1e9, error=None)
+                client.put_json(run_key(client, request.id, "result", node), asdict(result))
+            client.put_json(run_key(client, request.id, "plan"), choose_group(hosts, matrix(hosts)).to_dict())
+        return real_finished(client, request)
+
+    monkeypatch.setattr(cc, "finished", probes_finish_now)
+    with EtcdClient(etcd.endpoint, prefix=etcd_prefix) as client:
+        report = run_check(client, list(hosts), nbytes=1 << 20, timeout_s=20)
+    assert report.ok and report.failing == () and [r.rank for r in report.rows] == [0, 1], report
