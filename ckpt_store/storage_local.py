@@ -10,8 +10,8 @@ directory fsynced. The store root is created at the first write, and the
 parent of each directory level created for it is fsynced right then (once per
 store): a new root's own name is durable too.
 Range reads run ``pread``/``preadv`` in the I/O threads (they release the GIL); a load's
-chunk reads (``read_into``) go around the page cache where each reading rank has a core
-(``read_mode``).
+chunk reads (``read_into``) go around the page cache where each reading rank has a core,
+unless the cache holds them already (``read_mode``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from ckpt_store.flush_mode import choose_syncfs, dirs_to_sync, dirty_bytes
-from ckpt_store.read_mode import choose_direct_reads, cpus_here, readers_here
+from ckpt_store.page_cache import resident_pages
+from ckpt_store.read_mode import choose_direct_reads, cpus_here, read_through_cache, readers_here
 from ckpt_store.storage_base import StorageBase, json_bytes, run_all
 from ckpt_store.write_mode import WriteModes
 
@@ -196,8 +197,9 @@ class LocalStorage(StorageBase):
     def _preadv_direct(self, key: str, start: int, bufs: list) -> int:
         """``_preadv`` around the page cache: ``O_DIRECT`` reads of the aligned span, at most
         ``DIRECT_BOUNCE`` bytes at a time, into a per-thread aligned buffer, each copied into
-        ``bufs`` (``read_mode``). A filesystem that refuses ``O_DIRECT`` (EINVAL) is read
-        through the page cache from then on."""
+        ``bufs`` (``read_mode``); a range the page cache mostly holds already is read through
+        it (``read_mode.read_through_cache``). A filesystem that refuses ``O_DIRECT`` (EINVAL)
+        is read through the page cache from then on."""
         views = [memoryview(b).cast("B") for b in bufs]
         want = sum(v.nbytes for v in views)
         lo = start - start % DIRECT_ALIGN
@@ -207,6 +209,8 @@ class LocalStorage(StorageBase):
         fd = None
         try:
             fd = os.open(self.path(key), os.O_RDONLY | (_O_DIRECT or 0) | getattr(os, "O_CLOEXEC", 0))
+            if read_through_cache(resident_pages(fd, start, want))[0]:
+                return self._preadv(key, start, bufs)       # in memory already (a warm load)
             at = lo
             while at < end:
                 span = _direct_cap(-(-(end - at) // DIRECT_ALIGN) * DIRECT_ALIGN)   # a few bytes more: one read

@@ -12,7 +12,8 @@ import os
 import fsspec
 import pytest
 
-from ckpt_store.read_mode import DIRECT_IN_FLIGHT, choose_direct_reads, cpus_here
+from ckpt_store.page_cache import PAGE, pages_in, resident_pages
+from ckpt_store.read_mode import DIRECT_IN_FLIGHT, choose_direct_reads, cpus_here, read_through_cache
 from ckpt_store.storage_local import DIRECT_BOUNCE, LocalStorage
 
 
@@ -66,5 +67,71 @@ def test_direct_and_buffered_reads_fill_the_same_bytes(tmp_path, monkeypatch, re
             want = data[start:start + sum(len(b) for b in bufs)]
             assert n == len(want), (start, n)
             assert b"".join(bytes(b) for b in bufs)[:n] == want, start
+    finally:
+        st.close()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("resident, cached", [
+    (None, False),          # the kernel cannot tell: direct, as chosen
+    ((0, 1025), False),     # cold
+    ((512, 1025), False),   # under half
+    ((513, 1025), True),    # half or more: memory beats the disk
+    ((1025, 1025), True),
+    ((0, 0), False),        # an empty range
+])
+def test_a_range_mostly_in_the_page_cache_is_read_through_it(resident, cached):
+    through, why = read_through_cache(resident)
+    assert through == cached, why
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("start, length, pages", [
+    (0, 0, 0), (0, 1, 1), (0, PAGE, 1), (1, PAGE, 2), (PAGE - 1, 2, 2), (3 * PAGE, 5 * PAGE + 84, 6)])
+def test_pages_a_range_touches(start, length, pages):
+    assert pages_in(start, length) == pages
+
+
+class _CountingStorage(LocalStorage):
+    """Counts the requests read through the page cache (``_preadv``)."""
+
+    buffered = 0
+
+    def _preadv(self, key, start, bufs):
+        self.buffered += 1
+        return super()._preadv(key, start, bufs)
+
+
+def test_a_direct_load_reads_a_range_the_page_cache_holds_through_it(tmp_path, monkeypatch):
+    """Cold, the reads go around the page cache; with the object in memory, through it."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    size = 2 * DIRECT_BOUNCE + 84
+    data = os.urandom(size)
+    path = tmp_path / "obj"
+    path.write_bytes(data)              # buffered: in the page cache
+    st = _CountingStorage(f"file://{tmp_path}", fsspec.filesystem("file"), str(tmp_path), io_threads=2)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            warm = resident_pages(fd, 0, size)
+            if warm is None:
+                pytest.skip("this kernel has no cachestat(2) (Linux 6.5+), or a sandbox refuses it")
+            assert warm == (pages_in(0, size), pages_in(0, size))
+            reqs = lambda: [("obj", 0, [bytearray(DIRECT_BOUNCE)]), ("obj", DIRECT_BOUNCE, [bytearray(size)])]
+            warm_reqs = reqs()
+            assert st.read_into(warm_reqs) == [DIRECT_BOUNCE, size - DIRECT_BOUNCE] and st.last_read_mode[0] > 0
+            assert st.buffered == 2 and bytes(warm_reqs[0][2][0]) == data[:DIRECT_BOUNCE]
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)      # drop it: cold
+            if resident_pages(fd, 0, size)[0] > pages_in(0, size) // 4:
+                pytest.skip("the kernel kept the dropped pages in the page cache")
+        finally:
+            os.close(fd)
+        cold_reqs = reqs()
+        assert st.read_into(cold_reqs) == [DIRECT_BOUNCE, size - DIRECT_BOUNCE]
+        if not st.direct_reads_ok:
+            pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT")
+        assert st.buffered == 2, "a cold range went through the page cache"
+        assert bytes(cold_reqs[1][2][0])[:size - DIRECT_BOUNCE] == data[DIRECT_BOUNCE:]
     finally:
         st.close()
