@@ -17,8 +17,9 @@ background save runs vs the steps just before it (a shared machine's load
 drifts),
 same-layout load, reshard load 4 -> 2 ranks (local loads twice each repeat:
 from the disk with the page cache dropped first, which is ``load_s``, then
-from memory, ``load_warm_s``; DCP writes through the page cache and marind
-around it, so a load timed as found would compare memory with disk), bytes
+from memory, ``load_warm_s``, every file read into the page cache first; DCP
+writes and reads through the page cache and marind around it, so a load timed
+as found would compare memory with disk), bytes
 read per byte needed, and the disk's raw sequential write and read rates.
 Medians over ``--repeats`` (sync saves), ``--async-repeats`` (async saves) and
 ``--load-repeats`` (loads); a step slowdown is the median step during a system's async

@@ -90,6 +90,21 @@ def evict(root: str) -> int:
     return left
 
 
+def preload(root: str) -> None:
+    """Rank 0 reads every file of ``root`` through the page cache (into a throwaway buffer),
+    then all ranks meet: a warm load then reads from memory, whichever system wrote the
+    files and whichever way its cold load read them (marind's reads go around the cache)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        for dirpath, _, files in os.walk(root):
+            for f in files:
+                with open(os.path.join(dirpath, f), "rb", buffering=0) as fh:
+                    while fh.read(1 << 20):
+                        pass
+    dist.barrier()
+
+
 def resident_bytes(path: str) -> int:
     """Bytes of ``path`` in the page cache (mincore over a read-only mapping, which reads
     nothing); 0 where this platform has no mincore."""
@@ -123,14 +138,16 @@ def resident_bytes(path: str) -> int:
 def timed_loads(load_fns: dict, make_target, repeats: int, evict_root: str | None) -> dict:
     """``{system: load(target)}`` taking turns in alternating order, each into a fresh
     ``make_target()`` built outside the timing: each repeat, a load from the disk (page cache
-    dropped first: ``evict``) and then the same load again from memory. Without
-    ``evict_root`` (S3: the server's cache is the server's) every load is as found."""
+    dropped first: ``evict``) and then the same load again from memory (every file read into
+    the page cache first: ``preload``). Without ``evict_root`` (S3: the server's cache is the
+    server's) every load is as found."""
     out: dict = {system: {"cold": [], "warm": [], "resident": []} for system in load_fns}
     for i in range(repeats):
         for system in (list(load_fns) if i % 2 == 0 else list(reversed(load_fns))):
             if evict_root:
                 out[system]["resident"].append(evict(evict_root))
                 out[system]["cold"].append(_timed_load(load_fns[system], make_target))
+                preload(evict_root)
             out[system]["warm"].append(_timed_load(load_fns[system], make_target))
     return out
 

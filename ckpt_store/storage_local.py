@@ -197,8 +197,8 @@ class LocalStorage(StorageBase):
     def _preadv_direct(self, key: str, start: int, bufs: list) -> int:
         """``_preadv`` around the page cache: ``O_DIRECT`` reads of the aligned span, at most
         ``DIRECT_BOUNCE`` bytes at a time, into a per-thread aligned buffer, each copied into
-        ``bufs`` (``read_mode``); a range the page cache mostly holds already is read through
-        it (``read_mode.read_through_cache``). A filesystem that refuses ``O_DIRECT`` (EINVAL)
+        ``bufs`` (``read_mode``); a small request, or a range the page cache mostly holds
+        already, is read through it (``read_mode.read_through_cache``). A filesystem that refuses ``O_DIRECT`` (EINVAL)
         is read through the page cache from then on."""
         views = [memoryview(b).cast("B") for b in bufs]
         want = sum(v.nbytes for v in views)
@@ -207,11 +207,11 @@ class LocalStorage(StorageBase):
         bounce = _bounce_buffer()
         got = 0         # bytes of [start, end) copied out
         fd = None
+        cached = False  # the page cache holds the range already (a warm load): read through it
         try:
             fd = os.open(self.path(key), os.O_RDONLY | (_O_DIRECT or 0) | getattr(os, "O_CLOEXEC", 0))
-            if read_through_cache(resident_pages(fd, start, want))[0]:
-                return self._preadv(key, start, bufs)       # in memory already (a warm load)
-            at = lo
+            cached = read_through_cache(resident_pages(fd, start, want), want, DIRECT_MIN_BYTES)[0]
+            at = end if cached else lo
             while at < end:
                 span = _direct_cap(-(-(end - at) // DIRECT_ALIGN) * DIRECT_ALIGN)   # a few bytes more: one read
                 n = _pread_all(fd, bounce[:span], at)
@@ -232,7 +232,7 @@ class LocalStorage(StorageBase):
         finally:
             if fd is not None:
                 os.close(fd)
-        return got
+        return self._preadv(key, start, bufs) if cached else got
 
     def _preadv(self, key: str, start: int, bufs: list) -> int:
         views = [memoryview(b).cast("B") for b in bufs]

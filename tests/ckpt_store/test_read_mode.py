@@ -14,7 +14,7 @@ import pytest
 
 from ckpt_store.page_cache import PAGE, pages_in, resident_pages
 from ckpt_store.read_mode import DIRECT_IN_FLIGHT, choose_direct_reads, cpus_here, read_through_cache
-from ckpt_store.storage_local import DIRECT_BOUNCE, LocalStorage
+from ckpt_store.storage_local import DIRECT_BOUNCE, DIRECT_MIN_BYTES, LocalStorage
 
 
 @pytest.mark.unit
@@ -43,9 +43,11 @@ def _requests(size: int) -> list[tuple[int, list[int]]]:
         (0, [size]),                                   # the whole object, one buffer
         (4097, [1_000_000, 4, 3_000_000, 4]),          # unaligned, scattered like data + crc32c
         (1, [DIRECT_BOUNCE + 70_000]),                 # longer than the staging buffer
-        (size - 84, [80, 4]),                          # the tail alone
-        (size - 100, [300]),                           # past the end: read short
-        (size + 10, [8]),                              # wholly past the end: nothing
+        (size - 84, [80, 4]),                          # the tail alone (small: the page cache)
+        (size - DIRECT_MIN_BYTES, [DIRECT_MIN_BYTES - 4, 4]),   # the tail alone, direct
+        (size - 100, [300]),                           # past the end: read short (small)
+        (size - 100, [DIRECT_MIN_BYTES]),              # past the end: read short
+        (size + 10, [DIRECT_MIN_BYTES]),               # wholly past the end: nothing
         (size - DIRECT_BOUNCE - 100_000, [DIRECT_BOUNCE + 200_000]),   # two reads, the second short
     ]
 
@@ -81,7 +83,14 @@ def test_direct_and_buffered_reads_fill_the_same_bytes(tmp_path, monkeypatch, re
     ((0, 0), False),        # an empty range
 ])
 def test_a_range_mostly_in_the_page_cache_is_read_through_it(resident, cached):
-    through, why = read_through_cache(resident)
+    through, why = read_through_cache(resident, DIRECT_MIN_BYTES, DIRECT_MIN_BYTES)
+    assert through == cached, why
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("nbytes, cached", [(0, True), (DIRECT_MIN_BYTES - 1, True), (DIRECT_MIN_BYTES, False)])
+def test_a_small_request_is_read_through_the_page_cache(nbytes, cached):
+    through, why = read_through_cache((0, 64), nbytes, DIRECT_MIN_BYTES)
     assert through == cached, why
 
 
