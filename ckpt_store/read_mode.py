@@ -19,14 +19,13 @@ by the machine's readers (at least one) requests in flight, a request's check
 included; through the page cache otherwise.
 
 A direct read skips the page cache even where it holds the chunk, and then goes
-to the disk for bytes that are in memory: a checkpoint saved or loaded on this
-machine a moment ago (a restart, a second load) was read 1.4x slower than DCP's
-buffered reads on the fast disk and 9.4x on the slow one. So each request first
-asks the cache how much of its range it holds (``page_cache``, reading nothing)
-and reads through it when that is at least ``CACHED_ENOUGH`` of the range. A
-small request goes through it anyway: objects under ``DIRECT_MIN_BYTES`` are
-written through the page cache (``storage_local``), and where the kernel cannot
-be asked, a disk round trip for each of them would cost more than the copy saves.
+to the disk for bytes that are in memory (``page_cache`` lists when a checkpoint
+is there). So each request first asks the cache how much of its range it holds
+(``page_cache``, reading nothing) and reads through it when that is at least
+``CACHED_ENOUGH`` of the range. Objects under ``DIRECT_MIN_BYTES`` are read
+through it whatever the answer: they are written through it (``storage_local``),
+and where the kernel cannot be asked, a disk round trip for each of them would
+cost more than the copy saves.
 """
 
 from __future__ import annotations
@@ -56,20 +55,19 @@ def choose_direct_reads(readers_here: int, cpus: int, direct_ok: bool = True) ->
     return max(1, DIRECT_IN_FLIGHT // readers), f"{readers} ranks read on {cpus} CPUs: a core each"
 
 
-def read_through_cache(resident: tuple[int, int] | None, nbytes: int, small: int) -> tuple[bool, str]:
+def read_through_cache(resident: tuple[int, int] | None, object_bytes: int, small: int) -> tuple[bool, str]:
     """Whether a request that ``choose_direct_reads`` sends around the page cache goes through
     it after all, and why.
 
     Args:
-        resident: (pages of its range in the page cache, pages in the range)
+        resident: (pages of its range in the page cache, pages of the range inside the object)
             (``page_cache.resident_pages``), or None where the kernel cannot tell.
-        nbytes: the request's bytes.
-        small: requests under this many bytes go through the page cache: objects that small
-            were written through it (``storage_local.DIRECT_MIN_BYTES``) and likely sit in it
-            still, and a disk round trip each would cost more than its copy saves.
+        object_bytes: the size of the object it reads from.
+        small: objects under this many bytes are read through the page cache: they were
+            written through it (``storage_local.DIRECT_MIN_BYTES``) and likely sit in it still.
     """
-    if nbytes < small:
-        return True, f"{nbytes} bytes: under {small}, through the page cache"
+    if object_bytes < small:
+        return True, f"a {object_bytes}-byte object: under {small}, written through the page cache"
     if resident is None:
         return False, "the page cache cannot be asked here: direct"
     held, pages = resident

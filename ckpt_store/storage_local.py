@@ -197,7 +197,7 @@ class LocalStorage(StorageBase):
     def _preadv_direct(self, key: str, start: int, bufs: list) -> int:
         """``_preadv`` around the page cache: ``O_DIRECT`` reads of the aligned span, at most
         ``DIRECT_BOUNCE`` bytes at a time, into a per-thread aligned buffer, each copied into
-        ``bufs`` (``read_mode``); a small request, or a range the page cache mostly holds
+        ``bufs`` (``read_mode``); a small object, or a range the page cache mostly holds
         already, is read through it (``read_mode.read_through_cache``). A filesystem that refuses ``O_DIRECT`` (EINVAL)
         is read through the page cache from then on."""
         views = [memoryview(b).cast("B") for b in bufs]
@@ -210,7 +210,8 @@ class LocalStorage(StorageBase):
         cached = False  # the page cache holds the range already (a warm load): read through it
         try:
             fd = os.open(self.path(key), os.O_RDONLY | (_O_DIRECT or 0) | getattr(os, "O_CLOEXEC", 0))
-            cached = read_through_cache(resident_pages(fd, start, want), want, DIRECT_MIN_BYTES)[0]
+            cached = read_through_cache(resident_pages(fd, start, want), os.fstat(fd).st_size,
+                                        DIRECT_MIN_BYTES)[0]
             at = end if cached else lo
             while at < end:
                 span = _direct_cap(-(-(end - at) // DIRECT_ALIGN) * DIRECT_ALIGN)   # a few bytes more: one read

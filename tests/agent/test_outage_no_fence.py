@@ -49,6 +49,7 @@ def test_an_outage_longer_than_the_ttl_restarts_nothing(tmp_path, etcd_private, 
     etcd_private.stop()
     try:
         at_outage = min(local_steps())
+        assert steps - (at_outage + 25) >= 30, f"step {at_outage} at the outage: too few steps left after it"
         # 25 steps of 0.3 s: the outage outlasts the 4 s TTL by far
         wait_for(lambda: len(local_steps()) == 2 and min(local_steps()) >= at_outage + 25, 90,
                  "both nodes training through the outage", diag=diag)
