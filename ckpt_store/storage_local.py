@@ -198,8 +198,8 @@ class LocalStorage(StorageBase):
         """``_preadv`` around the page cache: ``O_DIRECT`` reads of the aligned span, at most
         ``DIRECT_BOUNCE`` bytes at a time, into a per-thread aligned buffer, each copied into
         ``bufs`` (``read_mode``); a small object, or a range the page cache mostly holds
-        already, is read through it (``read_mode.read_through_cache``). A filesystem that refuses ``O_DIRECT`` (EINVAL)
-        is read through the page cache from then on."""
+        already, is read through it (``read_mode.read_through_cache``). A filesystem that
+        refuses ``O_DIRECT`` (EINVAL) is read through the page cache from then on."""
         views = [memoryview(b).cast("B") for b in bufs]
         want = sum(v.nbytes for v in views)
         lo = start - start % DIRECT_ALIGN
