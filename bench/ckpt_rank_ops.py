@@ -12,6 +12,7 @@ import os
 import shutil
 import statistics
 import time
+from collections.abc import Iterator
 
 
 def build_model(dim: int, layers: int, world: int):
@@ -77,17 +78,23 @@ def evict(root: str) -> int:
 
     left = 0
     if dist.get_rank() == 0:
-        for dirpath, _, files in os.walk(root):
-            for f in files:
-                fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-        left = sum(resident_bytes(os.path.join(dirpath, f)) for dirpath, _, files in os.walk(root) for f in files)
+        for path in _files(root):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        left = sum(resident_bytes(path) for path in _files(root))
     dist.barrier()
     return left
+
+
+def _files(root: str) -> Iterator[str]:
+    """Every file under ``root``, at any depth."""
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            yield os.path.join(dirpath, f)
 
 
 def preload(root: str) -> None:
@@ -97,11 +104,10 @@ def preload(root: str) -> None:
     import torch.distributed as dist
 
     if dist.get_rank() == 0:
-        for dirpath, _, files in os.walk(root):
-            for f in files:
-                with open(os.path.join(dirpath, f), "rb", buffering=0) as fh:
-                    while fh.read(1 << 20):
-                        pass
+        for path in _files(root):
+            with open(path, "rb", buffering=0) as fh:
+                while fh.read(1 << 20):
+                    pass
     dist.barrier()
 
 

@@ -207,12 +207,12 @@ class LocalStorage(StorageBase):
         bounce = _bounce_buffer()
         got = 0         # bytes of [start, end) copied out
         fd = None
-        cached = False  # the page cache holds the range already (a warm load): read through it
+        through_cache = False   # a warm range or a small object; or O_DIRECT refused
         try:
             fd = os.open(self.path(key), os.O_RDONLY | (_O_DIRECT or 0) | getattr(os, "O_CLOEXEC", 0))
-            cached = read_through_cache(resident_pages(fd, start, want), os.fstat(fd).st_size,
-                                        DIRECT_MIN_BYTES)[0]
-            at = end if cached else lo
+            through_cache = read_through_cache(resident_pages(fd, start, want), os.fstat(fd).st_size,
+                                               DIRECT_MIN_BYTES)[0]
+            at = end if through_cache else lo
             while at < end:
                 span = _direct_cap(-(-(end - at) // DIRECT_ALIGN) * DIRECT_ALIGN)   # a few bytes more: one read
                 n = _pread_all(fd, bounce[:span], at)
@@ -229,11 +229,11 @@ class LocalStorage(StorageBase):
             if exc.errno != errno.EINVAL:
                 raise
             self.direct_reads_ok = False     # the page cache from now on; it reads every buffer again
-            return self._preadv(key, start, bufs)
+            through_cache = True
         finally:
             if fd is not None:
                 os.close(fd)
-        return self._preadv(key, start, bufs) if cached else got
+        return self._preadv(key, start, bufs) if through_cache else got
 
     def _preadv(self, key: str, start: int, bufs: list) -> int:
         views = [memoryview(b).cast("B") for b in bufs]
