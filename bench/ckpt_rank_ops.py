@@ -14,6 +14,8 @@ import statistics
 import time
 from collections.abc import Iterator
 
+from marind.testing.page_cache import drop_from_page_cache
+
 
 def build_model(dim: int, layers: int, world: int):
     import torch
@@ -79,12 +81,7 @@ def evict(root: str) -> int:
     left = 0
     if dist.get_rank() == 0:
         for path in _files(root):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            drop_from_page_cache(path)
         left = sum(resident_bytes(path) for path in _files(root))
     dist.barrier()
     return left

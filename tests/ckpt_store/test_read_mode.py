@@ -19,6 +19,7 @@ from ckpt_store import page_cache
 from ckpt_store.page_cache import PAGE, pages_in, resident_pages
 from ckpt_store.read_mode import DIRECT_IN_FLIGHT, choose_direct_reads, cpus_here, read_through_cache
 from ckpt_store.storage_local import DIRECT_BOUNCE, DIRECT_MIN_BYTES, LocalStorage
+from marind.testing.page_cache import drop_from_page_cache
 
 
 @pytest.mark.unit
@@ -80,16 +81,6 @@ def _cached_pages(path) -> tuple[int, int] | None:
         os.close(fd)
 
 
-def _drop(path) -> None:
-    """Flush ``path`` and drop it from the page cache (a load from the disk follows)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.parametrize("readers", ["1", "many"])
 def test_direct_and_buffered_reads_fill_the_same_bytes(tmp_path, monkeypatch, readers):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1" if readers == "1" else str(cpus_here() + 1))
@@ -98,7 +89,7 @@ def test_direct_and_buffered_reads_fill_the_same_bytes(tmp_path, monkeypatch, re
     st = _storage(tmp_path)
     try:
         st.write("obj", [data])
-        _drop(tmp_path / "obj")         # the direct write's zero-padded last page went through the cache
+        drop_from_page_cache(tmp_path / "obj")         # the direct write's zero-padded last page went through the cache
         if readers == "1" and (_cached_pages(tmp_path / "obj") or (0, 0))[0]:
             pytest.skip(f"{tmp_path}'s filesystem keeps its files in memory: no direct read to test")
         reqs = [("obj", start, [bytearray(n) for n in sizes]) for start, sizes in _requests(size)]
@@ -169,7 +160,7 @@ def test_a_direct_load_reads_a_range_the_page_cache_holds_through_it(tmp_path, m
         warm_reqs = reqs()
         check(warm_reqs, st.read_into(warm_reqs))
         assert st.last_read_mode[0] > 0 and st.buffered == 2, "a range in memory was read from the disk"
-        _drop(path)
+        drop_from_page_cache(path)
         if _cached_pages(path)[0] > pages_in(0, size) // 4:
             pytest.skip("the kernel kept the dropped pages in the page cache")
         cold_reqs = reqs()
@@ -185,7 +176,7 @@ def test_a_small_object_is_read_through_the_page_cache_even_cold(tmp_path, monke
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     data = os.urandom(DIRECT_MIN_BYTES - 1)
     (tmp_path / "small").write_bytes(data)
-    _drop(tmp_path / "small")
+    drop_from_page_cache(tmp_path / "small")
     st = _storage(tmp_path)
     try:
         reqs = [("small", 10, [bytearray(1000)])]
