@@ -1,4 +1,4 @@
-# marind: `make setup` installs everything (idempotent); `make demo`; `make test`.
+# marind: `make setup` installs everything (idempotent); `make demo`; `make unit` (seconds); `make test`.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: setup demo lint test test-all chaos bench clean
+.PHONY: setup demo lint unit test test-all chaos bench clean
 
 setup: $(VENV)/.setup-stamp
 
@@ -32,6 +32,10 @@ lint: setup
 	$(VENV)/bin/mypy
 	$(PY) tools/import_graph.py --check
 
+# The unit tests alone: no process, no server (pure functions, files in tmp_path); seconds.
+unit: setup
+	$(PY) -m pytest -m unit -q -p no:cacheprovider $(PYTEST_ARGS)
+
 # The CI suite: lint, then everything except the long chaos scenarios' full forms (`make chaos`).
 test: setup lint
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
@@ -40,8 +44,12 @@ test: setup lint
 test-all: setup
 	MARIND_FULL=1 $(MAKE) test
 
+# Every chaos scenario in full; each adds its row to build/faults.jsonl, rendered at the end
+# (docs/perf.md's faults table: restarts, recovery, steps lost, checkpoints lost, violations).
 chaos: setup
-	MARIND_FULL=1 $(PY) -m pytest tests/chaos $(PYTEST_ARGS)
+	@mkdir -p build && rm -f build/faults.jsonl
+	@MARIND_FULL=1 MARIND_FAULTS_TABLE=$(CURDIR)/build/faults.jsonl $(PY) -m pytest tests/chaos $(PYTEST_ARGS); rc=$$?; \
+	if [ -s build/faults.jsonl ]; then $(PY) tools/faults_table.py build/faults.jsonl || rc=1; fi; exit $$rc
 
 bench: setup
 	$(PY) bench/ckpt_bench.py

@@ -25,7 +25,7 @@ Medians over ``--repeats`` (sync saves), ``--async-repeats`` (async saves) and
 ``--load-repeats`` (loads); a step slowdown is the median step during a system's async
 saves over the median of every system's steps just before theirs (``quiet_step_s``).
 
-    python bench/ckpt_bench.py --repeats 3   # full: local, slow target and S3 (about 15 min on 2 cores)
+    python bench/ckpt_bench.py --repeats 3   # full: local, slow target and S3 (the long run; docs/perf.md)
     python bench/ckpt_bench.py --quick    # tiny state, checks the output shape
     python bench/ckpt_bench.py --sections reshard --no-s3 --no-slow --repeats 7   # the reshard loads only
 
@@ -143,7 +143,7 @@ def disk_read_rate(directory: str, mb: int, repeats: int = 3) -> float | None:
 
 
 #: timed loads of each kind by default (``--load-repeats``): cold loads of either system
-#: spread from 0.3 to 0.8 s on the 2-core VM, so a median of 3 turns on one draw
+#: spread widely on a small shared machine (docs/perf.md), so a median of 3 turns on one draw
 LOAD_REPEATS = 7
 
 #: what one run can time (``--sections``)
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
                          "--repeats): each spans only one to three training steps")
     ap.add_argument("--load-repeats", type=int, default=None,
                     help="timed loads of each kind (default: 7, or --repeats if more; --quick 1): a cold "
-                         "load takes a fraction of a second and varies by 2x on a shared machine")
+                         "load is short and varies widely on a shared machine")
     ap.add_argument("--no-s3", action="store_true")
     ap.add_argument("--no-local", action="store_true", help="S3 only (no local target, no reshard)")
     ap.add_argument("--store-options", default=None, help="JSON of extra CheckpointStore keywords "

@@ -111,7 +111,7 @@ def preload(root: str) -> None:
 def resident_bytes(path: str) -> int:
     """Bytes of ``path`` in the page cache (mincore over a read-only mapping, which reads
     nothing); 0 where this platform has no mincore. The store asks with ``cachestat``
-    (``ckpt_store.page_cache``, Linux 6.5+); this check of the bench's eviction stands
+    (``ckpt_store.storage.page_cache``, Linux 6.5+); this check of the bench's eviction stands
     apart from the system under test and runs on older kernels too."""
     import ctypes
     import mmap

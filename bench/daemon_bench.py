@@ -31,8 +31,8 @@ from pathlib import Path
 
 import psutil
 
+from marind.control.local_etcd import LocalEtcd
 from marind.core.etcd_client import EtcdClient
-from marind.local_etcd import LocalEtcd
 from marind.testing.cluster import env as _env
 from marind.testing.cluster import kill_tree as _kill_tree
 from marind.testing.cluster import make_data as _make_data
@@ -64,7 +64,7 @@ every_steps = {every}
 """
 
 
-#: big enough that a step (~0.2 s here) is compute, not 2 processes' scheduling jitter on 2 cores
+#: big enough that a step is compute, not 2 processes' scheduling jitter on 2 cores
 THROUGHPUT_PRESET = "small"
 
 
@@ -117,9 +117,9 @@ def bench_throughput(root: Path, etcd: LocalEtcd, data: str, steps: int, warmup:
     """``rounds`` plain/marind pairs, alternating which goes first; one agent throughout.
 
     A single pair is mostly noise on a small shared machine (plain torchrun
-    alone varied 3210-4506 tokens/s across runs), so the ratio reported is
-    the median of the per-round ratios, next to the ratio over all steps
-    pooled. A run's rate is its tokens over its time (``_rate``).
+    alone varied widely across runs: docs/perf.md, "Daemon and warm starts"),
+    so the ratio reported is the median of the per-round ratios, next to the
+    ratio over all steps pooled. A run's rate is its tokens over its time (``_rate``).
     """
     prefix = "/bench-tp"
     agent = _agent(root, "tp", etcd.endpoint, prefix, fast=False)   # the defaults a user gets

@@ -51,100 +51,29 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
-import psutil
-
-from marind.agent.config import AgentConfig
-from marind.local_etcd import LocalEtcd
-from marind.testing.bench_sites import FAULTS, BedSite, LoopbackSite, kill_cmd, kill_line
+from marind.control.config import AgentConfig
+from marind.control.local_etcd import LocalEtcd
+from marind.testing.bench_sites import FAULTS, BedSite, LoopbackSite
 from marind.testing.chaos.schedule import draw_schedule
-from marind.testing.cluster import env, make_data, marind, submit
+from marind.testing.cluster import make_data, marind, submit
 from marind.testing.hosts import HostBed, bed_unavailable
 
-REPO = Path(__file__).resolve().parents[1]
+if __package__:     # imported as bench.goodput (the tests)
+    from bench.goodput_common import SPEC, Job, kept_step_seconds, percentile
+else:               # run as a script: bench/ is sys.path[0] (goodput_torchft imports the same module)
+    from goodput_common import SPEC, Job, kept_step_seconds, percentile
 
-SPEC = """
-[job]
-name = "{name}"
-nodes = "{nodes}"
-nproc_per_node = {nproc}
-max_restarts = 1000
-hang_timeout = "120s"
-entrypoint = "marind.trainer"
-[model]
-preset = "tiny"
-[data]
-path = "{data}"
-seq_len = 128
-global_batch = 16
-micro_batch = 2
-[optim]
-lr = 3e-3
-min_lr = 3e-4
-warmup_steps = 20
-[train]
-steps = 1000000
-seed = 1234
-log_every = 1
-[checkpoint]
-url = "file://{ckpt}"
-every_steps = {every}
-async = true
-keep_last = 2
-"""
 PHASES = ("detection", "rendezvous", "restart", "restore", "first_step")
 FLOORS = {"goodput_min": 0.85, "recovery_p50_max_s": 15.0}
 
 
 # -- pure accounting ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StepLine:
-    at: float          # unix time the step ended
-    step: int
-    step_s: float
-
-
-def parse_step_lines(text: str) -> list[StepLine]:
-    """Global rank 0's ``step`` records in a trainer log."""
-    out = []
-    for line in text.splitlines():
-        start = line.find("{")
-        if start < 0 or '"event": "step"' not in line:
-            continue
-        try:
-            rec = json.loads(line[start:])
-            at = datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")).timestamp()
-            out.append(StepLine(at, int(rec["step"]), float(rec["step_s"])))
-        except (ValueError, KeyError):
-            continue
-    return out
-
-
-def kept_step_seconds(lines: list[StepLine], start: float, end: float) -> tuple[float, int]:
-    """(seconds, count) of the steps kept: of each step number, its last run within [start, end]."""
-    last: dict[int, StepLine] = {}
-    for ln in sorted(lines, key=lambda x: x.at):
-        if start <= ln.at <= end:
-            last[ln.step] = ln
-    return sum(ln.step_s for ln in last.values()), len(last)
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    xs = sorted(values)
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return round(xs[lo] + (xs[hi] - xs[lo]) * (k - lo), 3)
-
-
 def phase_split(marks: dict[str, float], t_kill: float) -> dict[str, float] | None:
     """Seconds of each recovery phase from the times each one ended (None if one is missing)."""
     if any(p not in marks for p in PHASES):
@@ -159,55 +88,6 @@ def phase_split(marks: dict[str, float], t_kill: float) -> dict[str, float] | No
 
 
 # -- watching a live job -------------------------------------------------------------------------------
-@dataclass
-class Job:
-    id: str
-    root: Path
-    nodes: list[str]
-    world: int
-    submitted_at: float
-
-    def run_dirs(self, nodes: tuple[str, ...] | list[str] | None = None) -> list[Path]:
-        return [self.root / f"state-{n}" / "jobs" / self.id for n in (self.nodes if nodes is None else nodes)]
-
-    def records(self) -> list[dict]:
-        out = []
-        for run_dir in self.run_dirs():
-            for path in (run_dir / "progress").glob("rank-*.json"):
-                try:
-                    out.append(json.loads(path.read_text()))
-                except (OSError, ValueError):
-                    continue
-        return out
-
-    def workers(self, nodes: tuple[str, ...] | None = None) -> set[int]:
-        """Live workers as torchrun sees them (of ``nodes``, default all): its children with a RANK
-        (a worker, or its zygote stub; a stopped one counts)."""
-        pids = set()
-        for run_dir in self.run_dirs(nodes):
-            try:
-                torchrun = json.loads((run_dir / "pids.json").read_text())["torchrun_pid"]
-                children = psutil.Process(torchrun).children()
-            except (OSError, ValueError, KeyError, psutil.Error):
-                continue
-            for c in children:
-                try:
-                    if c.status() != psutil.STATUS_ZOMBIE and "RANK" in c.environ():
-                        pids.add(c.pid)
-                except psutil.Error:
-                    continue
-        return pids
-
-    def step_lines(self) -> list[StepLine]:
-        out = []
-        for run_dir in self.run_dirs():
-            try:
-                out += parse_step_lines((run_dir / "logs" / "torchrun.log").read_text(errors="replace"))
-            except OSError:
-                continue
-        return out
-
-
 @dataclass
 class Failure:
     at: float
@@ -261,12 +141,6 @@ def watch_recovery(job: Job, failure: Failure, old: set[int], old_records: set[i
 
 def current_step(job: Job) -> int:
     return max([int(r.get("step") or 0) for r in job.records()] + [0])
-
-
-def kill_one(job: Job, etcd: str, prefix: str, seed: int) -> dict:
-    res = subprocess.run(kill_cmd(job.id, etcd, prefix, seed), env=env(), capture_output=True, text=True,
-                         timeout=60, cwd=REPO)
-    return kill_line(res)
 
 
 def run_job(root: Path, etcd: LocalEtcd | None, data: str, *, name: str, nodes: int, nproc: int, wall: float,

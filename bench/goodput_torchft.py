@@ -3,9 +3,9 @@
     python bench/goodput_torchft.py [--wall 300] [--every 60] [--seed 7] [--nodes 2] [--nproc 2] [--quick]
 
 ``run_torchft(root, etcd, data, name=..., nodes=..., nproc=..., wall=..., every_steps=..., draws=...)``
-runs the example job of ``bench/goodput.py`` under ``[fault] mode = "torchft"`` (each agent one
-replica group, ``data.global_batch`` split over the groups so a step is the same work) with a
-``chaos/kill_random_rank.py`` kill at each draw, and returns the fields of goodput.py's runs
+runs the goodput benchmark's example job (``SPEC`` of ``bench/goodput_common.py``) under
+``[fault] mode = "torchft"`` (each agent one replica group, ``data.global_batch`` split over the
+groups so a step is the same work) with a ``chaos/kill_random_rank.py`` kill at each draw, and returns the fields of goodput.py's runs
 (``goodput``, ``goodput_steady``, ``steps_kept``, ...) so that ``goodput.py --mode torchft`` can put
 it next to the elastic run. With ``site`` a ``BedSite`` and ``fault="power_off"`` the fault is the
 silent power-off of a group's host instead (``marind.testing.bench_sites``), which reboots
@@ -32,9 +32,9 @@ import threading
 import time
 from pathlib import Path
 
-from goodput import SPEC, Job, kept_step_seconds, kill_one, percentile
+from goodput_common import SPEC, Job, kept_step_seconds, kill_one, parse_step_lines, percentile
 
-from marind.local_etcd import LocalEtcd
+from marind.control.local_etcd import LocalEtcd
 from marind.testing.bench_sites import LoopbackSite
 from marind.testing.chaos.schedule import draw_schedule
 from marind.testing.cluster import make_data, marind, submit
@@ -69,7 +69,6 @@ def _group_records(job: Job) -> dict[str, dict]:
 
 
 def _step_times(job: Job, node: str) -> list[tuple[float, int]]:
-    from goodput import parse_step_lines
     run_dir = job.root / f"state-{node}" / "jobs" / job.id
     try:
         lines = parse_step_lines((run_dir / "logs" / "torchrun.log").read_text(errors="replace"))

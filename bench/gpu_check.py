@@ -8,7 +8,7 @@ reported as ``{"ok": bool, ...}``:
 * ``backend``: the device and backend the workers pick (cuda/nccl expected).
 * ``train_warm``: the tiny trainer under ``torchrun --standalone`` with N ranks
   (default: every GPU, at most 2) on nccl, launched the way the agent does
-  (the PDEATHSIG shim forks the zygote; torchrun runs ``marind.zygote_stub``),
+  (the PDEATHSIG shim forks the zygote; torchrun runs ``marind.agent.warm_start.zygote_stub``),
   so the workers are forked from a process that imported torch and then use
   CUDA; async checkpoints to a local directory.
 * ``resume``: the same spec run again with more steps resumes from the
@@ -97,7 +97,7 @@ def run_trainer(root: Path, nproc: int, steps: int, data: str, extra: str = "", 
     t0 = time.time()
     res = subprocess.run([sys.executable, "-c", _PDEATHSIG_SHIM, str(os.getpid()),
                           sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          f"--nproc-per-node={nproc}", "-m", "marind.zygote_stub", "marind.trainer", str(spec)],
+                          f"--nproc-per-node={nproc}", "-m", "marind.agent.warm_start.zygote_stub", "marind.trainer", str(spec)],
                          env=env, capture_output=True, text=True, timeout=900, cwd=root)
     text = res.stdout + res.stderr
     steps_seen = _steps_in(text)
@@ -145,12 +145,12 @@ def main() -> int:
     dev = device_for_local_rank()
     result["backend"] = {"ok": dev.type == "cuda" and backend_for(dev) == "nccl", "device": str(dev),
                          "backend": backend_for(dev)}
-    import marind.zygote as zygote
+    import marind.agent.warm_start.zygote as zygote
     from marind.trainer import MARIND_PRELOAD
     zygote.preload(zygote.preload_names(",".join(MARIND_PRELOAD)))
     result["zygote_cuda_clean"] = {"ok": zygote.fork_unsafe_reason() is None}
     root = Path(tempfile.mkdtemp(prefix="marind-gpu-check-"))
-    from marind.trainer import corpus
+    from marind.trainer.data import corpus
     corpus.write_example_dataset(root / "corpus", 60)
     nproc = args.nproc or max(1, min(2, torch.cuda.device_count()))
     first = run_trainer(root, nproc, args.steps, str(root / "corpus"))

@@ -40,8 +40,8 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
+from marind.control.local_etcd import LocalEtcd
 from marind.core.netutil import free_port
-from marind.local_etcd import LocalEtcd
 from marind.rendezvous import create_etcd3_handler
 from marind.rendezvous.handler import use_frame_method_names
 
@@ -57,10 +57,11 @@ def _agent(make_handler, ready, go, done, results) -> None:
     """One simulated node (a forked process): connect, wait for the start, rendezvous, report.
 
     marind's etcd3 handler replaces torch's ``inspect.stack()``-based
-    naming of rendezvous events (~150 ms of CPU each) with a frame lookup
+    naming of rendezvous events (a large CPU cost each) with a frame lookup
     (``use_frame_method_names``); the c10d agents get the same here, so
-    the figures compare the backends, not that. Without it 64 simulated
-    nodes on 2 cores never finished a c10d or etcd3 round.
+    the figures compare the backends, not that. Without it the largest
+    agent counts on a small machine never finished a c10d or etcd3 round
+    (docs/perf.md, "Rendezvous").
     """
     use_frame_method_names()
     try:

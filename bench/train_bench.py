@@ -13,7 +13,7 @@
   high-water mark on CPU) and the pipeline's bubble fraction twice: as its schedule sets it,
   ``(pp - 1) / (v microbatches + pp - 1)`` (``bubble_fraction``), and measured per rank as
   ``1 - busy / wall`` of the schedule runs after the warm-up steps (``bubble_measured``,
-  its mean ``bubble_measured_mean``; ``marind.trainer.pipeline_timing``);
+  its mean ``bubble_measured_mean``; ``marind.trainer.parallel.pipeline_timing``);
 * mixture of experts (2 ranks): ``moe-tiny`` with expert parallelism (``dp_shard = 2, ep = 2``)
   beside the dense FSDP run (``dp_shard = 2``) of the same ACTIVE parameter count (the dense
   MLP's width matched to the router, ``top_k`` routed and shared experts one token uses), and
@@ -136,9 +136,9 @@ def run_job(preset: str, ranks: int, work: Path, data: str, *, ckpt_every: int =
 def rank_figures(run_dir: Path, ranks: int) -> dict:
     """Every rank's figures from its final progress record: peak memory (device peak: CUDA allocated on a
     GPU, the RSS high-water mark on CPU), its peak before the first step, and the pipeline's measured
-    bubble (``marind.trainer.pipeline_timing``) when the run had one."""
+    bubble (``marind.trainer.parallel.pipeline_timing``) when the run had one."""
     from marind.core.progress import read_records
-    from marind.trainer.pipeline_timing import bubble_of_ranks
+    from marind.trainer.parallel.pipeline_timing import bubble_of_ranks
     records = {r.rank: r for r in read_records(run_dir)}
     missing = [r for r in range(ranks) if r not in records or not (records[r].metrics or {}).get("peak_memory_bytes")]
     if missing:
@@ -174,7 +174,7 @@ PP_LAYOUTS = (("pp", "1F1B", 1), ("pp-gpipe", "GPipe", 1), ("pp-interleaved", "I
 def layouts(work: Path, data: str, *, steps: int | None, quick: bool) -> list[dict]:
     """Dense FSDP and pipeline parallel on 2 ranks, the same untied model (``[model]`` extras): 1F1B
     (and, unless quick, GPipe and Interleaved1F1B)."""
-    from marind.trainer.pipeline_timing import schedule_bubble
+    from marind.trainer.parallel.pipeline_timing import schedule_bubble
     _, gb, mb, _, _ = PRESETS["tiny"]
     microbatches = gb // mb   # one schedule run per step: every micro-batch of the rank's batch
     runs = [("fsdp", "dp_shard = 2", 1, "", 1)]
@@ -196,7 +196,7 @@ def layouts(work: Path, data: str, *, steps: int | None, quick: bool) -> list[di
 
 def matched_dense_ffn(*, dim: int, n_experts: int, top_k: int, moe_ffn_dim: int, n_shared_experts: int) -> int:
     """The dense MLP width whose parameters equal one MoE MLP's active ones (router included)."""
-    from marind.trainer.moe import moe_param_counts
+    from marind.trainer.model.moe import moe_param_counts
     active = moe_param_counts(dim=dim, n_experts=n_experts, top_k=top_k, moe_ffn_dim=moe_ffn_dim,
                               n_shared_experts=n_shared_experts)[1]
     return round(active / (3 * dim))
@@ -204,8 +204,8 @@ def matched_dense_ffn(*, dim: int, n_experts: int, top_k: int, moe_ffn_dim: int,
 
 def moe_layouts(work: Path, data: str, *, steps: int | None, quick: bool) -> list[dict]:
     """moe-tiny with ep = 2 (and pp = 2 unless quick) beside dense FSDP of the same active parameters."""
-    from marind.trainer.moe_spec import MOE_PRESETS
-    from marind.trainer.pipeline_timing import schedule_bubble
+    from marind.trainer.model.moe_spec import MOE_PRESETS
+    from marind.trainer.parallel.pipeline_timing import schedule_bubble
     m = MOE_PRESETS["moe-tiny"]
     dims = {"dim": m["dim"], "n_experts": m["n_experts"], "top_k": m["top_k"], "moe_ffn_dim": m["moe_ffn_dim"],
             "n_shared_experts": m["n_shared_experts"]}
@@ -232,7 +232,7 @@ def _param_counts(preset: str, model: str) -> dict:
     """Total and active parameters of a bench model without the embedding and the LM head (its spec
     resolved as the trainer does; the vocabulary does not matter then)."""
     from marind.trainer.config import load_trainer_spec
-    from marind.trainer.model import ModelConfig, param_count
+    from marind.trainer.model.gpt import ModelConfig, param_count
     spec = load_trainer_spec(f'[job]\nname = "p"\n[model]\npreset = "{preset}"\n{model}\ntie_embeddings = true\n'
                              f'[data]\npath = "x"\nglobal_batch = 2\nmicro_batch = 1\n', check_worlds=False)
     cfg = ModelConfig.from_spec(spec.model, seq_len=spec.data.seq_len, data_vocab_size=256)

@@ -3,7 +3,7 @@
     python chaos/etcd_outage.py [--job JOB] [--etcd URL] [--state FILE] [--seconds 10]
 
 The server is the one ``--state`` describes (a state file written by
-``marind.local_etcd.LocalEtcd``; default ``$MARIND_ETCD_STATE``), else the
+``marind.control.local_etcd.LocalEtcd``; default ``$MARIND_ETCD_STATE``), else the
 process of this host listening on the etcd endpoint. It is stopped
 (SIGTERM, as a crash-free shutdown would; then SIGKILL), kept down for
 ``--seconds`` and started again with its own command line, so the same

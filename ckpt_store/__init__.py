@@ -1,7 +1,24 @@
 """Sharded, async, atomically committed Zarr v3 checkpoints on S3 or disk (docs/design.md §4).
 
+Public surface (code outside ``ckpt_store`` imports nothing else; ``tools/import_graph.py
+--check`` enforces it): this package (``CheckpointStore``, ``PendingSave``, ``VerifyReport``,
+the errors, and ``all_ranks_ok`` / ``all_gather_json``, the collectives a caller that agrees with
+the store's ranks uses), ``ckpt_store.errors`` and ``ckpt_store.export``. Everything else is
+internal, grouped by stage:
+
+* ``store``: ``CheckpointStore``, the API; ``agreement``: how the ranks of a save or load agree
+  (the store's few collectives); ``errors``; ``log``: its structlog loggers;
+* ``storage/``: the storage protocol and its two backends (local disk, fsspec object stores),
+  and the local disk's I/O modes (direct or page-cache reads and writes, durable flushes);
+* ``format/``: the bytes at rest: Zarr v3 metadata and chunk codecs, the manifest, step
+  directories and retention, the layout math and the save/load plan;
+* ``save/``: a save's stages: gather, snapshot, hand-off to a writer (thread or process), each
+  rank's part, the fence and the commit;
+* ``load/``: a load into any layout, the newest step that loads clean, ``verify``;
+* ``export/``: safetensors files for tools that do not read Zarr (public).
+
 The store classes load on first use, so the writer process (``python -m
-ckpt_store.writer_process``) runs without importing torch.
+ckpt_store.save.writer_process``) runs without importing torch.
 """
 
 from ckpt_store.errors import (
@@ -16,12 +33,15 @@ from ckpt_store.errors import (
 
 __all__ = ["CheckpointStore", "PendingSave", "VerifyReport", "CheckpointError",
            "CheckpointNotFound", "CheckpointCorrupt", "CheckpointMismatch", "CheckpointSaveFailed",
-           "CheckpointFormatUnsupported", "CheckpointStorageUnavailable"]
+           "CheckpointFormatUnsupported", "CheckpointStorageUnavailable", "all_ranks_ok", "all_gather_json"]
+
+_LAZY = {"CheckpointStore": "store", "PendingSave": "store", "VerifyReport": "store",
+         "all_ranks_ok": "agreement", "all_gather_json": "agreement"}
 
 
 def __getattr__(name: str):
-    if name in ("CheckpointStore", "PendingSave", "VerifyReport"):
-        from ckpt_store import store
+    if name in _LAZY:
+        import importlib
 
-        return getattr(store, name)
+        return getattr(importlib.import_module(f"ckpt_store.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'ckpt_store' has no attribute {name!r}")

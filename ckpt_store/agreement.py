@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ckpt_store.errors import CheckpointError
-from ckpt_store.manifest import PartShare
-from ckpt_store.plan import mesh_ranks
+from ckpt_store.format.manifest import PartShare
+from ckpt_store.format.plan import mesh_ranks
 
 #: a step's load on one rank; the worst over the ranks wins (``agree_outcome``)
 LOAD_OK, LOAD_GONE, LOAD_CORRUPT, LOAD_FATAL = 0, 1, 2, 3
@@ -85,7 +85,7 @@ def agree_layout(step: int, tensors: dict, ready: bool = True) -> bool:
     to name the difference. Ranks that save different steps, or hold different arrays (every
     rank must present every array, sharded or replicated; a pipeline stage presents the
     other stages' arrays as DTensors placed on their holders' ranks, of which it writes
-    nothing, as ``marind.trainer.pipeline_ckpt`` does), would otherwise commit a checkpoint
+    nothing, as ``marind.trainer.parallel.pipeline_ckpt`` does), would otherwise commit a checkpoint
     with holes, or wait on each other in a collective that never matches.
 
     Returns:

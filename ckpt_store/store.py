@@ -25,26 +25,18 @@ import datetime
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt_store import agreement, snapshot
+from ckpt_store import agreement
 from ckpt_store.errors import (
     CheckpointError,
     CheckpointFormatUnsupported,
     CheckpointSaveFailed,
     CheckpointStorageUnavailable,
 )
-from ckpt_store.gather import SMALL_ARRAY_BYTES, gather_small
-from ckpt_store.load_newest import load_newest
-from ckpt_store.loader import load_step
-from ckpt_store.log import get_logger
-from ckpt_store.manifest import FORMAT, read_manifest
-from ckpt_store.pending import PendingSave
-from ckpt_store.plan import flatten, plan_array
-from ckpt_store.save_job import SaveJob, writer_kind
-from ckpt_store.snapshot_copy import copy_snapshot, cuda_event, tensor_versions
-from ckpt_store.steps import (
+from ckpt_store.format.manifest import FORMAT, read_manifest
+from ckpt_store.format.plan import flatten, plan_array
+from ckpt_store.format.steps import (
     apply_retention,
     committed_steps,
     parse_step_dir,
@@ -54,25 +46,22 @@ from ckpt_store.steps import (
     step_dir,
     step_number,
 )
-from ckpt_store.storage import Storage, open_storage
-from ckpt_store.thread_writer import ThreadWriter
-from ckpt_store.writer_client import ProcessWriter
+from ckpt_store.load.load_newest import load_newest
+from ckpt_store.load.loader import load_step
+from ckpt_store.load.verify import VerifyReport
+from ckpt_store.log import get_logger
+from ckpt_store.save import snapshot
+from ckpt_store.save.gather import SMALL_ARRAY_BYTES, gather_small
+from ckpt_store.save.pending import PendingSave
+from ckpt_store.save.save_job import SaveJob, writer_kind
+from ckpt_store.save.snapshot_copy import copy_snapshot, cuda_event, tensor_versions
+from ckpt_store.save.thread_writer import ThreadWriter
+from ckpt_store.save.writer_client import ProcessWriter
+from ckpt_store.storage.protocol import Storage, open_storage
 
 log = get_logger(__name__)
 #: niceness of an async save's encode/write threads (measured in bench/ckpt_bench.py)
 BACKGROUND_NICE = 10
-
-
-@dataclass
-class VerifyReport:
-    """What ``CheckpointStore.verify`` found: ``ok`` when ``problems`` is empty; the objects
-    and bytes it read."""
-
-    step: int
-    ok: bool
-    problems: list[str] = field(default_factory=list)
-    objects: int = 0
-    bytes: int = 0
 
 
 class CheckpointStore:
@@ -102,7 +91,7 @@ class CheckpointStore:
         fence_file: a local JSON file ``{"valid_until": unix_seconds}`` (marind's run
             ``lease.json``): rank 0 writes the manifest only while it leaves
             ``fence_margin_s`` seconds, else the save fails uncommitted, so a world that may
-            have been replaced never commits (``ckpt_store.fence``). A missing or malformed
+            have been replaced never commits (``ckpt_store.save.fence``). A missing or malformed
             file does not fence.
         fence_margin_s: see ``fence_file``.
         prepare_timeout_s: async saves only: how long ``save()`` waits on the storage calls it
@@ -351,7 +340,7 @@ class CheckpointStore:
         Collective in an initialized group of more than one rank, with or without ``step``:
         every rank must call it (the ranks all-gather their shares of the step's object lists;
         with no ``step`` they also agree on each step tried). A tool reading on one rank uses
-        ``load_arrays`` (or ``export_sharded.read_values``), which read alone.
+        ``load_arrays`` (or ``ckpt_store.export.read_values``), which read alone.
         Only the chunks intersecting this rank's pieces are read, and every inner
         chunk's crc32c is checked; ``last_load_stats`` says how much was read.
 
@@ -406,7 +395,7 @@ class CheckpointStore:
         Returns:
             A ``VerifyReport``: ``ok``, and the problems found (an unreadable manifest is one).
         """
-        from ckpt_store.verify import verify_step
+        from ckpt_store.load.verify import verify_step
         problems, count, nbytes = verify_step(self.storage, step_dir(step))
         return VerifyReport(step, not problems, problems, count, nbytes)
 

@@ -16,8 +16,8 @@ import uuid
 
 import pytest
 
+from marind.control.local_etcd import LocalEtcd
 from marind.core.etcd_client import EtcdClient
-from marind.local_etcd import LocalEtcd
 from marind.testing import procs
 from marind.testing.s3_server import SeaweedS3
 

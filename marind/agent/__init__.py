@@ -1,5 +1,8 @@
 """The per-node daemon behind `marind agent` (docs/design.md §1, §2).
 
+It builds on ``marind.control`` (job records, states, events, the config file and the endpoint
+lookup, which the CLI uses too); nothing outside the agent imports it but ``marind agent`` itself.
+
 Modules, one concept each:
 
 * ``daemon``: the main loop (``Agent``) that ties the rest together;
@@ -7,8 +10,10 @@ Modules, one concept each:
   a torchrun exit, a hang, a lost node, a fence, a lost replica group), each returning
   its reason;
 * ``run_monitor``: one supervised job on this node (its torchrun, rounds, restarts, hangs,
-  node losses, progress and records); ``launch``: starting it;
-* ``fencing``: stopping the runs of a node whose lease lapsed, then rejoining;
+  node losses, progress and records), its state behind its methods; ``launch``: starting it;
+  its parts: ``run_progress`` (step, stalls, checkpoint commits, per-job metrics),
+  ``hang_kill`` (a hung round's stacks dumped, then its workers killed) and ``node_losses``
+  (acting on another node's loss);
 * ``worker_errors``: why workers failed (torchrun's log, torchelastic's error file);
 * ``doctor_probe``: this node's part in `marind doctor --cluster`;
 * ``outbox``: what the agent writes to etcd, in order, surviving an outage;
@@ -16,11 +21,13 @@ Modules, one concept each:
 * ``supervisor``: one torchrun process tree (start, workers, stop, reaping leftovers);
 * ``torchrun_args``: what a torchrun runs with (run dir, run.toml, command line, environment);
 * ``hang``: pure stall detection; ``progress``: workers' progress records;
-* ``lifecycle``: the job state enum and the one transition function;
-* ``job_records``: a job's keys in etcd, read and written the one way;
-* ``change_watch``: when to read the jobs again; ``events``: the bounded event ring;
 * ``registry``: node registration under a lease; ``membership``: lost nodes, reported once;
-* ``ft_coordinator``: a torchft job's replica-group slot and lighthouse on this node;
-  ``ft_pending``: torchft jobs waiting for a slot; ``ft_exits``: when its group ends;
-* ``config``: agent settings and the etcd endpoint lookup.
+* ``metrics``: the Prometheus endpoint; ``sdnotify``: systemd's readiness and watchdog.
+
+Packages:
+
+* ``liveness/``: the data network's liveness (probes, decisions, the watch), silent hosts,
+  and fencing a node whose lease lapsed;
+* ``ft/``: torchft jobs: the replica-group slot and lighthouse, jobs waiting for one, group ends;
+* ``warm_start/``: the per-job zygote that forks workers with torch imported.
 """

@@ -16,7 +16,7 @@ rank 0 lives, the job's progress.
 
 Node loss: each run acts on the loss of another node of its job
 (``RunMonitor.act_on_losses``); and first thing every tick, ``Fencing`` stops
-the runs whose node lease must have expired (``marind.agent.fencing``).
+the runs whose node lease must have expired (``marind.agent.liveness.fencing``).
 """
 
 from __future__ import annotations
@@ -28,34 +28,33 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from marind.agent import progress as prog
-from marind.agent.config import AgentConfig, endpoint_file
-from marind.agent.data_watch import DataNetwork
 from marind.agent.decisions import (
     Admission,
     ExitAction,
     admit,
     after_exit,
-    on_terminal_state,
     replica_group_lost,
     stall_window,
 )
 from marind.agent.doctor_probe import DoctorProbes
-from marind.agent.fencing import Fencing
-from marind.agent.ft_exits import group_failure_leaves, leave_replica_group
-from marind.agent.job_records import JobView, list_job_ids, read_job
+from marind.agent.ft.exits import group_failure_leaves, leave_replica_group
 from marind.agent.launch import launch
-from marind.agent.lifecycle import JobEvent
 from marind.agent.link import Link
+from marind.agent.liveness.data_watch import DataNetwork
+from marind.agent.liveness.fencing import Fencing
+from marind.agent.metrics import Metrics, MetricsServer
 from marind.agent.run_monitor import RunMonitor
+from marind.agent.sdnotify import Notifier, watchdog_interval
 from marind.agent.supervisor import reap_leftovers
+from marind.control.config import AgentConfig, endpoint_file
+from marind.control.job_records import JobView, list_job_ids, read_job
+from marind.control.lifecycle import JobEvent
 from marind.core.errors import ControlPlaneUnavailable
 from marind.core.etcd_client import EtcdClient
 from marind.core.log import get_logger
-from marind.metrics import Metrics, MetricsServer
-from marind.sdnotify import Notifier, watchdog_interval
 
 if TYPE_CHECKING:
-    from marind.local_etcd import LocalEtcd
+    from marind.control.local_etcd import LocalEtcd
 
 TICK_S = 0.5
 
@@ -103,8 +102,11 @@ class Agent:
     def fencing(self) -> Fencing:
         """Fencing of this node's runs after its lease lapsed (made with the link)."""
         if self._fencing is None:
-            self._fencing = Fencing(self._link(), self.node)
+            self._fencing = Fencing(self._link(), self.node, commit_fence=self._commit_fence)
         return self._fencing
+
+    def _commit_fence(self, run: RunMonitor) -> float | None:
+        return self.data.commit_fence_at(run) if self.data is not None else None
 
     def _link(self) -> Link:
         if self.link is None:
@@ -193,7 +195,7 @@ class Agent:
         now = time.time()
         for run in self.runs.values():
             run.settle_hang(now)
-        threads = [threading.Thread(target=run.sup.stop, args=(self.config.stop_timeout,))
+        threads = [threading.Thread(target=run.stop, args=(self.config.stop_timeout,))
                    for run in self.runs.values()]
         for t in threads:
             t.start()
@@ -281,9 +283,7 @@ class Agent:
                 self.finished.add(view.id)
                 self._link().ft_pending.drop(view.id)
                 return
-            decision = on_terminal_state(state, torchrun_running=run.sup.poll() is None,
-                                         terminal_since=run.terminal_since, now=now)
-            run.terminal_since = decision.terminal_since
+            decision = run.on_terminal_state(state, now)
             if decision.end:
                 self._end_run(run, decision.reason)
             return
@@ -336,14 +336,14 @@ class Agent:
         self.fencing.started(run)
         fenced = self.fencing.rejoined(view.id)    # back after a fence: the job grows back
         kind, extra = ("node_rejoined", {"fenced_at": fenced["fenced_at"]}) if fenced else ("node_joined", {})
-        link.outbox.event(view.id, kind, {"torchrun_pid": run.sup.pid, "slots": self.slots, **extra})
+        link.outbox.event(view.id, kind, {"torchrun_pid": run.torchrun_pid, "slots": self.slots, **extra})
         self._report(run, time.time(), force=True)
 
     def _end_run(self, run: RunMonitor, why: str) -> None:
         link = self._link()
         self.log.info("job_stopping", job=run.job, reason=why)
         run.settle_hang(time.time())
-        run.sup.stop(self.config.stop_timeout)
+        run.stop(self.config.stop_timeout)
         run.final_progress()
         if run.ft is not None:
             run.ft.stop()
@@ -363,12 +363,12 @@ class Agent:
                 self.etcd_ok = False
             except Exception as exc:  # noqa: BLE001 - e.g. a lighthouse that would not start; next tick
                 self.log.error("ft_tick_failed", job=run.job, error=f"{type(exc).__name__}: {exc}")
-            lost, why = replica_group_lost(run.ft.slot, run.ft.launched_slot, stopping=run.sup.stopping)
+            lost, why = replica_group_lost(run.ft.slot, run.ft.launched_slot, stopping=run.stopping)
             if lost:
                 leave_replica_group(run, run.ft, why, link=self._link(), runs=self.runs, stop_timeout=self.config.stop_timeout, log=self.log)
                 return
-        rc = run.sup.poll()
-        if rc is not None and not run.sup.stopping:
+        rc = run.exited()
+        if rc is not None:
             run.settle_hang(now)
             self._torchrun_exited(run, rc)
             return
@@ -377,10 +377,11 @@ class Agent:
             self._report(run, now, records=records)
         stall_s = stall_window(self._link().registry.ttl)
         try:
-            if run.pending_losses and self.etcd_ok:
+            if self.etcd_ok:              # a no-op without a pending loss
                 run.act_on_losses(now, stall_s)
             if self.data is not None:     # the commit fence always; the verdict with etcd
-                self.data.tick(run, now, stall_s=stall_s, fencing=self.fencing, runs=self.runs, online=self.etcd_ok)
+                self.data.tick(run, now, stall_s=stall_s, fence=self.fencing.fence_replaced, runs=self.runs,
+                               online=self.etcd_ok)
         except ControlPlaneUnavailable:
             self.etcd_ok = False
 
@@ -393,10 +394,8 @@ class Agent:
             return True
 
     def _declared_lost(self, run: RunMonitor) -> bool:
-        if run.members is None or run.ft is not None:
-            return False
         try:
-            return run.members.declared_lost(run.sup.pid)
+            return run.declared_lost()
         except ControlPlaneUnavailable:
             self.etcd_ok = False
             return False
@@ -406,7 +405,7 @@ class Agent:
         self.runs.pop(run.job, None)
         self.metrics.remove_job(run.job)
         link.watch.poke()
-        run.sup.stop(5)   # reap anything left, clear pids.json
+        run.stop(5)   # reap anything left, clear pids.json
         if run.ft is not None:
             run.ft.stop()
         etcd_down = rc != 0 and self._control_plane_down()
@@ -445,5 +444,6 @@ class Agent:
         if not self.etcd_ok and not force:
             return
         link = self._link()
-        if not run.report(link.client, link.registry, now, records):
+        data = self.data.record_part(run, now) if self.data is not None else None
+        if not run.report(link.client, link.registry, now, records, {"data": data} if data is not None else None):
             self.etcd_ok = False

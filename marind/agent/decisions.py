@@ -2,7 +2,8 @@
 
 Nothing here touches etcd, a process or the clock: the caller passes
 ``now`` where time matters and does what the decision says
-(``marind.agent.daemon`` and ``marind.agent.run_monitor``). The same
+(``marind.agent.daemon``, ``marind.agent.run_monitor`` and its parts
+``hang_kill`` and ``node_losses``, ``marind.agent.liveness``). The same
 pattern as ``hang.HangDetector`` and ``lifecycle.transition``.
 
 * ``admit``: does a job get this node's slots now (start / wait / too big)?
@@ -21,7 +22,7 @@ pattern as ``hang.HangDetector`` and ``lifecycle.transition``.
 * ``fence_due``: this node's lease must have expired; stop its workers (fence) or not?
 
 The data network's loss (a node whose lease lives on) has its own verdicts in
-``marind.agent.data_decisions`` (``cut_off``, ``on_data_loss``, ``commit_fence_due``).
+``marind.agent.liveness.data_decisions`` (``cut_off``, ``on_data_loss``, ``commit_fence_due``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from marind.agent.lifecycle import JobState
+from marind.control.lifecycle import JobState
 
 #: A job SUCCEEDED elsewhere: how long this node's torchrun may take to finish too.
 SUCCESS_GRACE_S = 30.0
@@ -366,7 +367,7 @@ def fence_due(*, last_renewal: float, ttl: float, now: float, progress_at: float
         progress_at: when the run's workers last made progress (None: not seen yet).
         stall_s: the stall that counts as stuck (``stall_window``).
         revoked: etcd answered that the lease is gone sooner than ``ttl`` after its last
-            renewal: the other agents revoked it (``marind.agent.silence``), so they replaced
+            renewal: the other agents revoked it (``marind.agent.liveness.silence``), so they replaced
             this node's world whatever its workers do now.
 
     Returns:

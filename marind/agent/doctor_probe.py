@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from marind.agent.change_watch import ChangeWatch
-from marind.agent.config import AgentConfig
+from marind.control.change_watch import ChangeWatch
+from marind.control.config import AgentConfig
 from marind.core.errors import ControlPlaneUnavailable
 from marind.core.etcd_client import EtcdClient
 from marind.core.log import get_logger

@@ -3,7 +3,7 @@
 The ports are chosen once and kept in ``{state_dir}/etcd/ports.json``, so a
 restarted agent finds the same etcd; one still listening there (left by a
 previous agent) is adopted as it is. The endpoint is written to
-``{state_dir}/etcd.endpoint`` for the CLI (``marind.agent.config.endpoint_file``).
+``{state_dir}/etcd.endpoint`` for the CLI (``marind.control.config.endpoint_file``).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from marind.agent.config import endpoint_file
+from marind.control.config import endpoint_file
+from marind.control.local_etcd import LocalEtcd
 from marind.core.log import get_logger
 from marind.core.netutil import free_ports, port_open
-from marind.local_etcd import LocalEtcd
 
 
 def start_embedded_etcd(state_dir: str | Path) -> tuple[LocalEtcd | None, str]:

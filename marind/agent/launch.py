@@ -9,16 +9,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from marind.agent.config import AgentConfig
-from marind.agent.ft_coordinator import FTCoordinator
+from marind.agent.ft.coordinator import FTCoordinator
 from marind.agent.membership import Membership
+from marind.agent.metrics import Metrics
 from marind.agent.outbox import Outbox
 from marind.agent.run_monitor import RunMonitor
 from marind.agent.supervisor import TorchrunSupervisor
 from marind.agent.torchrun_args import default_python, prepare_run_dir, torchrun_command, worker_env
+from marind.control.config import AgentConfig
 from marind.core.etcd_client import EtcdClient
 from marind.core.spec import RunSpec
-from marind.metrics import Metrics
 
 
 def launch(job: str, spec: RunSpec, *, run_dir: Path, config: AgentConfig, endpoint: str, node: str,

@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from marind.agent.change_watch import ChangeWatch
-from marind.agent.config import AgentConfig
-from marind.agent.ft_pending import PendingCoordinators
+from marind.agent.ft.pending import PendingCoordinators
 from marind.agent.outbox import Outbox
 from marind.agent.registry import NodeRegistry
+from marind.control.change_watch import ChangeWatch
+from marind.control.config import AgentConfig
 from marind.core.etcd_client import EtcdClient
 
 

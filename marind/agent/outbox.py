@@ -18,10 +18,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from marind.agent.events import append_event
-from marind.agent.job_records import update_state
-from marind.agent.lifecycle import JobEvent
 from marind.agent.membership import Membership
+from marind.control.events import append_event
+from marind.control.job_records import update_state
+from marind.control.lifecycle import JobEvent
 from marind.core.errors import ControlPlaneUnavailable
 from marind.core.etcd_client import EtcdClient
 from marind.core.log import get_logger

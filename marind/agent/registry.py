@@ -12,7 +12,7 @@ counts the failure and retries. When etcd answers that the lease expired, the
 thread only sets ``expired`` (and ``revoked`` when that came sooner than
 ``ttl`` after the last renewal: the lease cannot have run out, so the other
 agents revoked it, declaring this node lost while it was silent,
-``marind.agent.silence``): the agent first fences what ran under the old lease
+``marind.agent.liveness.silence``): the agent first fences what ran under the old lease
 (``decisions.fence_due``; every run when ``revoked``), then calls ``rejoin``
 for a new lease, so nothing is written under the new lease for a round the
 others replaced.
@@ -245,8 +245,3 @@ class NodeRegistry:
                 self.client.revoke_lease(self.lease)
             except ControlPlaneUnavailable:
                 pass
-
-
-def live_nodes(client: EtcdClient) -> dict[str, dict]:
-    rows = client.get_prefix_json(client.key("nodes") + "/")
-    return {k.rsplit("/", 1)[-1]: v for k, v in rows.items() if isinstance(v, dict)}

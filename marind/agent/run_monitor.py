@@ -10,20 +10,26 @@ The agent keeps one ``RunMonitor`` per job it runs and calls
   torchrun reports failed is a restart with its reason (the worker's last
   exception line), counted even when the workers died between two ticks,
   and the job's ``last_error``;
-* reads the current round's progress records: the node's step, checkpoint
-  commits (an event with their duration, and a metric) and the per-job metrics;
-* acts on the loss of another node of the job (``act_on_losses``): a node
-  whose lease expired while this node's workers stalled is marked lost for
-  the rendezvous, and the agent that records the loss restarts its workers
-  into a new round at once (``decisions.on_node_loss``); the others' torchruns
-  follow when it waits for them in the rendezvous;
-* detects hangs without blocking the tick: a hung round's workers get
-  SIGUSR1 (faulthandler dumps their stacks into the log), and
-  ``HANG_DUMP_WAIT_S`` later, on a later tick, SIGKILL; then the
-  ``hang_detected`` event is written (``settle_hang`` does it at once when
-  torchrun exits or the run is stopped meanwhile);
-* builds this node's record of the job (``node_record``) and, where global
-  rank 0 ran, the job's final progress (``final_progress``).
+* reads the current round's progress records (``run_progress``): the node's
+  step, when the round last moved, checkpoint commits (an event with their
+  duration, and a metric) and the per-job metrics;
+* acts on the loss of another node of the job (``act_on_losses``, ``node_losses``):
+  a node whose lease expired while this node's workers stalled is marked lost
+  for the rendezvous, and the agent that records the loss restarts its workers
+  into a new round at once; one the data-network watch declared already
+  (``note_member_lost``) is not acted on again;
+* detects hangs without blocking the tick (``hang_kill``): a hung round's
+  workers' stacks are dumped (SIGUSR1), then, on a later tick, they are killed
+  and ``hang_detected`` written (at once by ``settle_hang`` when torchrun exits
+  or the run is stopped meanwhile);
+* builds this node's record of the job (``node_record``; the agent adds the
+  data network's row) and, where global rank 0 ran, the job's final progress
+  (``final_progress``).
+
+The monitor owns its state. The agent (``daemon``), fencing and the data-network
+watch (``marind.agent.liveness``) call its methods (``stop``, ``fence``,
+``on_terminal_state``, ``note_member_lost``, ...) and read only the properties
+the class lists; this module imports none of them.
 
 Decisions come from ``marind.agent.decisions``; writes go through the
 ``Outbox``. Exits, slots and etcd reads are the agent's (``daemon``).
@@ -34,52 +40,43 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 from marind.agent import progress as prog
 from marind.agent.decisions import (
-    HANG_DUMP_WAIT_S,
     Generation,
-    HangAction,
-    LossAction,
+    TerminalDecision,
     classify_workers,
     failure_restarts,
-    on_hang,
-    on_node_loss,
+    on_terminal_state,
     workers_running,
 )
-from marind.agent.ft_coordinator import FTCoordinator
-from marind.agent.hang import HangDetector
-from marind.agent.lifecycle import JobEvent
+from marind.agent.ft.coordinator import FTCoordinator
+from marind.agent.hang_kill import HangKiller, PendingKill
 from marind.agent.membership import Loss, Membership
+from marind.agent.metrics import Metrics
+from marind.agent.node_losses import NodeLosses
 from marind.agent.outbox import Outbox
 from marind.agent.registry import NodeRegistry
-from marind.agent.supervisor import TorchrunSupervisor, WorkerProc
+from marind.agent.run_progress import RunProgress
+from marind.agent.supervisor import TorchrunSupervisor
 from marind.agent.worker_errors import Failure, LogScan, LogTail, read_error_file
+from marind.control.lifecycle import JobEvent, JobState
 from marind.core.errors import ControlPlaneUnavailable
 from marind.core.etcd_client import EtcdClient
 from marind.core.log import get_logger
 from marind.core.spec import RunSpec
-from marind.metrics import Metrics
-
-if TYPE_CHECKING:
-    from marind.agent.data_watch import DataWatch
-
-
-@dataclass(frozen=True)
-class PendingKill:
-    """Hung workers whose stacks are being dumped; they are killed at ``kill_at``."""
-
-    kill_at: float
-    pids: tuple[int, ...]        # the workers signalled with SIGUSR1 (the ones to kill)
-    dumped: list[int]            # those the signal reached
-    why: str
-    ranks: list[int]             # ranks of the progress records at detection
 
 
 class RunMonitor:
     """This node's part of one job while its torchrun runs.
+
+    What others read of it (read-only properties): ``job``, ``node``, ``spec``, ``nproc``,
+    ``members``, ``ft``, ``run_dir``, ``torchrun_pid``, ``stopping``, ``generations``,
+    ``restarts``, ``step``, ``progress_at``, ``progress_interval``, ``last_report`` and
+    ``terminal_since``; its tests also read ``pending_kill`` and ``awaiting_running_since``.
+    Everything else, and every change, goes through its methods.
 
     Args:
         job: the job's id.
@@ -97,38 +94,116 @@ class RunMonitor:
     def __init__(self, job: str, spec: RunSpec, sup: TorchrunSupervisor, *, node: str, outbox: Outbox,
                  metrics: Metrics, members: Membership | None = None, ft: FTCoordinator | None = None,
                  log_offset: int = 0):
-        self.job, self.spec, self.sup, self.node = job, spec, sup, node
-        self.outbox, self.metrics, self.members, self.ft = outbox, metrics, members, ft
-        self.hang = HangDetector(spec.job.hang_timeout)
-        self.gen_pids: frozenset[int] = frozenset()
-        self.worker_pids: frozenset[int] = frozenset()   # the latest round's workers (their records count)
-        self.generations = 0
-        self.restarts = 0
-        self.awaiting_running_since: float | None = None
-        self.last_report = 0.0
-        self.last_ckpt_step: int | None = None
-        self.terminal_since: float | None = None
-        self.step = 0
-        self.pending_kill: PendingKill | None = None
-        self.started_at = time.time()
-        self.log_path = sup.run_dir / "logs" / "torchrun.log"
-        self.tail = LogTail(self.log_path, log_offset)
-        self.scan = LogScan()
+        self._job, self._spec, self._sup, self._node = job, spec, sup, node
+        self._outbox, self._metrics, self._members, self._ft = outbox, metrics, members, ft
+        self._gen_pids: frozenset[int] = frozenset()
+        self._worker_pids: frozenset[int] = frozenset()   # the latest round's workers (their records count)
+        self._generations = 0
+        self._restarts = 0
+        self._awaiting_running_since: float | None = None
+        self._last_report = 0.0
+        self._terminal_since: float | None = None
+        self._started_at = time.time()
+        log_path = sup.run_dir / "logs" / "torchrun.log"
+        self._tail = LogTail(log_path, log_offset)
+        self._scan = LogScan()
         self._unmatched_failures = 0         # restarts counted from the log whose round was not seen yet
-        self._ckpt_baseline = False          # the first training record's checkpoint step is a restore
-        self._step_seen_at: dict[int, float] = {}   # rank 0's steps: when its record first showed them
-        self.progress_at: float | None = None          # when the round's stall marker last changed
-        self.progress_interval: float | None = None    # a typical time between two changes (moving average)
-        self._marker: object = None
-        self.pending_losses: dict[str, Loss] = {}       # lost nodes not acted on yet
-        self._waiting_logged: set[str] = set()
-        self.data: DataWatch | None = None              # the data-network watch (``data_watch``)
         self.log = get_logger(__name__, node=node, job=job)
+        self._losses = NodeLosses(job, members, outbox, self.log) if members is not None else None
+        self._progress = RunProgress(job, outbox, metrics)
+        self._hangs = HangKiller(job, sup, hang_timeout=spec.job.hang_timeout, outbox=outbox, metrics=metrics,
+                                 log=self.log, log_path=log_path)
+
+    # -- what others read -----------------------------------------------------------------
+    @property
+    def job(self) -> str:
+        """The job's id."""
+        return self._job
+
+    @property
+    def node(self) -> str:
+        """This node's name."""
+        return self._node
+
+    @property
+    def spec(self) -> RunSpec:
+        """The job's spec."""
+        return self._spec
 
     @property
     def nproc(self) -> int:
         """Slots the job holds on this node."""
-        return self.spec.job.nproc_per_node
+        return self._spec.job.nproc_per_node
+
+    @property
+    def members(self) -> Membership | None:
+        """The job's membership watch (None without one)."""
+        return self._members
+
+    @property
+    def ft(self) -> FTCoordinator | None:
+        """torchft jobs: the node's replica-group slot and lighthouse (None for elastic jobs)."""
+        return self._ft
+
+    @property
+    def run_dir(self) -> Path:
+        """The job's run dir on this node."""
+        return self._sup.run_dir
+
+    @property
+    def torchrun_pid(self) -> int | None:
+        """torchrun's pid."""
+        return self._sup.pid
+
+    @property
+    def stopping(self) -> bool:
+        """The agent is stopping (or has stopped) this torchrun."""
+        return self._sup.stopping
+
+    @property
+    def generations(self) -> int:
+        """Rendezvous rounds seen so far."""
+        return self._generations
+
+    @property
+    def restarts(self) -> int:
+        """Restarts of the job's workers counted on this node."""
+        return self._restarts
+
+    @property
+    def step(self) -> int:
+        """The furthest step this node's workers reached."""
+        return self._progress.step
+
+    @property
+    def progress_at(self) -> float | None:
+        """When the round's workers last made progress (None: not seen in this round)."""
+        return self._progress.progress_at
+
+    @property
+    def progress_interval(self) -> float | None:
+        """A typical time between two changes of the round's progress (None: not known yet)."""
+        return self._progress.progress_interval
+
+    @property
+    def last_report(self) -> float:
+        """When this node's record was last written (``report``)."""
+        return self._last_report
+
+    @property
+    def terminal_since(self) -> float | None:
+        """When the agent first saw the job SUCCEEDED while this torchrun ran (``on_terminal_state``)."""
+        return self._terminal_since
+
+    @property
+    def pending_kill(self) -> PendingKill | None:
+        """Hung workers whose stacks are being dumped (None: none)."""
+        return self._hangs.pending
+
+    @property
+    def awaiting_running_since(self) -> float | None:
+        """Since when a restarted round is awaited to run (None: not waiting)."""
+        return self._awaiting_running_since
 
     # -- one tick -------------------------------------------------------------------------
     def supervise(self, now: float) -> list[prog.ProgressRecord]:
@@ -141,63 +216,55 @@ class RunMonitor:
             The current round's progress records (for the report).
         """
         self.scan_log(now)
-        workers = self.sup.workers()
+        workers = self._sup.workers()
         launched = frozenset(w.launched_by for w in workers)   # stable while a round lives
-        verdict, self.gen_pids, _ = classify_workers(launched, self.gen_pids)
+        verdict, self._gen_pids, _ = classify_workers(launched, self._gen_pids)
         if verdict == Generation.NEW:
             self._new_generation(now)
         if workers:     # every worker of the round seen so far: one may exit before another is seen
             pids = frozenset(w.pid for w in workers)
-            self.worker_pids = pids if verdict == Generation.NEW else self.worker_pids | pids
-        records = prog.current(prog.read_records(self.sup.run_dir), {w.pid for w in workers})
-        if self.awaiting_running_since is not None:
-            running, _ = workers_running((r.phase for r in records), awaiting_since=self.awaiting_running_since,
+            self._worker_pids = pids if verdict == Generation.NEW else self._worker_pids | pids
+        records = prog.current(prog.read_records(self._sup.run_dir), {w.pid for w in workers})
+        if self._awaiting_running_since is not None:
+            running, _ = workers_running((r.phase for r in records), awaiting_since=self._awaiting_running_since,
                                          now=now)
             if running:
-                self.awaiting_running_since = None
-                self.outbox.state(self.job, JobEvent.WORKERS_STARTED,
-                                  reason=f"workers running (round {self.generations})")
-        self._watch_checkpoints(records, now)
-        marker = prog.stall_marker(records)
-        if marker is not None and marker != self._marker:
-            if self.progress_at is not None:
-                dt, prev = now - self.progress_at, self.progress_interval
-                self.progress_interval = dt if prev is None else 0.7 * prev + 0.3 * dt
-            self._marker, self.progress_at = marker, now
-        self.step = prog.node_step(records) or self.step
-        self._job_metrics(records)
-        self._hang_tick(now, workers, records)
+                self._awaiting_running_since = None
+                self._outbox.state(self.job, JobEvent.WORKERS_STARTED,
+                                   reason=f"workers running (round {self._generations})")
+        self._progress.observe(records, now, restarts=self._restarts)
+        self._hangs.tick(now, workers, records)
         return records
 
     def progress_written_at(self) -> float | None:
         """When this round's workers last wrote a progress record (their clock); None without one."""
-        records = prog.current(prog.read_records(self.sup.run_dir), {w.pid for w in self.sup.workers()})
+        records = prog.current(prog.read_records(self._sup.run_dir), {w.pid for w in self._sup.workers()})
         return max((r.updated_at for r in records), default=None)
 
     def _new_generation(self, now: float) -> None:
-        self.generations += 1
-        self.hang.reset()
-        self._marker, self.progress_at, self.progress_interval = None, None, None
-        self.metrics.inc("marind_rendezvous_rounds_total")
-        if self._unmatched_failures or self.generations == 1:
+        self._generations += 1
+        self._hangs.new_round()
+        self._progress.new_round()
+        self._metrics.inc("marind_rendezvous_rounds_total")
+        if self._unmatched_failures or self._generations == 1:
             # the round after the latest failure counted from the log (rounds between were missed)
             if self._unmatched_failures:
-                self.awaiting_running_since = now
+                self._awaiting_running_since = now
             else:
-                self.outbox.state(self.job, JobEvent.WORKERS_STARTED, reason=f"workers started on {self.node}")
+                self._outbox.state(self.job, JobEvent.WORKERS_STARTED, reason=f"workers started on {self.node}")
             self._unmatched_failures = 0
             return
-        self.awaiting_running_since = now
+        self._awaiting_running_since = now
         self._restarted("a new rendezvous round: the job's nodes changed or another node's workers failed",
-                        {"round": self.generations})
+                        {"round": self._generations})
 
     def _restarted(self, reason: str, detail: dict) -> None:
-        self.restarts += 1
-        self.metrics.inc("marind_restarts_total")
-        self.log.info("workers_restarted", round=self.generations, restarts=self.restarts, reason=reason)
-        self.outbox.state(self.job, JobEvent.RESTART, reason=f"workers restarted on {self.node}: {reason}",
-                          restarts=self.restarts)
-        self.outbox.event(self.job, "restart", {**detail, "restarts": self.restarts, "reason": reason})
+        self._restarts += 1
+        self._metrics.inc("marind_restarts_total")
+        self.log.info("workers_restarted", round=self._generations, restarts=self._restarts, reason=reason)
+        self._outbox.state(self.job, JobEvent.RESTART, reason=f"workers restarted on {self.node}: {reason}",
+                           restarts=self._restarts)
+        self._outbox.event(self.job, "restart", {**detail, "restarts": self._restarts, "reason": reason})
 
     # -- the log: failed rounds and their reasons -----------------------------------------
     def scan_log(self, now: float) -> list[Failure]:
@@ -213,16 +280,16 @@ class RunMonitor:
         Returns:
             The failures found.
         """
-        found = self.scan.feed(self.tail.read())
+        found = self._scan.feed(self._tail.read())
         for failure in found:
-            self.outbox.last_error(self.job, self._error_record(failure.reason, "log", now,
-                                                                exitcode=failure.exitcode))
-            restart, _ = failure_restarts(len(self.scan.failures), self.spec.job.max_restarts)
+            self._outbox.last_error(self.job, self._error_record(failure.reason, "log", now,
+                                                                 exitcode=failure.exitcode))
+            restart, _ = failure_restarts(len(self._scan.failures), self.spec.job.max_restarts)
             if restart:
                 self._unmatched_failures += 1
-                self._restarted(failure.reason, {"round": self.generations + self._unmatched_failures,
+                self._restarted(failure.reason, {"round": self._generations + self._unmatched_failures,
                                                  "exitcode": failure.exitcode, "local_rank": failure.local_rank})
-                self.awaiting_running_since = now
+                self._awaiting_running_since = now
         return found
 
     def exit_reason(self, now: float) -> str | None:
@@ -237,108 +304,45 @@ class RunMonitor:
             The error line, or None when no worker failed here.
         """
         self.scan_log(now)
-        line = read_error_file(self.sup.run_dir / "logs" / "error.json", self.started_at)
+        line = read_error_file(self._sup.run_dir / "logs" / "error.json", self._started_at)
         if line is not None:
-            self.outbox.last_error(self.job, self._error_record(line, "error_file", now))
+            self._outbox.last_error(self.job, self._error_record(line, "error_file", now))
             return line
-        return self.scan.failures[-1].reason if self.scan.failures else self.scan.last_error
+        return self._scan.failures[-1].reason if self._scan.failures else self._scan.last_error
 
     def _error_record(self, line: str, source: str, now: float, **extra) -> dict:
-        return {"line": line, "node": self.node, "at": now, "source": source, "restarts": self.restarts, **extra}
-
-    # -- progress: checkpoints and the per-job metrics ------------------------------------
-    def _watch_checkpoints(self, records: list[prog.ProgressRecord], now: float) -> None:
-        rank0 = next((r for r in records if r.rank == 0), None)
-        if rank0 is None or rank0.phase in ("starting", "restoring"):
-            return
-        self._step_seen_at.setdefault(rank0.step, rank0.updated_at)
-        step = rank0.last_checkpoint_step
-        if not self._ckpt_baseline:          # what the run restored, not a commit
-            self._ckpt_baseline, self.last_ckpt_step = True, step
-            return
-        if step is None or (self.last_ckpt_step is not None and step <= self.last_ckpt_step):
-            return
-        started = min((t for s, t in self._step_seen_at.items() if s >= step), default=None)
-        detail: dict[str, Any] = {"step": step}
-        if started is not None and rank0.updated_at >= started:
-            detail["duration_s"] = round(rank0.updated_at - started, 3)
-            self.metrics.observe("marind_checkpoint_duration_seconds", detail["duration_s"], job=self.job)
-        self.outbox.event(self.job, "checkpoint_committed", detail)
-        self.last_ckpt_step = step
-        self._step_seen_at = {s: t for s, t in self._step_seen_at.items() if s > step}
-
-    def _job_metrics(self, records: list[prog.ProgressRecord]) -> None:
-        rank0 = next((r for r in records if r.rank == 0), None)
-        m, job = self.metrics, self.job
-        m.set("marind_job_step", rank0.step if rank0 is not None else self.step, job=job)
-        m.set("marind_job_restarts_total", self.restarts, job=job)
-        if rank0 is not None and rank0.loss is not None:
-            m.set("marind_job_loss", rank0.loss, job=job)
-        if rank0 is not None and rank0.tokens_per_s is not None:
-            m.set("marind_job_tokens_per_second", rank0.tokens_per_s, job=job)
-        if self.last_ckpt_step is not None:
-            m.set("marind_job_last_checkpoint_step", self.last_ckpt_step, job=job)
-
-    # -- hangs ----------------------------------------------------------------------------
-    def _hang_tick(self, now: float, workers: list[WorkerProc], records: list[prog.ProgressRecord]) -> None:
-        hung, why = False, ""
-        if self.pending_kill is None:
-            if not workers or prog.all_done(records):
-                return
-            self.hang.observe(now, prog.stall_marker(records))
-            hung, why = self.hang.check(now)
-        self._hang_act(now, hung, why, records, torchrun_exited=False)
+        return {"line": line, "node": self.node, "at": now, "source": source, "restarts": self._restarts, **extra}
 
     def settle_hang(self, now: float) -> None:
         """torchrun exited or the run is being stopped: a pending kill happens now."""
-        if self.pending_kill is not None:
-            self._hang_act(now, False, "", [], torchrun_exited=True)
-
-    def _hang_act(self, now: float, hung: bool, why: str, records: list[prog.ProgressRecord], *,
-                  torchrun_exited: bool) -> None:
-        pending = self.pending_kill
-        action, _ = on_hang(now=now, hung=hung, why=why, kill_at=pending.kill_at if pending else None,
-                            torchrun_exited=torchrun_exited)
-        if action == HangAction.DUMP:
-            self.log.warning("hang_detected", reason=why)
-            self.metrics.inc("marind_hangs_total")
-            pids = tuple(self.sup.worker_pids())
-            dumped = self.sup.signal_workers(signal.SIGUSR1, pids)    # faulthandler: stacks into the log
-            self.pending_kill = PendingKill(now + HANG_DUMP_WAIT_S, pids, dumped, why, [r.rank for r in records])
-        elif action == HangAction.KILL and pending is not None:
-            killed = self.sup.signal_workers(signal.SIGKILL, pending.pids)
-            self.outbox.event(self.job, "hang_detected", {"reason": pending.why, "ranks": pending.ranks,
-                                                          "stack_dumped": pending.dumped, "killed": killed,
-                                                          "stack_dump": str(self.log_path)})
-            self.pending_kill = None
-            self.hang.reset()
+        self._hangs.settle(now)
 
     # -- records --------------------------------------------------------------------------
-    def node_record(self, now: float, host: str) -> dict:
+    def node_record(self, now: float, host: str, extra: dict[str, Any] | None = None) -> dict:
         """This node's record of the job (``{p}/jobs/{job}/nodes/{node}``).
 
         Args:
             now: the current time.
             host: this node's address.
+            extra: more parts of the record, by key (the data network's row, ``data``).
 
         Returns:
             The record as written to etcd.
         """
-        workers = [{"rank": w.rank, "local_rank": w.local_rank, "pid": w.pid} for w in self.sup.workers()]
-        state = "running" if workers else ("starting" if self.generations == 0 else "restarting")
-        record: dict[str, Any] = {"state": state, "torchrun_pid": self.sup.pid, "workers": workers, "restarts": self.restarts,
-                  "step": self.step, "updated_at": now, "host": host,
-                  "agent_pid": os.getpid(), "node": self.node, "round": self.generations}
-        if self.members is not None and self.members.incarnation != str(os.getpid()):
-            record["incarnation"] = self.members.incarnation      # registered anew after a fence
-        if self.ft is not None:
-            record["ft"] = self.ft.report()
-        if self.data is not None:
-            record["data"] = self.data.record_part(now)
+        workers = [{"rank": w.rank, "local_rank": w.local_rank, "pid": w.pid} for w in self._sup.workers()]
+        state = "running" if workers else ("starting" if self._generations == 0 else "restarting")
+        record: dict[str, Any] = {"state": state, "torchrun_pid": self._sup.pid, "workers": workers,
+                                  "restarts": self._restarts, "step": self.step, "updated_at": now, "host": host,
+                                  "agent_pid": os.getpid(), "node": self.node, "round": self._generations}
+        if self._members is not None and self._members.incarnation != str(os.getpid()):
+            record["incarnation"] = self._members.incarnation      # registered anew after a fence
+        if self._ft is not None:
+            record["ft"] = self._ft.report()
+        record.update(extra or {})
         return record
 
     def report(self, client: EtcdClient, registry: NodeRegistry, now: float,
-               records: list[prog.ProgressRecord] | None = None) -> bool:
+               records: list[prog.ProgressRecord] | None = None, extra: dict[str, Any] | None = None) -> bool:
         """Write this node's record (under the node's lease), the job's progress where global
         rank 0 runs here, and a ``node_lost`` event for each node this agent is first to miss.
 
@@ -347,32 +351,29 @@ class RunMonitor:
             registry: this node's registration (its lease and host).
             now: the current time.
             records: the current round's progress records.
+            extra: more parts of the node's record (``node_record``).
 
         Returns:
             False when etcd was unreachable.
         """
-        self.last_report = now
-        record = self.node_record(now, str(registry.record["host"]))
+        self._last_report = now
+        record = self.node_record(now, str(registry.record["host"]), extra)
         try:
             client.put_json(client.key("jobs", self.job, "nodes", self.node), record, lease=registry.lease)
             summary = prog.job_summary(records or [])
             if summary is not None:
                 client.put_json(client.key("jobs", self.job, "progress"), summary)
-            for loss in self.members.poll() if self.members is not None else ():
-                self.log.warning("node_gone", lost=loss.node, cause=loss.cause, in_round=loss.in_round)
-                self.pending_losses[loss.node] = loss
+            if self._losses is not None:
+                self._losses.poll()
         except ControlPlaneUnavailable:
             return False
         return True
 
     # -- other nodes lost ---------------------------------------------------------------------
     def act_on_losses(self, now: float, stall_s: float) -> None:
-        """Decide on each lost node not acted on yet (``decisions.on_node_loss``) and act.
-
-        Acting: mark it lost for the rendezvous, record the loss once (``node_lost``, by the
-        agent whose claim wins) and, where that agent's decision is a restart, SIGKILL its
-        workers: torchrun restarts them into a new round without the lost node, and the
-        other nodes' torchruns follow when they see it waiting in the rendezvous.
+        """Decide on each lost node not acted on yet (``decisions.on_node_loss``) and act (``node_losses``):
+        mark it lost for the rendezvous, record the loss once (``node_lost``) and, where this agent's
+        claim won and the decision is a restart, SIGKILL this node's workers (a new round without it).
 
         Args:
             now: the current time.
@@ -381,60 +382,68 @@ class RunMonitor:
         Raises:
             ControlPlaneUnavailable: etcd unreachable (the rest waits for the next tick).
         """
-        members = self.members
-        if members is None:
-            return
-        for node, loss in list(self.pending_losses.items()):
-            if self.data is not None and (node, loss.incarnation) in self.data.acted:
-                del self.pending_losses[node]      # declared lost already (silent host, data network gone)
-                continue
-            if members.present(loss):
-                self.log.info("node_back", node=node, reason="its record is back: it was never gone")
-                del self.pending_losses[node]
-                continue
-            desc = members.rdzv_desc(loss)
-            action, why = on_node_loss(in_round=members.in_current_round(loss, desc),
-                                       workers_running=bool(self.sup.worker_pids()),
-                                       progress_at=self.progress_at, now=now, stall_s=stall_s,
-                                       torchft=self.ft is not None)
-            if action == LossAction.WAIT:
-                if node not in self._waiting_logged:
-                    self._waiting_logged.add(node)
-                    self.log.warning("node_lost_waiting", node=node, cause=loss.cause, reason=why)
-                continue
-            members.mark_lost(loss, desc)
-            first = members.claim(loss, {"action": action.value})
-            del self.pending_losses[node]
-            self._waiting_logged.discard(node)
-            self.log.warning("node_lost", lost=node, cause=loss.cause, action=action.value, reason=why,
-                             recorded=first, rdzv_node=desc)
-            if not first:
-                continue
-            killed: list[int] = []
-            if action == LossAction.RESTART:
-                killed = self.kill_workers()
-            self.outbox.event(self.job, "node_lost", {"node": node, "cause": loss.cause, "action": action.value,
-                                                      "reason": why, "killed": killed})
+        if self._losses is not None:
+            self._losses.act(now, stall_s, workers_running=self.has_workers, progress_at=self.progress_at,
+                             torchft=self._ft is not None, kill_workers=self.kill_workers)
+
+    def note_member_lost(self, loss: Loss) -> None:
+        """Another watch (the data network's) declared ``loss`` lost and acted on it: this run does not."""
+        if self._losses is not None:
+            self._losses.note_declared(loss)
+
+    def has_workers(self) -> bool:
+        """Whether this node's workers were running when last looked at."""
+        return bool(self._sup.worker_pids())
 
     def kill_workers(self) -> list[int]:
         """SIGKILL this node's workers (and their zygote stubs): torchrun starts a new round."""
-        procs = self.sup.workers()
+        procs = self._sup.workers()
         pids = {w.pid for w in procs} | {w.launched_by for w in procs}
-        return self.sup.signal_workers(signal.SIGKILL, sorted(pids))
+        return self._sup.signal_workers(signal.SIGKILL, sorted(pids))
+
+    # -- the run's end ------------------------------------------------------------------------
+    def exited(self) -> int | None:
+        """torchrun's exit code once it exited by itself; None while it runs or while the agent stops it."""
+        rc = self._sup.poll()
+        return rc if rc is not None and not self._sup.stopping else None
+
+    def on_terminal_state(self, state: JobState, now: float) -> TerminalDecision:
+        """The job is terminal in etcd while this node runs it: end the run now, or give its torchrun
+        time to finish (``decisions.on_terminal_state``; since when is kept: ``terminal_since``)."""
+        decision = on_terminal_state(state, torchrun_running=self._sup.poll() is None,
+                                     terminal_since=self._terminal_since, now=now)
+        self._terminal_since = decision.terminal_since
+        return decision
+
+    def declared_lost(self) -> bool:
+        """Elastic jobs: whether the other agents declared this torchrun lost (raises ControlPlaneUnavailable)."""
+        if self._members is None or self._ft is not None:
+            return False
+        return self._members.declared_lost(self._sup.pid)
+
+    def stop(self, timeout: float) -> None:
+        """Stop torchrun and the workers (SIGTERM, SIGKILL after ``timeout``), reap them, clear ``pids.json``."""
+        self._sup.stop(timeout)
+
+    def fence(self) -> list[int]:
+        """Kill everything of this run now (``TorchrunSupervisor.kill_now``: no SIGTERM, nothing may save),
+        with no ``hang_detected`` for a pending kill; a torchft coordinator stops without releasing its slot.
+
+        Returns:
+            The pids signalled.
+        """
+        killed = self._sup.kill_now()
+        self._hangs.drop_pending()
+        self._sup.stop(1)               # reap and clear pids.json: everything is dead already
+        if self._ft is not None:
+            self._ft.stop(release=False)
+        return killed
 
     def final_progress(self) -> None:
         """Where global rank 0 ran: queue the job's progress with the last steps since the previous report.
 
         Everywhere: ``step`` becomes the last step this node's workers reached.
         """
-        # only the last round's records: a rank file left by an earlier round (when this node
-        # held global rank 0) would set the job's progress back
-        records = prog.read_records(self.sup.run_dir)
-        final = prog.current(records, set(self.worker_pids))
-        self.step = max(self.step, prog.node_step(final))
-        summary = prog.job_summary(final)
-        self.log.info("final_progress", step=summary and summary["step"],
-                      workers=sorted(self.worker_pids), records={r.rank: r.pid for r in records})
+        summary = self._progress.final(self._sup.run_dir, self._worker_pids, self.log)
         if summary is not None:
-            self.step = max(self.step, summary["step"])
-            self.outbox.progress(self.job, summary)
+            self._outbox.progress(self.job, summary)

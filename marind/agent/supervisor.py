@@ -28,9 +28,9 @@ from pathlib import Path
 
 import psutil
 
+from marind.agent.warm_start.zygote import read_pid_map
 from marind.core import workerenv as WE
 from marind.core.log import get_logger
-from marind.zygote import read_pid_map
 
 PR_SET_PDEATHSIG = 1
 
@@ -47,10 +47,10 @@ _PDEATHSIG_SHIM = (
     "if os.getppid() != int(sys.argv[1]):\n"
     "    sys.exit(143)  # the agent is already gone\n"
     f"z = os.environ.get('{WE.ZYGOTE_SOCKET}')\n"
-    "if z:  # warm starts: the zygote becomes torchrun's child (marind/zygote.py)\n"
+    "if z:  # warm starts: the zygote becomes torchrun's child (marind/agent/warm_start/zygote.py)\n"
     "    me = os.getpid()\n"
     "    if os.fork() == 0:\n"
-    "        os.execv(sys.executable, [sys.executable, '-m', 'marind.zygote', z,\n"
+    "        os.execv(sys.executable, [sys.executable, '-m', 'marind.agent.warm_start.zygote', z,\n"
     f"                 os.environ['{WE.ZYGOTE_PIDS}'], os.environ['{WE.ZYGOTE_PRELOAD}'], str(me)])\n"
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
@@ -186,6 +186,29 @@ class TorchrunSupervisor:
             except ProcessLookupError:
                 pass
         return sent
+
+    def kill_now(self) -> list[int]:
+        """SIGKILL torchrun's process group, every descendant and the known workers (no SIGTERM).
+
+        Returns:
+            The pids signalled.
+        """
+        pids: set[int] = set(self.worker_pids())
+        if self.pid is not None and self.poll() is None:
+            try:
+                pids |= {p.pid for p in psutil.Process(self.pid).children(recursive=True)}
+            except psutil.Error:
+                pass
+            _killpg(self.pid, signal.SIGKILL)
+            pids.add(self.pid)
+        killed = []
+        for pid in sorted(pids):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        return killed
 
     def stop(self, timeout: float) -> int | None:
         """SIGTERM torchrun's group and the workers, wait up to ``timeout``, then SIGKILL."""

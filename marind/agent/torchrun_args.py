@@ -1,7 +1,7 @@
 """What a job's torchrun runs with on this node: run dir, run.toml, command line, environment.
 
 torchrun runs in the job's run dir (marind's files: logs, progress, run.toml); each worker
-starts through ``marind.zygote_stub``, which enters ``[job] working_dir`` first. All of it
+starts through ``marind.agent.warm_start.zygote_stub``, which enters ``[job] working_dir`` first. All of it
 from the job's typed spec (``marind.core.spec.RunSpec``); every ``MARIND_*``
 variable by its name in ``marind.core.workerenv``. ``marind.agent.supervisor`` runs the
 command; ``marind.agent.launch.launch`` puts the two together.
@@ -17,9 +17,9 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from marind.agent.warm_start.zygote_stub import COMMAND_FLAG
 from marind.core import workerenv as WE
 from marind.core.spec import JobSpec, RunSpec
-from marind.zygote_stub import COMMAND_FLAG
 
 
 def _toml_key(key: str) -> str:
@@ -100,7 +100,7 @@ def torchrun_command(*, python: str, job: str, spec: RunSpec, endpoint: str, pre
     if spec.fault.mode == "torchft":
         if replica_group is None:
             raise ValueError("a torchft job's torchrun needs the node's replica_group")
-        # the group's nodes_per_group nodes (marind/agent/ft_coordinator.py) meet in a rendezvous of
+        # the group's nodes_per_group nodes (marind/agent/ft/coordinator.py) meet in a rendezvous of
         # their own, under the job's keys. Not --standalone: its c10d handler reuses the workers'
         # store across restarts, and restarted workers then dial the dead ones' addresses.
         nodes, run_id = str(spec.fault.nodes_per_group), f"rg-{replica_group}"
@@ -109,18 +109,18 @@ def torchrun_command(*, python: str, job: str, spec: RunSpec, endpoint: str, pre
     endpoint = ",".join(e.split("://", 1)[-1] for e in endpoint.split(","))
     rdzv = [f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
             f"--rdzv-conf={','.join(conf)}", f"--nnodes={nodes}"]
-    # Every worker starts through the launcher (marind/zygote_stub.py): it enters job.working_dir,
+    # Every worker starts through the launcher (marind/agent/warm_start/zygote_stub.py): it enters job.working_dir,
     # then asks the zygote for a warm fork or execs the worker cold.
     worker = [COMMAND_FLAG, *j.command] if j.command else [j.entrypoint, str(run_toml)]
     return [python, "-m", "torch.distributed.run", *rdzv,
             f"--nproc-per-node={j.nproc_per_node}",
             f"--max-restarts={j.max_restarts}", "--monitor-interval=0.5",
-            "-m", "marind.zygote_stub", *worker]
+            "-m", "marind.agent.warm_start.zygote_stub", *worker]
 
 
 def warm_start_applies(job: JobSpec) -> bool:
     """Does this job get a zygote? ``warm_start``, and an entrypoint or a command run by python
-    (the launcher decides per worker: ``marind.zygote_stub.python_target``)."""
+    (the launcher decides per worker: ``marind.agent.warm_start.zygote_stub.python_target``)."""
     if not job.warm_start:
         return False
     return not job.command or os.path.basename(job.command[0]).startswith("python")

@@ -17,8 +17,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from marind.agent.config import load_config
     from marind.agent.daemon import Agent
+    from marind.control.config import load_config
     from marind.core.log import configure_logging
 
     configure_logging()

@@ -1,7 +1,7 @@
 """`marind ckpt ls | inspect | verify | export URL` — a thin layer over ckpt_store.
 
 ``export --format hf`` maps a trainer checkpoint to a Hugging Face Llama directory
-(``marind.trainer.hf_export``; ckpt_store stays model-agnostic).
+(``marind.trainer.hf.export``; ckpt_store stays model-agnostic).
 
 s3:// URLs take credentials and endpoint from the environment
 (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, MARIND_S3_ENDPOINT or AWS_ENDPOINT_URL).
@@ -203,7 +203,7 @@ def ls(args) -> int:
 
 
 def inspect(args) -> int:
-    from ckpt_store.zarr_format import TORCH_DTYPES
+    from ckpt_store.export import TORCH_DTYPES
 
     store = _store(args.url)
     step = _step(store, args.step)
@@ -255,8 +255,8 @@ def export(args) -> int:
 
 
 def _export_hf(args, store, progress) -> int:
-    from ckpt_store.export_sharded import parse_size
-    from marind.trainer.hf_export import export_hf
+    from ckpt_store.export import parse_size
+    from marind.trainer.hf.export import export_hf
 
     try:
         max_bytes = parse_size(args.max_shard_size)

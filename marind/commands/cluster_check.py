@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from marind.agent.registry import live_nodes
+from marind.control.nodes import live_nodes
 from marind.core.etcd_client import EtcdClient
 from marind.core.log import get_logger
 from marind.doctor_cluster.keys import Request, new_request_id, request_key, requests_prefix, run_key, run_prefix

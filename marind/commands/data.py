@@ -55,9 +55,9 @@ def iter_texts(files: list[Path], fmt: str, key: str):
 
 def prepare(inputs: list[str], output: str, *, fmt: str = "auto", jsonl_key: str = "text",
             tokenizer: str | None = None, example: bool = False, example_docs: int = 600):
-    from marind.trainer import corpus
-    from marind.trainer.data import write_dataset
-    from marind.trainer.tokenize import get_tokenizer
+    from marind.trainer.data import corpus
+    from marind.trainer.data.dataset import write_dataset
+    from marind.trainer.data.tokenize import get_tokenizer
 
     tok = get_tokenizer(tokenizer)
     if example:

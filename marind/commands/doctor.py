@@ -1,7 +1,9 @@
 """`marind doctor`: the environment check to run before a big job.
 
 Checks torch/CUDA/NCCL versions, backend availability, an all-reduce
-across 2 local processes, etcd reachability with a write test, the
+across 2 local processes, etcd reachability with a write test, each etcd
+member's health and which one leads (a member down while the others hold a
+quorum is a warning; no quorum fails), the
 checkpoint store (fsspec) with a write/read/delete test, the etcd binary
 for the embedded default, and free disk in the state dir. Prints a
 pass/fail table with the fix for each failure; exit 1 if any fails.
@@ -47,6 +49,7 @@ class Check:
     ok: bool
     detail: str
     fix: str = ""
+    warn: bool = False           # passed, but something needs a look (an etcd member down, quorum held)
 
 
 def register(sub) -> None:
@@ -119,8 +122,8 @@ def check_allreduce(timeout: float = 90.0) -> Check:
 
 
 def check_etcd(flag: str | None, config_file: str | None) -> Check:
+    from marind.control.jobs_client import connect
     from marind.core.errors import MarindError
-    from marind.jobs_client import connect
     try:
         client = connect(flag, config_file)
     except MarindError as exc:
@@ -138,6 +141,42 @@ def check_etcd(flag: str | None, config_file: str | None) -> Check:
         return Check("etcd", False, str(exc), "grant the etcd user read/write on the prefix")
     finally:
         client.close()
+
+
+def check_etcd_members(flag: str | None, config_file: str | None) -> list[Check]:
+    """A row per etcd member given: up or down, leader or follower, raft term, database size.
+
+    A member down while a quorum of the others holds passes with a warning (the cluster
+    serves every request); no quorum, or no member answering, fails.
+    """
+    from marind.control.config import client_settings, resolve_endpoint
+    from marind.core.errors import MarindError
+    from marind.core.etcd_members import cluster_status, leader_endpoint
+    try:
+        endpoints, _ = resolve_endpoint(flag, config_file)
+    except MarindError:
+        return []                 # check_etcd says why
+    settings = client_settings(config_file)
+    statuses = cluster_status(endpoints, tls=settings["tls"], user=settings["user"], password=settings["password"])
+    leader = leader_endpoint(statuses)
+    up = sum(s.healthy for s in statuses)
+    quorum = up * 2 > len(statuses)
+    checks = []
+    for s in statuses:
+        if s.healthy:
+            role = "leader" if s.endpoint == leader else "follower"
+            checks.append(Check(f"etcd member {s.endpoint}", True,
+                                f"{role}, member {s.member_id:x}, raft term {s.raft_term}, "
+                                f"db {s.db_size / 2**20:.1f} MiB, etcd {s.version}"))
+        else:
+            checks.append(Check(f"etcd member {s.endpoint}", quorum,
+                                f"down: {s.error}" + (f" ({up} of {len(statuses)} members up: quorum holds)"
+                                                      if quorum else ""),
+                                "start the member again (its data dir restores it), or replace it "
+                                "(`etcdctl member remove/add`)" if quorum else
+                                "no quorum: start members until a majority runs; etcd serves nothing until then",
+                                warn=quorum))
+    return checks
 
 
 def check_store(url: str, storage_options: dict | None = None) -> Check:
@@ -185,8 +224,8 @@ def _ms(value: float | None) -> str:
 def run_cluster(args) -> int:
     """`marind doctor --cluster`: the cluster check; exit 1 if a host fails (or none is registered)."""
     from marind.commands.cluster_check import registered_hosts, run_check
+    from marind.control.jobs_client import connect
     from marind.doctor_cluster.keys import DEFAULT_BYTES, DEFAULT_TIMEOUT_S
-    from marind.jobs_client import connect
     nbytes = DEFAULT_BYTES if args.bytes is None else args.bytes
     timeout = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
     if nbytes < 4 or timeout < 10:
@@ -230,11 +269,12 @@ def run(args) -> int:
         return run_cluster(args)
     if args.bytes is not None or args.timeout is not None:
         raise ValueError("doctor: --bytes and --timeout belong to the cluster check: add --cluster")
-    from marind.agent.config import default_state_dir
+    from marind.control.config import default_state_dir
     state_dir = args.state_dir or os.environ.get("MARIND_STATE_DIR") or str(default_state_dir())
     checks = check_torch()
     checks.append(check_allreduce())
     checks.append(check_etcd(args.etcd, args.config))
+    checks.extend(check_etcd_members(args.etcd, args.config))
     options = json.loads(args.storage_options) if args.storage_options else None
     checks.append(check_store(args.ckpt or f"file://{os.path.join(state_dir, 'ckpt')}", options))
     checks.append(check_etcd_binary())
@@ -245,9 +285,11 @@ def run(args) -> int:
     else:
         width = max(len(c.name) for c in checks)
         for c in checks:
-            print(f"{'PASS' if c.ok else 'FAIL'}  {c.name.ljust(width)}  {c.detail}")
-            if not c.ok and c.fix:
+            print(f"{'FAIL' if not c.ok else 'WARN' if c.warn else 'PASS'}  {c.name.ljust(width)}  {c.detail}")
+            if (not c.ok or c.warn) and c.fix:
                 print(f"      {''.ljust(width)}  fix: {c.fix}")
-        print(f"\n{len(checks) - len(failed)}/{len(checks)} checks passed." if failed else
-              f"\nAll {len(checks)} checks passed.")
+        warned = sum(c.ok and c.warn for c in checks)
+        note = f" ({warned} warning{'s' if warned != 1 else ''})" if warned else ""
+        print(f"\n{len(checks) - len(failed)}/{len(checks)} checks passed{note}." if failed else
+              f"\nAll {len(checks)} checks passed{note}.")
     return 1 if failed else 0

@@ -67,9 +67,9 @@ def register(sub) -> None:
 
 
 def events(args) -> int:
-    from marind.agent.lifecycle import JobState
+    from marind.control.jobs_client import JobsClient, connect
+    from marind.control.lifecycle import JobState
     from marind.core.errors import JobFailed
-    from marind.jobs_client import JobsClient, connect
 
     jc = JobsClient(connect(args.etcd, args.config, args.state_dir))
 

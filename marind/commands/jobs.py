@@ -1,6 +1,6 @@
 """`marind submit | status | cancel | logs | nodes | rm` (docs/design.md §5); `events` is ``marind.commands.events``.
 
-A thin layer over ``marind.jobs_client``: parse, call, print. Tables and
+A thin layer over ``marind.control.jobs_client``: parse, call, print. Tables and
 ``--json`` come from the same rows.
 """
 
@@ -65,7 +65,7 @@ def register(sub) -> None:
 
 
 def _client(args):
-    from marind.jobs_client import JobsClient, connect
+    from marind.control.jobs_client import JobsClient, connect
     return JobsClient(connect(args.etcd, args.config, args.state_dir))
 
 
@@ -180,7 +180,7 @@ def status(args) -> int:
 
 def _reason_cell(job: dict) -> str:
     """The REASON column: RESTARTING and FAILED jobs only, cut to ``REASON_WIDTH``."""
-    from marind.jobs_client import REASON_STATES
+    from marind.control.jobs_client import REASON_STATES
 
     reason = job.get("reason") or ""
     if job["state"] not in REASON_STATES or not reason:
@@ -222,8 +222,8 @@ def rm(args) -> int:
 
 
 def logs(args) -> int:
+    from marind.control.jobs_client import local_log_files
     from marind.core.errors import NotFound
-    from marind.jobs_client import local_log_files
 
     files = local_log_files(args.job, args.state_dir)
     if not files:
@@ -259,7 +259,7 @@ def _follow_logs(args, offsets: dict, poll: float = 0.5, state_every: float = 1.
 
     Without a reachable control plane it follows until Ctrl-C (said once on stderr).
     """
-    from marind.agent.lifecycle import JobState
+    from marind.control.lifecycle import JobState
     from marind.core.errors import ControlPlaneUnavailable, JobFailed
 
     try:

@@ -28,14 +28,17 @@ from marind.core.errors import ControlPlaneUnavailable
 DEFAULT_PREFIX = "/marind"
 _TRANSIENT = (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError,
               etcd_exc.Etcd3Exception, grpc.RpcError)
+#: failures after which a call goes to the next member: the member did not take the request
+_FAIL_OVER = (etcd_exc.ConnectionFailedError, etcd_exc.NoServerAvailableError)
 
 # gRPC's defaults suit a server that is gone for good, not an etcd that restarts. After a
 # failed connect it waits 1 s, then 1.6x longer each time up to 120 s, and every call in
-# between fails at once; measured here, a client whose etcd came back after a 30 s outage
-# stayed "unreachable" for 12.6 s more, and after a few minutes it would stay so for up to
-# 2 minutes, outliving a node lease. Its subchannels are also shared per process, so
-# a client made after the restart inherited the old one's backoff and failed its first
-# call. Retry about once a second (gRPC adds 20% jitter), with a subchannel of our own.
+# between fails at once, so a client whose etcd came back after an outage stayed
+# "unreachable" for seconds more (docs/perf.md, "Control plane"), and after a few minutes
+# it would stay so for up to 2 minutes, outliving a node lease. Its subchannels are also
+# shared per process, so a client made after the restart inherited the old one's backoff
+# and failed its first call. Retry about once a second (gRPC adds 20% jitter), with a
+# subchannel of our own.
 GRPC_OPTIONS = (
     ("grpc.use_local_subchannel_pool", 1),
     ("grpc.initial_reconnect_backoff_ms", 200),
@@ -88,7 +91,8 @@ class EtcdClient:
     def _connect(self, parsed, secure, tls, user, password) -> None:
         timeout = self.timeout
         host, port, _ = parsed[0]
-        if len(parsed) == 1 and (not secure or tls.ca_cert):
+        single = len(parsed) == 1 and (not secure or tls.ca_cert)
+        if single:
             # (an https endpoint without a CA file takes the path below: etcd3.client would
             # open a plaintext channel to it; ssl_channel_credentials uses the system roots)
             self._client = etcd3.client(
@@ -103,32 +107,74 @@ class EtcdClient:
                     _read(tls.ca_cert), _read(tls.key), _read(tls.cert))
             eps = [etcd3.Endpoint(h, p, secure=secure, creds=creds, opts=GRPC_OPTIONS)
                    for h, p, _ in parsed]
-            self._client = etcd3.MultiEndpointEtcd3Client(
-                endpoints=eps, timeout=timeout, user=user, password=password, failover=True)
+            # no credentials yet: the library would log in at construction on one member drawn
+            # at random, and fail if that one is down; ``_authenticate`` fails over instead
+            self._client = etcd3.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout, failover=True)
         # etcd3 shuns an endpoint for 300 s after one failed call, which would outlast any
         # etcd restart; retry a lone endpoint at once, and fail over among several quickly.
         for endpoint in self._client.endpoints.values():
             endpoint.time_retry = 0.0 if len(parsed) == 1 else 2.0
+        if user and not single:
+            self._authenticate(secure)
         if user and not secure:
             # gRPC refuses call credentials on a plaintext channel ("insufficient security
             # level"); the auth token still travels as plain metadata, which etcd accepts.
             self._client.call_credentials = None
+
+    def _authenticate(self, secure: bool) -> None:
+        """Log in (on any member that answers) and attach the token to every later call."""
+        from etcd3.client import EtcdTokenCallCredentials
+        from etcd3.etcdrpc import AuthenticateRequest
+        request = AuthenticateRequest(name=self._user, password=self._password)
+        # the stub is looked up per try: after a failover it belongs to the next member's channel
+        resp = self._call(lambda: self._client.authstub.Authenticate(request, self.timeout))
+        self._client.metadata = (("token", resp.token),)
+        if secure:
+            self._client.call_credentials = grpc.metadata_call_credentials(
+                EtcdTokenCallCredentials(resp.token))
 
     # -- keys ---------------------------------------------------------------------------
     def key(self, *parts: str) -> str:
         return "/".join([self.prefix, *[p.strip("/") for p in parts]])
 
     def _call(self, fn: Callable, *args, **kwargs):
-        try:
+        return self._call_tracked(fn, *args, **kwargs)[0]
+
+    def _call_tracked(self, fn: Callable, *args, **kwargs) -> tuple[Any, bool]:
+        """(``fn``'s result, whether it was sent to another member after a failure).
+
+        With several endpoints, a member that does not answer (down, or between leaders) is
+        marked failed by the etcd3 library and the call goes to the next one, each member
+        tried at most once: one member of three down fails no call. A member that does not
+        answer in time (the leader killed while it held the request) is left for the next one
+        once per call, so a call waits at most two timeouts. A retried write may have landed
+        on the first member: the writes that are not idempotent (create, compare-and-swap,
+        delete-if) check for that (see ``create``).
+        """
+        tries = len(self._client.endpoints)
+        timeouts_left = 1
+        tried: set[str] = set()
+        for attempt in range(tries):
+            tried.add(self._client._current_endpoint_label)
             try:
-                return fn(*args, **kwargs)
-            except grpc.RpcError as exc:
-                if not (self._user and _is_stale_token(exc)):
-                    raise
-                self._reauthenticate()  # etcd restarted or the token expired: log in again
-                return fn(*args, **kwargs)
-        except _TRANSIENT as exc:
-            raise self._unavailable(exc) from exc
+                try:
+                    return fn(*args, **kwargs), attempt > 0
+                except grpc.RpcError as exc:
+                    if not (self._user and _is_stale_token(exc)):
+                        raise
+                    self._reauthenticate()  # etcd restarted or the token expired: log in again
+                    return fn(*args, **kwargs), attempt > 0
+            except _TRANSIENT as exc:
+                retry = isinstance(exc, _FAIL_OVER)
+                if isinstance(exc, etcd_exc.ConnectionTimeoutError) and timeouts_left:
+                    timeouts_left, retry = timeouts_left - 1, True
+                untried = [label for label in self._client.endpoints if label not in tried]
+                if not (retry and untried):
+                    raise self._unavailable(exc) from exc
+                # the next member not tried in this call (the library, left alone, may go back
+                # to one that failed seconds ago once its retry time has passed)
+                self._client._current_endpoint_label = untried[0]
+        raise AssertionError("unreachable")   # the loop returns or raises
 
     def _unavailable(self, exc: BaseException) -> ControlPlaneUnavailable:
         details = exc.details() if isinstance(exc, grpc.RpcError) and hasattr(exc, "details") else ""
@@ -219,8 +265,23 @@ class EtcdClient:
         return self.put(key, json.dumps(obj, sort_keys=True), lease=lease)
 
     def create(self, key: str, value: bytes | str, lease=None) -> bool:
-        """Put only if the key does not exist; True when this call created it."""
-        return self._call(self._client.put_if_not_exists, key, value, lease=lease)
+        """Put only if the key does not exist; True when this call created it.
+
+        A create sent again to another member after a failure finds the key there when the
+        first member had taken it: a key holding our value under our lease is ours.
+        """
+        created, retried = self._call_tracked(self._client.put_if_not_exists, key, value, lease=lease)
+        if created or not retried:
+            return bool(created)
+        return self._holds(key, value, lease)
+
+    def _holds(self, key: str, value: bytes | str, lease=None) -> bool:
+        """Does ``key`` hold ``value`` (under ``lease``, when given)? The check after a retried write."""
+        current, meta = self._call(self._client.get, key)
+        data = value.encode() if isinstance(value, str) else value
+        if current != data or meta is None:
+            return False
+        return lease is None or int(getattr(meta, "lease_id", 0)) == int(getattr(lease, "id", 0))
 
     def compare_and_swap(self, key: str, value: bytes | str, mod_revision: int,
                          lease=None) -> tuple[bool, int]:
@@ -233,14 +294,17 @@ class EtcdClient:
             compare = [txn.version(key) == 0]
         else:
             compare = [txn.mod(key) == mod_revision]
-        ok, responses = self._call(
+        (ok, responses), retried = self._call_tracked(
             self._client.transaction, compare=compare,
             success=[txn.put(key, value, lease=lease)], failure=[txn.get(key)])
         if ok:
             return True, responses[0].response_put.header.revision
         current = 0
+        stored = None
         for item in responses[0] if responses else []:
-            current = item[1].mod_revision
+            stored, current = item[0], item[1].mod_revision
+        if retried and stored == (value.encode() if isinstance(value, str) else value):
+            return True, current           # the first member had taken our write
         return False, current
 
     def compare_and_swap_value(self, key: str, value: bytes | str, mod_revision: int,
@@ -251,14 +315,14 @@ class EtcdClient:
         """
         txn = self._client.transactions
         compare = [txn.version(key) == 0] if mod_revision == 0 else [txn.mod(key) == mod_revision]
-        ok, responses = self._call(
+        (ok, responses), retried = self._call_tracked(
             self._client.transaction, compare=compare,
             success=[txn.put(key, value, lease=lease)], failure=[txn.get(key)])
+        data = value.encode() if isinstance(value, str) else value
         if ok:
-            data = value.encode() if isinstance(value, str) else value
             return True, data, responses[0].response_put.header.revision
         for current, meta in responses[0] if responses else []:
-            return False, current, meta.mod_revision
+            return retried and current == data, current, meta.mod_revision   # retried: ours landed first
         return False, None, 0
 
     def delete(self, key: str) -> bool:
@@ -267,9 +331,11 @@ class EtcdClient:
     def delete_if(self, key: str, mod_revision: int) -> bool:
         """Delete ``key`` iff its mod_revision is still ``mod_revision``; whether it was deleted."""
         txn = self._client.transactions
-        ok, _ = self._call(self._client.transaction, compare=[txn.mod(key) == mod_revision],
-                           success=[txn.delete(key)], failure=[])
-        return bool(ok)
+        (ok, _), retried = self._call_tracked(self._client.transaction, compare=[txn.mod(key) == mod_revision],
+                                              success=[txn.delete(key)], failure=[])
+        if ok or not retried:
+            return bool(ok)
+        return self.get(key)[1] == 0        # retried: the first member had deleted it
 
     def delete_prefix(self, prefix: str) -> None:
         self._call(self._client.delete_prefix, prefix)

@@ -5,13 +5,13 @@
 request's send time, Unix seconds); its workers may act for their world until
 ``valid_until = renewed_at + window``, where ``window = silent_window(ttl)`` (0.4 TTL).
 Past that, peers that also cannot reach this node on the data network may declare it lost
-(``marind.agent.silence``) and form a new world without it, well before the lease itself
+(``marind.agent.liveness.silence``) and form a new world without it, well before the lease itself
 expires (``renewed_at + ttl``): whatever its workers do then belongs to a replaced world.
 Renewals come every ``renew_interval(ttl)`` (TTL/10), so a live node's window never runs
 out between two of them. A renewal that follows a gap longer than the window does not
 reopen it (``NodeRegistry.trusted_renewal``): the peers may be declaring the node lost at
 that very moment; the next renewal, a TTL/10 later, does, unless the lease was revoked. The agent
-(``marind.agent.fencing``) rewrites it atomically after each renewal; a checkpoint commit
+(``marind.agent.liveness.fencing``) rewrites it atomically after each renewal; a checkpoint commit
 asks :func:`commit_allowed` just before it writes its manifest, so a world that may have
 been replaced never commits (an etcd outage longer than the TTL only postpones commits:
 the saves fail until the lease is renewed again). A missing or malformed file allows
@@ -62,7 +62,7 @@ def write_lease(run_dir: str | Path, *, renewed_at: float, ttl: float, node: str
         renewed_at: when the node's lease was last renewed (the request's send time).
         ttl: the lease's TTL in seconds.
         node: the node's name (informational).
-        until: an earlier end (the node lost its data network then: ``marind.agent.data_watch``);
+        until: an earlier end (the node lost its data network then: ``marind.agent.liveness.data_watch``);
             ``valid_until`` is the earlier of it and ``renewed_at + window``, and ``fenced_at`` records it.
 
     Raises:
@@ -100,7 +100,7 @@ def save_held(doc: dict | None, now: float) -> str | None:
       come every TTL/10, so etcd is out of this node's reach (its control network may be cut,
       and the storage with it);
     * the agent has fenced commits because this node reached none of its data-network peers
-      (``fenced_at``, ``marind.agent.data_watch``): until a peer answers, or the peers prove
+      (``fenced_at``, ``marind.agent.liveness.data_watch``): until a peer answers, or the peers prove
       dead rather than this node cut off, nothing may commit.
 
     Args:

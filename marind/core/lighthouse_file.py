@@ -3,8 +3,8 @@
 ``{run_dir}/ft/lighthouse.json`` (:func:`lighthouse_path`) holds ``{"address", "epoch",
 "node"}``: the lighthouse's ``http://host:port``, its epoch (the ``mod_revision`` of the
 elected ``{p}/jobs/{job}/ft/lighthouse`` key, which grows with every election) and the node
-that runs it. The agent (``marind.agent.ft_coordinator``) rewrites it atomically whenever the
-lighthouse changes; the trainer (``marind.trainer.ft``) reads it at start and whenever a
+that runs it. The agent (``marind.agent.ft.coordinator``) rewrites it atomically whenever the
+lighthouse changes; the trainer (``marind.trainer.ft.train``) reads it at start and whenever a
 quorum fails, so that workers follow a moved lighthouse without a restart. A reader
 treats a missing or malformed file as absent.
 """

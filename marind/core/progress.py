@@ -4,7 +4,7 @@ Where: ``$MARIND_RUN_DIR/progress/rank-{global_rank}.json`` (:func:`record_path`
 per rank, rewritten atomically (temp file in the same directory, then ``os.replace``) at
 start, after every optimizer step and at the end. Written by :class:`ProgressWriter` (the
 reference trainer, any worker), read by the agent (``marind.agent.progress``) and by
-``marind.agent.ft_coordinator`` for the torchft fields.
+``marind.agent.ft.coordinator`` for the torchft fields.
 
 The JSON object, in this key order::
 

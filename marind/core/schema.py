@@ -1,7 +1,7 @@
 """The schema engine behind marind's TOML files: typed fields on frozen dataclasses.
 
 ``run.toml`` (``marind.core.spec``) and the agent's ``marind.toml``
-(``marind.agent.config``) are read with it. A section is a frozen
+(``marind.control.config``) are read with it. A section is a frozen
 dataclass whose fields are made with ``spec_field(default, kind)``; the
 kind says how a TOML value becomes the field's value (``convert``) and
 back (``export``):

@@ -61,7 +61,7 @@ class JobSpec:
     command: tuple[str, ...] = spec_field((), "strs")         # any executable and its arguments
     working_dir: str = spec_field("", "str")      # the workers' cwd; "" = the run.toml's dir at submit
     preload: tuple[str, ...] = spec_field((), "strs")         # modules the zygote imports (besides torch)
-    warm_start: bool = spec_field(True, "bool")       # fork workers from a zygote with torch loaded (marind/zygote.py)
+    warm_start: bool = spec_field(True, "bool")       # fork workers from a zygote with torch loaded (marind/agent/warm_start/zygote.py)
     env: tuple[tuple[str, str], ...] = spec_field((), "env")
 
 

@@ -4,7 +4,7 @@ The agent (``marind.agent.supervisor``) sets these for each torchrun it starts; 
 adds its own (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...). Workers,
 the zygote and the trainer read them through :class:`WorkerEnv` or the names below, never
 by spelling a string of their own. The agent's *own* settings (``MARIND_ETCD``,
-``MARIND_STATE_DIR``, ...) are read in ``marind.agent.config``.
+``MARIND_STATE_DIR``, ...) are read in ``marind.control.config``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ ETCD_PASSWORD = "MARIND_ETCD_PASSWORD"
 REPLICA_GROUP = "MARIND_REPLICA_GROUP"
 #: torchft's own variable: the lighthouse's address when the worker starts.
 TORCHFT_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
-#: Warm starts (``marind.zygote``): the fork server's abstract socket, the file in which it
+#: Warm starts (``marind.agent.warm_start.zygote``): the fork server's abstract socket, the file in which it
 #: records forked pids, the modules it preloads (``[job] preload``, comma-separated), and how
 #: long a stub waits for it.
 ZYGOTE_SOCKET = "MARIND_ZYGOTE_SOCKET"
@@ -43,7 +43,7 @@ ZYGOTE_WAIT = "MARIND_ZYGOTE_WAIT"
 ZYGOTE_PREFIX = "MARIND_ZYGOTE_"
 #: Peak dense FLOP/s of one rank's device, for MFU when the device is not in the table.
 PEAK_FLOPS = "MARIND_PEAK_FLOPS"
-#: Benchmarks: time each pipeline rank's stages from step N+1 on (``marind.trainer.pipeline_timing``);
+#: Benchmarks: time each pipeline rank's stages from step N+1 on (``marind.trainer.parallel.pipeline_timing``);
 #: unset, off.
 BENCH_PP_TIMING = "MARIND_BENCH_PP_TIMING"
 #: Logging: level name, and JSON lines (``1``) or console output (``0``).

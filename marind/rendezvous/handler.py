@@ -231,10 +231,11 @@ def frame_method_name(depth: int = 2) -> str:
 
     torch names every rendezvous event it records (each join attempt,
     keep-alive and sync) with two full ``inspect.stack()`` calls, which
-    read source lines for every frame and scan ``sys.modules``: measured
-    here at ~150 ms of CPU per event at a stack depth of 30, paid by the
-    torchrun agent while its node's workers want the cores, and the
-    reason 64 simulated agents on 2 cores never finished a round.
+    read source lines for every frame and scan ``sys.modules``: a large
+    CPU cost per event at a deep stack, paid by the torchrun agent while
+    its node's workers want the cores, and the reason many simulated
+    agents on a small machine never finished a round (figures:
+    docs/perf.md, "Rendezvous").
 
     Args:
         depth: frames up from this function (2: the caller's caller, as torch's default).

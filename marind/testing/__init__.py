@@ -8,7 +8,7 @@ imports ``tests``):
   ``kill_group``, ``kill_all``) and ``run_torch_workers``, which runs a
   function on N gloo ranks in real processes;
 * ``marind.testing.s3_server``: a real S3 server (SeaweedFS) on loopback;
-* ``marind.local_etcd.LocalEtcd``: a real etcd server (it lives beside the
+* ``marind.control.local_etcd.LocalEtcd``: a real etcd server (it lives beside the
   agent, which embeds it);
 * ``marind.testing.cluster``: ``marind agent``s as subprocesses, submit, a
   tiny dataset (the daemon benchmarks);

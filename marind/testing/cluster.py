@@ -30,7 +30,7 @@ def env(extra: dict | None = None) -> dict:
 
 def make_data(root: Path, n_docs: int = 60) -> str:
     """Write the example dataset (``n_docs`` documents) under ``root/data``; its prefix."""
-    from marind.trainer import corpus
+    from marind.trainer.data import corpus
     prefix = root / "data" / "corpus"
     prefix.parent.mkdir(parents=True, exist_ok=True)
     corpus.write_example_dataset(prefix, n_docs)

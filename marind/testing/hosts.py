@@ -13,7 +13,7 @@ namespace is the one ``ip netns exec`` made, where ``/etc/netns/NS/hosts``
 is ``/etc/hosts``). Each host has two links, each a veth pair whose outer end
 is on a bridge the bed made: **control** (``ctl0`` inside; etcd and S3) and
 **data** (``data0`` inside; the workers' collectives and store). etcd
-(``marind.local_etcd``) and, when asked, S3 (``marind.testing.s3_server``)
+(``marind.control.local_etcd``) and, when asked, S3 (``marind.testing.s3_server``)
 run on the bridge side, at the control bridge's address. Naming and
 addresses: ``marind.testing.hosts_plan``.
 
@@ -57,8 +57,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from marind.control.local_etcd import LocalEtcd
 from marind.core.log import get_logger
-from marind.local_etcd import LocalEtcd
 from marind.testing import hosts_net as net
 from marind.testing.chaos import host_faults
 from marind.testing.chaos.host_faults import Frozen

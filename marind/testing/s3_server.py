@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from marind.control.local_etcd import ServerProcess, write_server_state
 from marind.core.netutil import free_ports, port_open
-from marind.local_etcd import ServerProcess, write_server_state
 
 ACCESS_KEY = "marindtest"
 #: tries of a first start, each on new free ports, while weed finds one of them taken

@@ -1,7 +1,7 @@
 """Everything a training run holds before its first step: model, optimizer, data, checkpointer, progress.
 
 :func:`build` makes the model (on the meta device, parallelized, then materialized shard by shard
-with initial weights that do not depend on the layout: ``marind.trainer.meta_init``), its parallel layout
+with initial weights that do not depend on the layout: ``marind.trainer.model.meta_init``), its parallel layout
 and the AdamW optimizer; :func:`setup_run` adds what the loop reports through (logger with
 the rank bound, progress record, checkpointer) and returns them together as a :class:`Run`,
 the one object ``marind.trainer.loop`` and its modes share.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import structlog
 import torch
@@ -22,15 +22,25 @@ from marind.core.log import get_logger
 from marind.core.workerenv import WorkerEnv
 from marind.trainer.checkpointing import Checkpointer
 from marind.trainer.config import TrainerSpec, grad_accum_steps
-from marind.trainer.data import Sampler, TokenDataset
-from marind.trainer.model import GPT, ModelConfig
-from marind.trainer.parallel import Layout, build_mesh, parallelize
-from marind.trainer.pipeline import Pipeline, StageModel, build_pipeline
-from marind.trainer.pipeline_ckpt import StageArrays
+from marind.trainer.data.dataset import Sampler, TokenDataset
+from marind.trainer.model.gpt import GPT, ModelConfig
+from marind.trainer.parallel.mesh import Layout, build_mesh, parallelize
+from marind.trainer.parallel.pipeline import Pipeline, StageModel, build_pipeline
+from marind.trainer.parallel.pipeline_ckpt import StageArrays
 from marind.worker.reporting import Reporter
 
-if TYPE_CHECKING:
-    from marind.trainer.loop import TrainMode
+
+class ModeSetup(Protocol):
+    """What :func:`setup_run` asks of a training mode (``loop.TrainMode`` has both): declared here, so
+    this module does not import the loop that imports it."""
+
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Called on the fresh model and optimizer, before the checkpointer exists."""
+        ...
+
+    def log_context(self) -> dict[str, Any]:
+        """Fields bound to every log line of the run (besides ``rank`` and ``job``)."""
+        ...
 
 
 @dataclass
@@ -70,7 +80,7 @@ def build(spec: TrainerSpec, device: torch.device) -> Built:
     torch.manual_seed(spec.train.seed)  # the global generator, for anything else that draws from it
     pipeline = None
     model: torch.nn.Module
-    if spec.parallel.pp > 1:            # stages of the model per rank (marind.trainer.pipeline)
+    if spec.parallel.pp > 1:            # stages of the model per rank (marind.trainer.parallel.pipeline)
         model, layout, meshes, pieces = build_pipeline(spec, cfg, world, device)
         pipeline = Pipeline(spec, meshes, pieces, device, grad_accum_steps(spec, layout.dp_size))
     else:
@@ -128,7 +138,7 @@ class Run:
     pipeline: Pipeline | None = None
 
 
-def setup_run(spec: TrainerSpec, device: torch.device, env: WorkerEnv, mode: TrainMode) -> Run:
+def setup_run(spec: TrainerSpec, device: torch.device, env: WorkerEnv, mode: ModeSetup) -> Run:
     """Build this rank's run: :func:`build`, ``mode.prepare``, logging context, progress, checkpointer.
 
     Args:

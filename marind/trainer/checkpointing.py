@@ -25,13 +25,12 @@ from typing import Any, cast
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from ckpt_store import CheckpointSaveFailed, CheckpointStore, PendingSave
-from ckpt_store.agreement import all_ranks_ok
+from ckpt_store import CheckpointSaveFailed, CheckpointStore, PendingSave, all_ranks_ok
 from marind.core import workerenv as WE
 from marind.core.lease_file import lease_path, read_lease_doc, save_held
 from marind.core.log import get_logger
 from marind.trainer.config import TrainerSpec
-from marind.trainer.pipeline_ckpt import StageArrays
+from marind.trainer.parallel.pipeline_ckpt import StageArrays
 
 log = get_logger(__name__)
 
@@ -100,7 +99,7 @@ class Checkpointer:
         model_config: the model's config (``ModelConfig`` as a dict), saved as ``extra/model_config``
             so that a checkpoint can be exported on its own (``marind ckpt export --format hf``).
         stage_arrays: under pipeline parallelism, completes each rank's tree with the other
-            stages' arrays (``marind.trainer.pipeline_ckpt``); None otherwise.
+            stages' arrays (``marind.trainer.parallel.pipeline_ckpt``); None otherwise.
     """
 
     def __init__(self, spec: TrainerSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, rank: int,

@@ -43,8 +43,8 @@ from marind.core.spec import (
     positive,
     section_table,
 )
-from marind.trainer.moe_spec import MOE_PRESETS, preset_dims, resolve_moe, validate_ep_for_world, validate_moe
-from marind.trainer.pipeline_spec import check_microbatch_split, pipeline_world, validate_pipeline
+from marind.trainer.model.moe_spec import MOE_PRESETS, preset_dims, resolve_moe, validate_ep_for_world, validate_moe
+from marind.trainer.parallel.pipeline_spec import check_microbatch_split, pipeline_world, validate_pipeline
 
 # ---------------------------------------------------------------- presets
 
@@ -80,7 +80,7 @@ class ModelSpec:
     norm_eps: float = spec_field(1e-5, "float")
     rope_theta: float = spec_field(10000.0, "float")
     init_from: str = spec_field("", "str")   # a Hugging Face Llama directory to start from ("" = random init)
-    # mixture of experts (marind.trainer.moe; checks in marind.trainer.moe_spec); n_experts 0 = dense
+    # mixture of experts (marind.trainer.model.moe; checks in marind.trainer.model.moe_spec); n_experts 0 = dense
     n_experts: int = spec_field(0, "int")
     top_k: int = spec_field(2, "int")
     n_shared_experts: int = spec_field(0, "int")
@@ -100,7 +100,7 @@ class ParallelSpec:
     mixed_precision: str = spec_field("fp32", "str")        # "fp32" | "bf16"
     activation_checkpointing: bool = spec_field(False, "bool")
     compile: bool = spec_field(False, "bool")
-    pp: int = spec_field(1, "int")                          # pipeline stages (marind.trainer.pipeline_spec)
+    pp: int = spec_field(1, "int")                          # pipeline stages (marind.trainer.parallel.pipeline_spec)
     pp_schedule: str = spec_field("1F1B", "str")            # "1F1B" | "Interleaved1F1B" | "GPipe"
     pp_microbatches: int = spec_field(0, "int")             # per schedule run; 0 = pp
     pp_stages_per_rank: int = spec_field(0, "int")          # virtual stages; 0 = 2 interleaved, else 1
@@ -272,7 +272,7 @@ def init_from_problem(spec: TrainerSpec) -> str | None:
     Returns:
         One line naming the problem and the fix, or None (also when ``init_from`` is unset).
     """
-    from marind.trainer.hf_mapping import config_mismatch, model_config_from_hf
+    from marind.trainer.hf.mapping import config_mismatch, model_config_from_hf
 
     path = spec.model.init_from
     if not path:

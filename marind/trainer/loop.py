@@ -1,4 +1,4 @@
-"""The one training loop, shared by the elastic mode (``train.py``) and the torchft mode (``ft.py``).
+"""The one training loop, shared by the elastic mode (``train.py``) and the torchft mode (``ft/train.py``).
 
 What differs between modes sits behind :class:`TrainMode`, whose hooks :func:`run_loop`
 calls in this order (a hook's name in brackets)::
@@ -30,7 +30,7 @@ Extending it: a concern every mode shares belongs in :func:`run_loop`, one only 
 have in a hook (with a no-op default on :class:`TrainMode`). Model parallelism: pipeline
 parallelism (``run.pipeline``, elastic mode) replaces :func:`_forward_backward` (a schedule runs
 the micro-batches across stages, only the last stage has a loss, so the mean loss divides by the
-ranks of one stage; ``marind.trainer.pipeline``) and clipping sums over the stages; expert
+ranks of one stage; ``marind.trainer.parallel.pipeline``) and clipping sums over the stages; expert
 parallelism adds its gradient reduction next to ``on_gradients`` and its auxiliary loss to the loss.
 """
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,9 +48,9 @@ import torch.distributed as dist
 from ckpt_store import CheckpointError
 from marind.trainer.build import Run
 from marind.trainer.config import TrainerSpec
-from marind.trainer.model import lm_loss
-from marind.trainer.moe import router_summary, take_moe_outputs
-from marind.trainer.parallel import clip_grad_norm
+from marind.trainer.model.gpt import lm_loss
+from marind.trainer.model.moe import router_summary, take_moe_outputs
+from marind.trainer.parallel.mesh import clip_grad_norm
 from marind.trainer.schedule import lr_at
 from marind.worker.stop import StopFlag
 
@@ -207,14 +207,20 @@ class TrainMode(ABC):
         """Wait for checkpoints in flight, release resources; the last line's and record's extra fields."""
 
 
+def _batches(run: Run, mode: TrainMode, state: LoopState) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """Draws this rank's micro-batch ``k`` of the current step (the mode picks its samples)."""
+    return lambda k: run.sampler.batch(mode.sample_indices(run, state, k), run.device)
+
+
 def _forward_backward(run: Run, mode: TrainMode, state: LoopState) -> tuple[torch.Tensor, torch.Tensor]:
     """Accumulate the gradients of the step's micro-batches; returns this rank's loss (a tensor, the
     language-model loss only) and the MoE router statistics summed over the micro-batches (flattened;
     empty for a dense model). A MoE model's auxiliary losses are added to the loss it backpropagates."""
     loss_acc = torch.zeros((), device=run.device)
     router = torch.zeros(0, device=run.device, dtype=torch.float64)
+    batch = _batches(run, mode, state)
     for k in range(run.accum):
-        x, y = run.sampler.batch(mode.sample_indices(run, state, k), run.device)
+        x, y = batch(k)
         loss = lm_loss(run.model(x), y) / run.accum
         moe = take_moe_outputs(run.model)
         if moe is not None:
@@ -291,8 +297,9 @@ def run_loop(run: Run, mode: TrainMode, stop: StopFlag) -> Result:
         lr = lr_at(state.step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, total_steps=t.steps)
         for g in run.optimizer.param_groups:
             g["lr"] = lr
-        pipe = run.pipeline   # pipeline parallelism: the schedule runs the micro-batches (marind.trainer.pipeline)
-        loss_acc, router = pipe.forward_backward(run, mode, state) if pipe else _forward_backward(run, mode, state)
+        pipe = run.pipeline   # pipeline parallelism: the schedule runs the micro-batches (marind.trainer.parallel.pipeline)
+        loss_acc, router = pipe.forward_backward(_batches(run, mode, state), state.step) if pipe \
+            else _forward_backward(run, mode, state)
         mode.on_gradients(run, state)
         norm = clip_grad_norm(run.params, o.grad_clip, pp_mesh=pipe.norm_meshes if pipe else None)
         committed = mode.commit(run, state, norm)

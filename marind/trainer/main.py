@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     code = 1
     try:
         if spec.fault.mode == "torchft":
-            from marind.trainer.ft import train_ft as train
+            from marind.trainer.ft.train import train_ft as train
         result, _, _ = train(spec, device, stop=stop)
         code = STOP_EXIT_CODE if result.stopped else 0
     except Exception as exc:

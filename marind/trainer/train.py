@@ -2,7 +2,7 @@
 
 :func:`train` runs ``marind.trainer.loop.run_loop`` with :class:`ElasticMode`: the step count
 and the data position are the run's own, restored from the latest checkpoint at start;
-every step is all-reduced over the whole world (FSDP2/TP, ``marind.trainer.parallel``).
+every step is all-reduced over the whole world (FSDP2/TP, ``marind.trainer.parallel.mesh``).
 
 Test hooks: ``MARIND_TEST_STOP_AT_STEP=N`` acts as a SIGTERM arriving during
 step N (the run stops after it, without a new checkpoint).
@@ -27,10 +27,10 @@ from marind.core.log import get_logger
 from marind.core.workerenv import WorkerEnv
 from marind.trainer.build import Run, setup_run
 from marind.trainer.config import TrainerSpec
-from marind.trainer.data import rank_sample_indices
-from marind.trainer.init_from import init_run_from
+from marind.trainer.data.dataset import rank_sample_indices
+from marind.trainer.hf.init_from import init_run_from
 from marind.trainer.loop import Finish, LoopState, Result, StepReport, StopFlag, TrainMode, log_due, run_loop
-from marind.trainer.model import flops_per_token, param_count
+from marind.trainer.model.gpt import flops_per_token, param_count
 from marind.trainer.peak_memory import peak_memory
 from marind.trainer.schedule import peak_flops_per_device
 
@@ -194,7 +194,7 @@ def train(spec: TrainerSpec, device: torch.device, *, stop: StopFlag | None = No
 
 def _final_metrics(run: Run, setup_peak: float) -> dict[str, float]:
     """The final progress record's metrics: this rank's peak memory (``marind.trainer.peak_memory``) and,
-    when a benchmark asked for it, its pipeline stages' timing (``marind.trainer.pipeline_timing``)."""
+    when a benchmark asked for it, its pipeline stages' timing (``marind.trainer.parallel.pipeline_timing``)."""
     timer = run.pipeline.timer if run.pipeline is not None else None
     return {**peak_memory(run.device), "setup_peak_memory_bytes": setup_peak, **(timer.metrics() if timer else {})}
 

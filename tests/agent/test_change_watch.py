@@ -8,9 +8,9 @@ from __future__ import annotations
 import threading
 import time
 
-from marind.agent.change_watch import ChangeWatch
-from marind.agent.job_records import create_job, mark_jobs_changed, update_state
-from marind.agent.lifecycle import JobEvent
+from marind.control.change_watch import ChangeWatch
+from marind.control.job_records import create_job, mark_jobs_changed, update_state
+from marind.control.lifecycle import JobEvent
 
 
 class Clock:
@@ -85,7 +85,7 @@ def test_reads_on_change_poke_and_resync(etcd_client):
 def test_following_a_job_reads_it_on_changes_not_every_poll(etcd_client):
     """`submit --wait`'s loop: woken by a watch on the job's keys, so an idle job costs no reads
     between resyncs, and a transition is seen at once."""
-    from marind.jobs_client import JobsClient
+    from marind.control.jobs_client import JobsClient
 
     create_job(etcd_client, "jw", {"job": {"name": "x"}, "train": {"steps": 5}})
     jc = JobsClient(etcd_client)

@@ -1,10 +1,10 @@
-"""Unit tests of the data-network verdicts (``marind.agent.data_decisions``): no process, no etcd."""
+"""Unit tests of the data-network verdicts (``marind.agent.liveness.data_decisions``): no process, no etcd."""
 
 from __future__ import annotations
 
 import pytest
 
-from marind.agent.data_decisions import (
+from marind.agent.liveness.data_decisions import (
     DataAction,
     ReachRow,
     commit_fence_due,
@@ -164,7 +164,7 @@ def test_no_fence_once_every_other_node_is_dead_and_only_then():
 def test_each_node_probes_a_few_peers_and_is_probed_by_as_many():
     from collections import Counter
 
-    from marind.agent.data_decisions import PROBE_FANOUT, probe_targets
+    from marind.agent.liveness.data_decisions import PROBE_FANOUT, probe_targets
     assert probe_targets("j", "a", {"a", "b", "c"}) == frozenset({"b", "c"})          # small jobs: everyone
     assert probe_targets("j", "a", {"b", "c"}) == frozenset({"b", "c"})
     nodes = {f"node{i:04d}" for i in range(1000)}
@@ -181,7 +181,7 @@ def test_each_node_probes_a_few_peers_and_is_probed_by_as_many():
 def test_a_ring_verdict_cuts_off_a_node_its_probers_lost():
     """Five nodes, each probing three: d's link dies, so d reaches none of the three it probes and the
     three that probe it all have it down; the others still reach peers."""
-    from marind.agent.data_decisions import probe_targets
+    from marind.agent.liveness.data_decisions import probe_targets
     nodes = {"a", "b", "c", "d", "e"}
     long_ago = NOW - WINDOW - 1
     rows = {}

@@ -21,7 +21,7 @@ from marind.agent.decisions import (
     replica_group_lost,
     workers_running,
 )
-from marind.agent.lifecycle import JobState
+from marind.control.lifecycle import JobState
 
 pytestmark = pytest.mark.unit
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import threading
 
-from marind.agent.events import append_event, list_events
-from marind.agent.job_records import create_job, list_job_ids, read_job, update_state
-from marind.agent.lifecycle import JobEvent, JobState
+from marind.control.events import append_event, list_events
+from marind.control.job_records import create_job, list_job_ids, read_job, update_state
+from marind.control.lifecycle import JobEvent, JobState
 
 
 def test_state_updates_race_safely(etcd_client):

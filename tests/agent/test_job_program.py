@@ -109,9 +109,9 @@ def test_command_jobs_run_any_program_warm_or_cold(tmp_path, etcd, etcd_client, 
 
 def test_a_trainer_spec_with_relative_paths_trains_from_another_directory(tmp_path, etcd, etcd_client,
                                                                           etcd_prefix, capsys, monkeypatch):
-    from marind.trainer import corpus
-    from marind.trainer.data import write_dataset
-    from marind.trainer.tokenize import ByteTokenizer
+    from marind.trainer.data import corpus
+    from marind.trainer.data.dataset import write_dataset
+    from marind.trainer.data.tokenize import ByteTokenizer
 
     proj = tmp_path / "proj"
     (proj / "data").mkdir(parents=True)

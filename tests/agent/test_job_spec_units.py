@@ -9,13 +9,13 @@ import tomllib
 import pytest
 
 from marind.agent.torchrun_args import spec_to_toml, warm_start_applies
+from marind.agent.warm_start.zygote import preload_names
+from marind.agent.warm_start.zygote_stub import cold_argv, python_target
 from marind.cli import main
 from marind.core.errors import SpecError
 from marind.core.netutil import free_port
 from marind.core.spec import TRAINER_ENTRYPOINT, RunSpec, load_spec, missing_paths, resolve_paths
 from marind.trainer.config import trainer_spec
-from marind.zygote import preload_names
-from marind.zygote_stub import cold_argv, python_target
 
 pytestmark = pytest.mark.unit
 

@@ -50,7 +50,7 @@ def test_the_margin_is_at_most_half_the_window():
 @pytest.mark.unit
 def test_a_data_network_fence_ends_the_lease_early_and_a_save_refuses(tmp_path):
     from ckpt_store.errors import CheckpointSaveFailed
-    from ckpt_store.fence import check_fence
+    from ckpt_store.save.fence import check_fence
     write_lease(tmp_path, renewed_at=1000.0, ttl=10, node="a", until=1003.0)
     assert read_lease(tmp_path) == 1003.0
     with pytest.raises(CheckpointSaveFailed, match="replaced"):
@@ -80,7 +80,7 @@ def test_a_commit_waits_for_a_renewal_that_is_due(tmp_path):
     import threading
     import time
 
-    from ckpt_store.fence import check_fence
+    from ckpt_store.save.fence import check_fence
     write_lease(tmp_path, renewed_at=time.time() - 3.5, ttl=10, node="a")    # 0.5 s left, margin 1 s
     renew = threading.Timer(0.3, lambda: write_lease(tmp_path, renewed_at=time.time(), ttl=10, node="a"))
     renew.start()
@@ -94,7 +94,7 @@ def test_a_commit_without_a_renewal_fails_after_waiting(tmp_path):
     import time
 
     from ckpt_store.errors import CheckpointSaveFailed
-    from ckpt_store.fence import check_fence
+    from ckpt_store.save.fence import check_fence
     write_lease(tmp_path, renewed_at=time.time() - 1.9, ttl=5, node="a")     # window 2 s, margin 0.5 s
     with pytest.raises(CheckpointSaveFailed, match="replaced"):
         check_fence((str(lease_path(tmp_path)), COMMIT_MARGIN_S))

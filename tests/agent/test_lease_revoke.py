@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
+from marind.agent.liveness.silence import silent_peer, unrenewed_for
 from marind.agent.registry import NodeRegistry
-from marind.agent.silence import silent_peer, unrenewed_for
 from marind.core.lease_file import silent_window
 from tests.agent.helpers import wait_for
 

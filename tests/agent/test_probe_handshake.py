@@ -1,4 +1,4 @@
-"""The data probe's handshake (``marind.agent.probe_handshake``): only a peer agent's probe listener,
+"""The data probe's handshake (``marind.agent.liveness.probe_handshake``): only a peer agent's probe listener,
 with the token it publishes, counts as reached; a refusal, a reset, silence or another program does not."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from marind.agent.data_probe import DataProber
-from marind.agent.probe_handshake import (
+from marind.agent.liveness.data_probe import DataProber
+from marind.agent.liveness.probe_handshake import (
     NO_GREETING,
     NOT_A_PROBE,
     OK,

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from marind.agent.decisions import HANG_DUMP_WAIT_S
-from marind.agent.lifecycle import JobEvent
+from marind.agent.metrics import Metrics
 from marind.agent.run_monitor import RunMonitor
 from marind.agent.supervisor import WorkerProc
+from marind.control.lifecycle import JobEvent
 from marind.core.spec import load_spec
-from marind.metrics import Metrics
 
 pytestmark = pytest.mark.unit
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from marind.agent.lifecycle import JobEvent
+from marind.agent.metrics import Metrics
 from marind.agent.run_monitor import RunMonitor
 from marind.agent.supervisor import WorkerProc
+from marind.control.lifecycle import JobEvent
 from marind.core.spec import load_spec
-from marind.metrics import Metrics
 from tests.agent.test_run_monitor import SPEC, FakeOutbox, FakeTorchrun
 from tests.agent.test_worker_errors import FAILED, MISSING, TRACEBACK
 

@@ -9,8 +9,8 @@ import urllib.request
 
 import pytest
 
-from marind.metrics import Metrics, MetricsServer
-from marind.sdnotify import Notifier, watchdog_interval
+from marind.agent.metrics import Metrics, MetricsServer
+from marind.agent.sdnotify import Notifier, watchdog_interval
 
 
 @pytest.mark.unit

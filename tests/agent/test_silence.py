@@ -1,4 +1,4 @@
-"""A silent host declared lost before its lease expires (marind/agent/silence.py), and why that is safe."""
+"""A silent host declared lost before its lease expires (marind/agent/liveness/silence.py), and why that is safe."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 
 from marind.agent.decisions import LossAction, fence_due
-from marind.agent.silence import (
+from marind.agent.liveness.silence import (
     HOST_SILENT,
     PROBE_SILENT_S,
     STALL_S,

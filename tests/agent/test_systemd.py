@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from marind.agent.config import load_config
+from marind.control.config import load_config
 from marind.testing.procs import REPO_ROOT
 
 UNIT = REPO_ROOT / "systemd" / "marind.service"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 from marind.cli import main
-from marind.trainer import corpus
-from marind.trainer.data import write_dataset
-from marind.trainer.tokenize import ByteTokenizer
+from marind.trainer.data import corpus
+from marind.trainer.data.dataset import write_dataset
+from marind.trainer.data.tokenize import ByteTokenizer
 from tests.agent.helpers import agent_log, node_registered, start_agent, wait_for
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from marind.agent import progress as prog
-from marind.agent.config import load_config, parse_config_text, resolve_endpoint
 from marind.agent.hang import HangDetector
-from marind.agent.lifecycle import JobEvent, JobState, StateRecord, apply, transition
 from marind.agent.torchrun_args import spec_to_toml, torchrun_command, worker_env
+from marind.control.config import load_config, parse_config_text, resolve_endpoint
+from marind.control.lifecycle import JobEvent, JobState, StateRecord, apply, transition
 from marind.core.errors import ControlPlaneUnavailable, SpecError
 from marind.core.spec import load_spec
 
@@ -152,14 +152,14 @@ def test_run_toml_round_trip_and_command(tmp_path):
     assert "--rdzv-backend=etcd3" in cmd and "--rdzv-endpoint=h:2379,g:1" in cmd and "--rdzv-id=j1" in cmd
     assert "--nnodes=1:3" in cmd and "--nproc-per-node=2" in cmd and "--max-restarts=7" in cmd
     assert "--rdzv-conf=prefix=/p,last_call_timeout=1" in cmd
-    assert cmd[-4:] == ["-m", "marind.zygote_stub", "marind.trainer", "/r/run.toml"]     # warm_start (default)
+    assert cmd[-4:] == ["-m", "marind.agent.warm_start.zygote_stub", "marind.trainer", "/r/run.toml"]     # warm_start (default)
     cold = spec.replace(job=dataclasses.replace(spec.job, warm_start=False))
     assert torchrun_command(python="py", job="j1", spec=cold, endpoint="h:1", prefix="/p",       # the launcher
-                            run_toml=Path("/r/run.toml"))[-4:] == ["-m", "marind.zygote_stub", "marind.trainer",
+                            run_toml=Path("/r/run.toml"))[-4:] == ["-m", "marind.agent.warm_start.zygote_stub", "marind.trainer",
                                                                    "/r/run.toml"]            # enters working_dir
     script = spec.replace(job=dataclasses.replace(spec.job, entrypoint="", command=("python", "t.py", "--lr", "1")))
     assert torchrun_command(python="py", job="j1", spec=script, endpoint="h:1", prefix="/p",
-                            run_toml=Path("/r/run.toml"))[-7:] == ["-m", "marind.zygote_stub", "--command",
+                            run_toml=Path("/r/run.toml"))[-7:] == ["-m", "marind.agent.warm_start.zygote_stub", "--command",
                                                                    "python", "t.py", "--lr", "1"]
     env = worker_env({"NOTIFY_SOCKET": "/run/x", "WATCHDOG_USEC": "1", "PATH": "/bin"}, job="j1", node="n",
                      run_dir=tmp_path, spec=spec)

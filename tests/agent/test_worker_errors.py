@@ -9,6 +9,7 @@ import time
 import pytest
 
 from marind.agent.decisions import failure_restarts
+from marind.agent.metrics import Metrics
 from marind.agent.registry import may_take_over
 from marind.agent.worker_errors import (
     MAX_LINE,
@@ -20,7 +21,6 @@ from marind.agent.worker_errors import (
     exception_line,
     read_error_file,
 )
-from marind.metrics import Metrics
 
 pytestmark = pytest.mark.unit
 

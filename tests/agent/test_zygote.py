@@ -11,8 +11,8 @@ import uuid
 import psutil
 import pytest
 
+from marind.agent.warm_start.zygote import read_pid_map
 from marind.testing.procs import base_env, spawn
-from marind.zygote import read_pid_map
 from tests.agent.helpers import wait_for
 
 WORKER = "tests.agent.zygote_worker"
@@ -23,7 +23,7 @@ def zygote(tmp_path_factory):
     """One zygote for the module (it imports torch once, as on a node); stopped at the end."""
     name = f"@marind-zygote-test-{uuid.uuid4().hex[:8]}"
     pids = tmp_path_factory.mktemp("zygote") / "zygote.pids.json"
-    proc = subprocess.Popen([sys.executable, "-m", "marind.zygote", name, str(pids), "tests.agent", str(os.getpid())],
+    proc = subprocess.Popen([sys.executable, "-m", "marind.agent.warm_start.zygote", name, str(pids), "tests.agent", str(os.getpid())],
                             env=base_env())
     env = base_env({"MARIND_ZYGOTE_SOCKET": name, "MARIND_ZYGOTE_WAIT": "60", "RANK": "3"})
     yield proc, env, pids
@@ -32,7 +32,7 @@ def zygote(tmp_path_factory):
 
 
 def _stub(env, *args, **kw):
-    return spawn([sys.executable, "-m", "marind.zygote_stub", WORKER, *args], env=env,
+    return spawn([sys.executable, "-m", "marind.agent.warm_start.zygote_stub", WORKER, *args], env=env,
                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
@@ -98,7 +98,7 @@ def test_no_zygote_means_a_cold_start(tmp_path):
 
 def test_the_zygote_leaves_when_its_parent_does(tmp_path):
     name = f"@marind-zygote-test-{uuid.uuid4().hex[:8]}"
-    code = (f"import subprocess, sys, os; p = subprocess.Popen([sys.executable, '-m', 'marind.zygote', "
+    code = (f"import subprocess, sys, os; p = subprocess.Popen([sys.executable, '-m', 'marind.agent.warm_start.zygote', "
             f"'{name}', '{tmp_path}/p.json', 'tests.agent', str(os.getpid())]); print(p.pid, flush=True); "
             f"import time; time.sleep(60)")
     parent = spawn([sys.executable, "-c", code], env=base_env(), stdout=subprocess.PIPE, text=True)
@@ -134,7 +134,7 @@ def test_a_script_without_a_main_guard_runs_once_per_worker_and_never_in_the_zyg
     starts = tmp_path / "starts.log"
     workers = []
     for code in ("0", "3"):
-        stub = spawn([sys.executable, "-m", "marind.zygote_stub", "--command", "python", "prog.py", str(starts), code],
+        stub = spawn([sys.executable, "-m", "marind.agent.warm_start.zygote_stub", "--command", "python", "prog.py", str(starts), code],
                      env={**env, "MARIND_WORKING_DIR": str(tmp_path)}, stdout=subprocess.PIPE,
                      stderr=subprocess.PIPE, text=True)
         out, err = stub.communicate(timeout=120)
@@ -156,7 +156,7 @@ def test_a_missing_working_dir_is_one_line_and_exit_2(tmp_path):
 
 def test_a_failed_preload_sends_every_stub_to_a_cold_start_at_once(tmp_path):
     name = f"@marind-zygote-test-{uuid.uuid4().hex[:8]}"
-    proc = subprocess.Popen([sys.executable, "-m", "marind.zygote", name, str(tmp_path / "p.json"),
+    proc = subprocess.Popen([sys.executable, "-m", "marind.agent.warm_start.zygote", name, str(tmp_path / "p.json"),
                              "tests.agent,no_such_module_xyz", str(os.getpid())], env=base_env(),
                             stderr=subprocess.PIPE, text=True)
     try:

@@ -1,4 +1,5 @@
-"""bench/goodput.py: its accounting (pure) and, in full runs, the --quick shape end to end."""
+"""bench/goodput.py and bench/goodput_common.py: the accounting (pure) and, in full runs, the --quick shape
+end to end."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import sys
 
 import pytest
 
-from bench.goodput import StepLine, kept_step_seconds, parse_step_lines, percentile, phase_split
+from bench.goodput import phase_split
+from bench.goodput_common import StepLine, kept_step_seconds, parse_step_lines, percentile
 from marind.testing.procs import REPO_ROOT, base_env
 
 

@@ -99,7 +99,7 @@ def bed_cluster(hostbed, etcd_prefix, dataset, capsys, monkeypatch):
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    from marind.trainer import corpus
+    from marind.trainer.data import corpus
     prefix = tmp_path_factory.mktemp("bed-data") / "corpus"
     corpus.write_example_dataset(prefix, 60)
     return str(prefix)

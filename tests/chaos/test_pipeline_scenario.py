@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from marind.trainer import corpus
+from marind.trainer.data import corpus
 from tests.chaos import test_scenarios as sc
 from tests.chaos.conftest import run_injector
 

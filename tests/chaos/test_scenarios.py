@@ -11,14 +11,18 @@ is ``@pytest.mark.slow`` (``make chaos``).
 from __future__ import annotations
 
 import json
+import os
 import uuid
 
 import pytest
 
 from ckpt_store import CheckpointStore
 from marind.cli import main as marind_main
+from marind.testing.history import append_row, fault_row, step_timeline
+from marind.testing.history import check as check_history
+from marind.testing.history import collect as collect_history
 from marind.testing.s3_server import ACCESS_KEY, SECRET_KEY
-from marind.trainer import corpus
+from marind.trainer.data import corpus
 from tests.agent.helpers import agent_log, job_state, node_registered, start_agent, wait_for
 from tests.chaos.conftest import run_injector
 
@@ -98,7 +102,9 @@ class Cluster:
                                           nodes or len(self.nodes), **spec_kw)])
         out = self.capsys.readouterr().out
         assert rc == 0, out
-        return out.strip().splitlines()[-1], url
+        job = out.strip().splitlines()[-1]
+        self.__dict__.setdefault("jobs", {})[url] = job       # the history checker finds the job by its store
+        return job, url
 
     def wait_done(self, job: str, timeout: float = 300) -> dict:
         wait_for(lambda: job_state(self.client, job).get("state") in ("SUCCEEDED", "FAILED", "CANCELLED"),
@@ -172,12 +178,25 @@ def cluster(request, tmp_path, etcd, etcd_client, etcd_prefix, s3, dataset, caps
 
 
 def _check_checkpoints(cluster: Cluster, url: str, steps_total: int = STEPS) -> CheckpointStore:
+    """Every committed checkpoint verifies, the last is ``steps_total``, and the job's history holds
+    every invariant of ``marind.testing.history`` (kept beside the test's files as history-JOB.json)."""
     store = cluster.store(url)
     steps = store.steps()
     assert steps and steps[-1] == steps_total, steps
     for step in steps:
         report = store.verify(step)
         assert report.ok, (step, report.problems)
+    job = cluster.__dict__.get("jobs", {}).get(url)
+    if job is not None:
+        history = collect_history(cluster.client, job, store)
+        history.save(cluster.tmp / f"history-{job}.json")
+        problems = check_history(history, store, expect_state=None, expect_step=steps_total)
+        table = os.environ.get("MARIND_FAULTS_TABLE")
+        if table:                                      # `make chaos`: a row of docs/perf.md's faults table
+            scenario = os.environ.get("PYTEST_CURRENT_TEST", job).split("::")[-1].split(" ")[0]
+            logs = list(cluster.tmp.glob(f"state-*/jobs/{job}/logs/torchrun.log"))
+            append_row(table, fault_row(scenario, history, step_timeline(logs), problems))
+        assert not problems, "history violations:\n" + "\n".join(problems)
     return store
 
 

@@ -152,7 +152,7 @@ def test_export_checks_the_output_path_before_reading_the_checkpoint(tmp_path, c
 
 
 def test_export_removes_its_temp_file_when_the_write_fails(tmp_path):
-    from ckpt_store.export import export_safetensors
+    from ckpt_store.export.single_file import export_safetensors
 
     store = CheckpointStore(f"file://{tmp_path}/ckpt", writer="thread")
     store.save(1, {"model": {"w": torch.ones(4), "v": torch.zeros(2)}}, async_=False)

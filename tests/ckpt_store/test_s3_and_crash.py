@@ -112,8 +112,8 @@ def test_a_rank_waiting_for_the_commit_rides_out_a_storage_blip(s3_private):
     ``commit_timeout_s`` (failing there would split the ranks: rank 0 commits the step)."""
     import threading
 
-    from ckpt_store.commit import wait_for_commit
-    from ckpt_store.storage import open_storage
+    from ckpt_store.save.commit import wait_for_commit
+    from ckpt_store.storage.protocol import open_storage
 
     opts = {**s3_private.storage_options,
             "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1, "read_timeout": 2}}

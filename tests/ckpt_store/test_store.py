@@ -170,7 +170,7 @@ def test_interop_zarr_python_and_tensorstore(tmp_path):
     import tensorstore as ts
     import zarr
 
-    import ckpt_store.zarr_bf16  # noqa: F401 - registers bfloat16 with zarr-python
+    import ckpt_store.format.zarr_bf16  # noqa: F401 - registers bfloat16 with zarr-python
 
     root = f"{tmp_path}/ckpt"
     state = _state(5)
@@ -210,7 +210,7 @@ def test_deleted_steps_leave_no_trash(tmp_path):
 def test_background_io_threads_run_nicer_and_foreground_ones_do_not(tmp_path):
     import threading
 
-    from ckpt_store.storage import open_storage
+    from ckpt_store.storage.protocol import open_storage
     st = open_storage(f"file://{tmp_path}")
 
     def my_nice():

@@ -236,7 +236,7 @@ def values_on_one_rank(url: str, flag: str) -> dict:
     outside any collective: a one-process reader must not all-gather with the group."""
     import os
 
-    from ckpt_store.export_sharded import read_values
+    from ckpt_store.export.sharded import read_values
 
     store = CheckpointStore(url)
     try:

@@ -11,7 +11,7 @@ import pytest
 
 from marind.cli import main
 from marind.commands.events import format_detail, format_event
-from marind.jobs_client import row_reason
+from marind.control.jobs_client import row_reason
 from tests.agent.helpers import tiny_spec
 
 

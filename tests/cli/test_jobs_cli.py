@@ -89,8 +89,8 @@ def test_submit_status_cancel_rm(cli, tmp_path, etcd_client):
 
 def test_status_shows_the_step_a_job_ended_at_when_rank0s_report_lags(cli, tmp_path, etcd_client):
     """The node that ends a job may not hold global rank 0; its final step rides on the state."""
-    from marind.agent.job_records import update_state
-    from marind.agent.lifecycle import JobEvent
+    from marind.control.job_records import update_state
+    from marind.control.lifecycle import JobEvent
     cli("submit", str(tiny_spec(tmp_path, name="lag")), "--id", "lag-1")
     etcd_client.put_json(etcd_client.key("jobs", "lag-1", "progress"), {"step": 59, "updated_at": 1.0})
     update_state(etcd_client, "lag-1", JobEvent.WORKERS_STARTED)

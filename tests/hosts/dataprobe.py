@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from marind.agent.data_probe import DataProber, link_up
+from marind.agent.liveness.data_probe import DataProber, link_up
 
 
 def main(argv: list[str]) -> int:

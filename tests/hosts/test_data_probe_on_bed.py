@@ -1,7 +1,7 @@
 """The agent's data-network probes on the bed: a cut data link is seen as silence and a lost carrier,
-and the peer answers again once the link is healed (``marind.agent.data_probe``); a port that
+and the peer answers again once the link is healed (``marind.agent.liveness.data_probe``); a port that
 refuses, or another program on it, is not taken for the peer's probe listener
-(``marind.agent.probe_handshake``)."""
+(``marind.agent.liveness.probe_handshake``)."""
 
 from __future__ import annotations
 

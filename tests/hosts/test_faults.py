@@ -97,7 +97,7 @@ def test_partition_keeping_the_carrier_drops_frames_with_both_links_up(bed):
     assert probe(bed, "host2", bed.addr("host1", "data"), timeout=1)["connect"] == "timeout"
     assert probe(bed, "host2", bed.addr("host1", "control"))["echo"] == "ok"
     carrier = subprocess.run(["ip", "netns", "exec", bed.host("host1").netns, sys.executable, "-c",
-                              f"from marind.agent.data_probe import link_up; print(link_up({bed.addr('host1', 'data')!r}))"],
+                              f"from marind.agent.liveness.data_probe import link_up; print(link_up({bed.addr('host1', 'data')!r}))"],
                              capture_output=True, text=True, env=base_env(), cwd=REPO_ROOT, timeout=60)
     assert carrier.stdout.strip() == "True", carrier.stderr      # the host cannot tell from its link
     rc, rest, err = _finish(proc)

@@ -14,7 +14,7 @@ def _kill_groups():
 
 @pytest.fixture
 def lighthouse(tmp_path):
-    from marind.agent.ft_coordinator import LighthouseProcess
+    from marind.agent.ft.coordinator import LighthouseProcess
     lh = LighthouseProcess(FAULT, tmp_path / "lighthouse.log", "127.0.0.1")
     lh.start()
     yield lh

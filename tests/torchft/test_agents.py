@@ -201,7 +201,7 @@ def test_a_group_out_of_restarts_leaves_and_the_job_trains_on(tmp_path, etcd, et
     """max_restarts = 1 and node b's worker SIGKILLed twice: b's torchrun gives up, b leaves the job
     (a group_failed event, its place and record gone), and the job still SUCCEEDS on group a:
     under torchft one bad group is not the job's failure."""
-    from marind.agent.events import list_events
+    from marind.control.events import list_events
 
     spec = ft_spec(tmp_path, steps=300, max_restarts=1)
     job, diag = _two_groups_stepping(tmp_path, spec, etcd, etcd_client, etcd_prefix, capsys, monkeypatch)

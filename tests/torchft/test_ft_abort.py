@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import pytest
 
-from marind.trainer.ft_abort import (
+from marind.trainer.ft.abort import (
     LighthouseView,
     SilentPeerWatch,
     decide_abort,

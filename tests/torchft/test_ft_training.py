@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from marind.agent.ft_coordinator import FTCoordinator
+from marind.agent.ft.coordinator import FTCoordinator
 from tests.torchft.groups import FAULT, ft_spec, kill_torchrun, logs, progress, start_group, wait_for
 
 REJOIN_BOUND_S = 60.0     # kill -> the restarted group has committed a step (CPU, 2 cores, loaded)

@@ -1,4 +1,4 @@
-"""Lighthouse election and replica-group slots on a real etcd (marind/agent/ft_coordinator.py).
+"""Lighthouse election and replica-group slots on a real etcd (marind/agent/ft/coordinator.py).
 
 Each coordinator stands for one node's agent: its own etcd lease (the node's), its
 own run dir. Losing a node = its lease revoked (what expiry does) and its processes
@@ -14,7 +14,8 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from marind.agent.ft_coordinator import FTCoordinator, ft_status
+from marind.agent.ft.coordinator import FTCoordinator
+from marind.control.ft_status import ft_status
 from marind.core.netutil import port_open
 
 SPEC = {"fault": {"mode": "torchft", "replica_groups": 2, "min_replicas": 1,

@@ -32,8 +32,8 @@ def test_tolerant_read(tmp_path):
 
 
 def test_trainer_prefers_the_file_over_the_environment(tmp_path):
-    pytest.importorskip("torch")      # marind.trainer.ft imports torch
-    from marind.trainer.ft import LighthouseSource
+    pytest.importorskip("torch")      # marind.trainer.ft.train imports torch
+    from marind.trainer.ft.train import LighthouseSource
 
     src = LighthouseSource(tmp_path, "http://env:9")
     assert src.read() == ("http://env:9", 0)

@@ -69,7 +69,7 @@ def test_elastic_default_unchanged():
 def test_group_slices_are_disjoint_and_cover_each_step():
     pytest.importorskip("torch")      # trainer.ft imports torch
     from marind.trainer.config import trainer_spec
-    from marind.trainer.ft import sample_indices
+    from marind.trainer.ft.train import sample_indices
     s = trainer_spec(spec(groups=3, nodes=3))           # global_batch 8 per group, micro 2, 2 ranks -> accum 2
     for step in (0, 1, 7):
         seen = []
@@ -97,7 +97,8 @@ def test_torchrun_is_one_rendezvous_per_group_under_the_job():
 
 
 def test_claim_order_completes_groups_before_starting_new_ones():
-    from marind.agent.ft_coordinator import claim_order, group_members
+    from marind.agent.ft.coordinator import claim_order
+    from marind.control.ft_status import group_members
     assert claim_order({}, 2, 2) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     held = {1: {0: "a"}}
     assert claim_order(held, 3, 2) == [(1, 1), (0, 0), (0, 1), (2, 0), (2, 1)]

@@ -40,22 +40,19 @@ def resume_and_digest(spec: dict) -> dict:
 def pp_clip_collectives(spec: dict) -> dict:
     """One pipelined forward/backward, then ``clip_grad_norm`` under ``CommDebugMode``: its collectives
     and norm, beside the reference (each gradient's ``full_tensor()`` norm, summed over the stages)."""
-    from types import SimpleNamespace
-
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.debug import CommDebugMode
 
     from marind.trainer.build import build
-    from marind.trainer.grad_norm import clip_grad_norm
+    from marind.trainer.parallel.grad_norm import clip_grad_norm
 
     typed = TrainerSpec.from_dict(spec, check_worlds=False)
     b = build(typed, device_for_local_rank())
     assert b.pipeline is not None
     lay = b.layout
-    run = SimpleNamespace(sampler=b.sampler, device=torch.device("cpu"))
-    mode = SimpleNamespace(sample_indices=lambda _run, _state, k: [lay.dp_rank + k * lay.dp_size])
-    b.pipeline.forward_backward(run, mode, None)   # type: ignore[arg-type]
+    b.pipeline.forward_backward(lambda k: b.sampler.batch([lay.dp_rank + k * lay.dp_size], torch.device("cpu")),
+                                step=0)
     params = list(b.model.parameters())
     ref = torch.zeros(())
     for p in params:
@@ -91,7 +88,8 @@ def step_grad_norms(spec: dict) -> dict[str, float]:
                           accum=grad_accum_steps(typed, lay.dp_size))
     mode = SimpleNamespace(sample_indices=lambda _run, _state, k: [lay.dp_rank + k * lay.dp_size])
     if b.pipeline is not None:
-        b.pipeline.forward_backward(run, mode, None)   # type: ignore[arg-type]
+        b.pipeline.forward_backward(lambda k: run.sampler.batch(mode.sample_indices(run, None, k), run.device),
+                                    step=0)
     else:
         _forward_backward(run, mode, None)   # type: ignore[arg-type]
     out = {}

@@ -12,8 +12,8 @@ import pytest
 
 from ckpt_store import CheckpointStore
 from marind.testing.procs import kill_group, run_torch_workers, spawn
-from marind.trainer import corpus
 from marind.trainer.config import load_trainer_spec
+from marind.trainer.data import corpus
 
 SPEC = """
 [job]

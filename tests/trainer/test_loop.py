@@ -81,8 +81,8 @@ class _FakeManager:
 def _torchft(manager):
     import torch
 
-    from marind.trainer.ft import TorchftMode
-    from marind.trainer.ft_group import LighthouseSource
+    from marind.trainer.ft.group import LighthouseSource
+    from marind.trainer.ft.train import TorchftMode
     from marind.trainer.loop import StopFlag
 
     mode = TorchftMode(1, StopFlag(), LighthouseSource(None, "http://x:1"))

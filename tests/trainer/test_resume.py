@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from marind.testing.procs import run_torch_workers
-from marind.trainer import corpus
 from marind.trainer.config import load_trainer_spec
+from marind.trainer.data import corpus
 from tests.trainer.workers import check_reshard
 
 STEPS = 12

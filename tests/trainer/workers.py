@@ -57,8 +57,8 @@ def clip_collectives(spec: dict) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
     from marind.trainer.build import build
-    from marind.trainer.grad_norm import clip_grad_norm
-    from marind.trainer.model import lm_loss
+    from marind.trainer.model.gpt import lm_loss
+    from marind.trainer.parallel.grad_norm import clip_grad_norm
 
     typed = TrainerSpec.from_dict(spec, check_worlds=False)
     b = build(typed, device_for_local_rank())
@@ -149,7 +149,7 @@ def train_moe(spec: dict) -> dict:
 def saved_arrays(url: str, step: int) -> dict[str, str]:
     """Digests of every array of checkpoint ``step`` read straight from the store (as one process)."""
     from ckpt_store import CheckpointStore
-    from ckpt_store.zarr_format import TORCH_DTYPES, ArraySpec
+    from ckpt_store.format.zarr_format import TORCH_DTYPES, ArraySpec
 
     store = CheckpointStore(url)
     try:

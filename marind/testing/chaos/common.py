@@ -72,13 +72,13 @@ def parse_signal(text: str) -> signal.Signals:
 def resolve_etcd(flag: str | None) -> str:
     """The agent's documented order: ``--etcd``, ``MARIND_ETCD``, the config file, then the
     endpoint file the agent's embedded etcd writes under its state dir."""
-    from marind.agent.config import resolve_endpoint
+    from marind.control.config import resolve_endpoint
     return resolve_endpoint(flag)[0]
 
 
 def connect(args: argparse.Namespace) -> EtcdClient:
     """A client the way marind's CLI makes one (prefix, user, TLS from env/config) unless flagged."""
-    from marind.agent.config import client_settings
+    from marind.control.config import client_settings
     settings = client_settings()
     args.prefix = args.prefix or settings["prefix"]
     return EtcdClient(resolve_etcd(args.etcd), prefix=args.prefix, user=settings["user"],

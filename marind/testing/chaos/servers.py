@@ -1,6 +1,6 @@
 """Stopping a server (etcd, S3) and starting the very same one again, for the outage injectors.
 
-A server is described by a state file that ``marind.local_etcd.LocalEtcd``
+A server is described by a state file that ``marind.control.local_etcd.LocalEtcd``
 and ``marind.testing.s3_server.SeaweedS3`` write when they start:
 ``{kind, pid, command, cwd, log, endpoint, health_url, health_expect}``.
 Without one, the server is found as the process listening on the
@@ -26,8 +26,8 @@ from urllib.parse import urlsplit
 
 import psutil
 
+from marind.control.local_etcd import stop_server_pid, write_server_state
 from marind.core.netutil import port_open
-from marind.local_etcd import stop_server_pid, write_server_state
 
 
 class ServerNotFound(LookupError):

@@ -1,0 +1,262 @@
+"""A scenario's history, and the one checker of the invariants every fault must keep.
+
+Every chaos and bed scenario records what happened (``collect``): the job's final state, its
+events (rounds, restarts, lost, fenced and rejoined nodes, each commit), and for each committed
+checkpoint its manifest, with the world that made it and the fence it was allowed on (the lease
+file's ``valid_until`` and ``node``, ``checked_at``: docs/design.md §4). ``check`` then verifies,
+the same way for every scenario, old and new:
+
+1. every committed checkpoint verifies (every object re-read, sizes and checksums) and loads
+   (every array read whole);
+2. no step was committed by two worlds (one ``checkpoint_committed`` per step);
+3. every commit was made by a world that held its lease at commit time: its fence's
+   ``checked_at`` inside ``valid_until``, and its node not declared lost or fenced before the
+   commit without joining again in between (under an agent, a commit without a fence is one);
+4. no committed checkpoint was lost except by retention (every step seen committed that the
+   retention rule keeps is still there);
+5. the job ended as expected (its state and step) and, where the mode promises it, its final
+   state is bit-identical to a fault-free run's.
+
+``check`` returns the violations in words (empty: the history holds). Reading the store goes
+through ``ckpt_store``'s public surface only.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpt_store import CheckpointError, CheckpointStore
+from ckpt_store.export import read_array, read_values
+from marind.core.etcd_client import EtcdClient
+
+#: events after which a node is out of its world, and those that bring it back into a new one
+_OUT = ("node_lost", "host_fenced")
+_BACK = ("node_joined", "node_rejoined")
+
+
+@dataclass
+class History:
+    """What one job's run left behind: etcd's view of it and the store's."""
+
+    job: str
+    state: dict
+    events: list[dict]
+    steps: list[int]
+    manifests: dict[int, dict]
+    seen_committed: list[int] = field(default_factory=list)
+    keep_last: int | None = None
+    keep_every: int | None = None
+    collected_at: float = field(default_factory=time.time)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, default=str)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+
+def collect(client: EtcdClient, job: str, store: CheckpointStore, *, seen_committed: tuple[int, ...] | list[int] = (),
+            keep_last: int | None = None, keep_every: int | None = None) -> History:
+    """Read a job's history from etcd and its store (after the job ended, or at any moment).
+
+    Args:
+        client: a client on the job's etcd prefix.
+        job: the job id.
+        store: the job's checkpoint store.
+        seen_committed: steps the scenario saw committed while it ran (polled), beside the
+            ``checkpoint_committed`` events.
+        keep_last, keep_every: the job's retention (``[checkpoint]``), None for none (keep all).
+
+    Returns:
+        The history.
+    """
+    rows = client.get_prefix_json(client.key("jobs", job, "events") + "/")
+    events = [rows[k] for k in sorted(rows)]
+    state = client.get_json(client.key("jobs", job, "state")) or {}
+    steps = store.steps()
+    manifests = {}
+    for step in steps:
+        try:
+            manifests[step] = store.manifest(step)
+        except CheckpointError as exc:
+            manifests[step] = {"error": str(exc)}
+    seen = sorted(set(seen_committed) | {int(e["detail"]["step"]) for e in events
+                                         if e.get("kind") == "checkpoint_committed"
+                                         and isinstance(e.get("detail"), dict) and "step" in e["detail"]})
+    return History(job=job, state=state, events=events, steps=steps, manifests=manifests,
+                   seen_committed=seen, keep_last=keep_last or None, keep_every=keep_every or None)
+
+
+def check(history: History, store: CheckpointStore | None = None, *, expect_state: str | None = "SUCCEEDED",
+          expect_step: int | None = None, require_fence: bool = True,
+          final_objects: dict | None = None, baseline_objects: dict | None = None) -> list[str]:
+    """The invariants of a history (module docstring); the violations, in words.
+
+    Args:
+        history: what ``collect`` read.
+        store: the job's store, to verify and load every committed step (None: skip 1).
+        expect_state: the job's expected final state (None: any).
+        expect_step: the last committed step expected (None: any).
+        require_fence: every commit must carry a fence record (a job under an agent).
+        final_objects, baseline_objects: the final checkpoint's tensor bytes and a fault-free
+            run's, where the mode promises bit-identical results (None: not compared).
+    """
+    out: list[str] = []
+    if store is not None:
+        out += _loads(history, store)
+    out += _committed_once(history)
+    out += _fenced(history, require_fence)
+    out += _kept(history)
+    if expect_state is not None and history.state.get("state") != expect_state:
+        out.append(f"the job ended {history.state.get('state')!r} ({history.state.get('reason', '')}), "
+                   f"expected {expect_state}")
+    if expect_step is not None and (not history.steps or history.steps[-1] != expect_step):
+        out.append(f"the last committed step is {history.steps[-1] if history.steps else None}, "
+                   f"expected {expect_step}")
+    if final_objects is not None and baseline_objects is not None and final_objects != baseline_objects:
+        differ = sorted(k for k in set(final_objects) | set(baseline_objects)
+                        if final_objects.get(k) != baseline_objects.get(k))
+        out.append(f"the final state differs from the fault-free run's in {len(differ)} object(s), "
+                   f"e.g. {differ[:3]}")
+    return out
+
+
+def _loads(history: History, store: CheckpointStore) -> list[str]:
+    out = []
+    for step in history.steps:
+        report = store.verify(step)
+        if not report.ok:
+            out.append(f"committed step {step} does not verify: {report.problems[:3]}")
+            continue
+        try:
+            manifest = history.manifests[step]
+            for name, meta in manifest.get("arrays", {}).items():
+                read_array(store, step, name, meta)
+            read_values(store, step)
+        except (CheckpointError, OSError, ValueError, KeyError) as exc:
+            out.append(f"committed step {step} does not load: {type(exc).__name__}: {exc}")
+    return out
+
+
+def _committed_once(history: History) -> list[str]:
+    seen: dict[int, list[dict]] = {}
+    for e in history.events:
+        if e.get("kind") == "checkpoint_committed" and isinstance(e.get("detail"), dict) and "step" in e["detail"]:
+            seen.setdefault(int(e["detail"]["step"]), []).append(e)
+    return [f"step {step} was committed {len(rows)} times (by {[r.get('node') for r in rows]}): two worlds"
+            for step, rows in sorted(seen.items()) if len(rows) > 1]
+
+
+def _when(value: Any) -> float | None:
+    """An event's time (Unix seconds, or ISO-8601) as Unix seconds."""
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        from datetime import datetime
+        try:
+            return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return None
+    return None
+
+
+def _fenced(history: History, require_fence: bool) -> list[str]:
+    out = []
+    for step, manifest in sorted(history.manifests.items()):
+        fence = manifest.get("fence")
+        if not fence:
+            if require_fence and "error" not in manifest:
+                out.append(f"step {step} was committed without a fence (no lease file checked)")
+            continue
+        checked, until = float(fence["checked_at"]), float(fence["valid_until"])
+        if checked > until:
+            out.append(f"step {step} was committed at {checked:.3f}, after its world's lease ran out "
+                       f"({until:.3f})")
+        node = fence.get("node")
+        if node:
+            out += _node_out_at_commit(history, step, node, checked)
+    return out
+
+
+def _node_out_at_commit(history: History, step: int, node: str, checked: float) -> list[str]:
+    """Was ``node`` out of its world (lost or fenced, not joined again) when it committed?"""
+    out_since: float | None = None
+    for e in history.events:
+        at = _when(e.get("at"))
+        if at is None or at > checked:
+            continue
+        raw = e.get("detail")
+        detail: dict = raw if isinstance(raw, dict) else {}
+        if e.get("kind") == "node_lost" and detail.get("node") == node:
+            out_since = at
+        elif e.get("kind") == "host_fenced" and e.get("node") == node:
+            fenced_at = _when(detail.get("fenced_at")) or at
+            out_since = fenced_at if fenced_at <= checked else out_since
+        elif e.get("kind") in _BACK and e.get("node") == node and out_since is not None and at >= out_since:
+            out_since = None
+    if out_since is None:
+        return []
+    return [f"step {step} was committed by node {node} at {checked:.3f}, which was out of its world since "
+            f"{out_since:.3f} (lost or fenced, not joined again)"]
+
+
+def _kept(history: History) -> list[str]:
+    seen = sorted(set(history.seen_committed))
+    if not seen:
+        return []
+    keep = set(seen if history.keep_last is None else seen[-history.keep_last:])
+    if history.keep_every:
+        keep |= {s for s in seen if s % history.keep_every == 0}
+    if history.keep_last is None and history.keep_every is None:
+        keep = set(seen)
+    missing = sorted(keep - set(history.steps))
+    return [f"committed step(s) {missing} are gone though retention keeps them"] if missing else []
+
+
+# -- the faults table: one row per scenario ------------------------------------------------------
+
+def step_timeline(log_paths: list[Path]) -> list[tuple[float, int]]:
+    """(Unix time, step) of every training step the trainer logged (global rank 0's ``step``
+    lines in the nodes' ``torchrun.log``), a redone step as often as it ran, by time."""
+    rows = []
+    for path in log_paths:
+        try:
+            text = Path(path).read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if '"event": "step"' not in line or "{" not in line:
+                continue
+            try:
+                rec = json.loads(line[line.index("{"):])
+                at = _when(rec.get("timestamp"))
+                if at is not None:
+                    rows.append((at, int(rec["step"])))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return sorted(set(rows))
+
+
+def fault_row(scenario: str, history: History, timeline: list[tuple[float, int]], problems: list[str]) -> dict:
+    """A row of the faults table: the scenario, restarts, recovery time (the longest pause
+    between two training steps, less a median step), steps lost (steps run again after a
+    rollback), checkpoints lost and invariant violations."""
+    gaps = sorted(b[0] - a[0] for a, b in zip(timeline, timeline[1:]))
+    median = gaps[len(gaps) // 2] if gaps else 0.0
+    recovery = max(0.0, gaps[-1] - median) if gaps else None
+    steps = [s for _, s in timeline]
+    lost_ckpts = sum(len(p.split("] are gone")[0].split(",")) for p in problems if "] are gone" in p)
+    return {"scenario": scenario, "state": history.state.get("state"), "restarts": history.state.get("restarts", 0),
+            "recovery_s": None if recovery is None else round(recovery, 1),
+            "steps_lost": len(steps) - len(set(steps)), "checkpoints_lost": lost_ckpts,
+            "violations": len(problems)}
+
+
+def append_row(path: str | Path, row: dict) -> None:
+    """Add a row to a faults-table file (JSON lines; ``tools/faults_table.py`` renders it)."""
+    with open(path, "a") as fh:
+        fh.write(json.dumps(row, sort_keys=True) + "\n")
