@@ -88,7 +88,7 @@ class FaultSpec:
     ``mode = "elastic"`` (default): torch elastic restarts every worker on a failure.
     ``mode = "torchft"``: every ``nodes_per_group`` nodes form one replica group (one torchrun
     rendezvous; FSDP/TP inside), data parallel across groups through torchft; a failed group heals
-    from a live peer while the others keep stepping (trainer/ft.py). ``data.global_batch`` is then
+    from a live peer while the others keep stepping (trainer/ft/train.py). ``data.global_batch`` is then
     per group and step.
     """
 

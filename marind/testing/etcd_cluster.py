@@ -101,6 +101,13 @@ class EtcdCluster:
         if sum(m.running for m in self.members) * 2 > len(self.members):
             member.wait_healthy(timeout)
 
+    def restore(self) -> None:
+        """Start every member a test stopped or killed, and wait for a leader (a test's cleanup)."""
+        for i, member in enumerate(self.members):
+            if not member.running:
+                self.start_member(i)
+        self.wait_for_leader()
+
     def stop(self) -> None:
         """Stop every member (their data stays under ``root``)."""
         for member in self.members:

@@ -8,7 +8,8 @@ the same way for every scenario, old and new:
 
 1. every committed checkpoint verifies (every object re-read, sizes and checksums) and loads
    (every array read whole);
-2. no step was committed by two worlds (one ``checkpoint_committed`` per step);
+2. no step was committed by two worlds (one ``checkpoint_committed`` per step; in torchft mode,
+   where each replica group's rank-0 node reports the commits it sees, one per step and node);
 3. every commit was made by a world that held its lease at commit time: its fence's
    ``checked_at`` inside ``valid_until``, and its node not declared lost or fenced before the
    commit without joining again in between (under an agent, a commit without a fence is one);
@@ -27,11 +28,11 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ckpt_store import CheckpointError, CheckpointStore
 from ckpt_store.export import read_array, read_values
 from marind.core.etcd_client import EtcdClient
+from marind.testing.chaos.targets import parse_time
 
 #: events after which a node is out of its world, and those that bring it back into a new one
 _OUT = ("node_lost", "host_fenced")
@@ -50,6 +51,7 @@ class History:
     seen_committed: list[int] = field(default_factory=list)
     keep_last: int | None = None
     keep_every: int | None = None
+    mode: str = "elastic"
     collected_at: float = field(default_factory=time.time)
 
     def to_json(self) -> str:
@@ -69,7 +71,8 @@ def collect(client: EtcdClient, job: str, store: CheckpointStore, *, seen_commit
         store: the job's checkpoint store.
         seen_committed: steps the scenario saw committed while it ran (polled), beside the
             ``checkpoint_committed`` events.
-        keep_last, keep_every: the job's retention (``[checkpoint]``), None for none (keep all).
+        keep_last, keep_every: the job's retention; None: the job's own ``[checkpoint]`` settings
+            (0 or absent: keep all).
 
     Returns:
         The history.
@@ -77,6 +80,12 @@ def collect(client: EtcdClient, job: str, store: CheckpointStore, *, seen_commit
     rows = client.get_prefix_json(client.key("jobs", job, "events") + "/")
     events = [rows[k] for k in sorted(rows)]
     state = client.get_json(client.key("jobs", job, "state")) or {}
+    stored = client.get_json(client.key("jobs", job, "spec")) or {}
+    spec = stored.get("spec", stored) if isinstance(stored, dict) else {}
+    mode = str((spec.get("fault") or {}).get("mode", "elastic"))
+    ckpt = spec.get("checkpoint") or {}
+    keep_last = ckpt.get("keep_last") if keep_last is None else keep_last       # the job's own retention
+    keep_every = ckpt.get("keep_every") if keep_every is None else keep_every
     steps = store.steps()
     manifests = {}
     for step in steps:
@@ -88,7 +97,7 @@ def collect(client: EtcdClient, job: str, store: CheckpointStore, *, seen_commit
                                          if e.get("kind") == "checkpoint_committed"
                                          and isinstance(e.get("detail"), dict) and "step" in e["detail"]})
     return History(job=job, state=state, events=events, steps=steps, manifests=manifests,
-                   seen_committed=seen, keep_last=keep_last or None, keep_every=keep_every or None)
+                   seen_committed=seen, keep_last=keep_last or None, keep_every=keep_every or None, mode=mode)
 
 
 def check(history: History, store: CheckpointStore | None = None, *, expect_state: str | None = "SUCCEEDED",
@@ -143,25 +152,13 @@ def _loads(history: History, store: CheckpointStore) -> list[str]:
 
 
 def _committed_once(history: History) -> list[str]:
-    seen: dict[int, list[dict]] = {}
+    per_node = history.mode == "torchft"
+    seen: dict[tuple, list[dict]] = {}
     for e in history.events:
         if e.get("kind") == "checkpoint_committed" and isinstance(e.get("detail"), dict) and "step" in e["detail"]:
-            seen.setdefault(int(e["detail"]["step"]), []).append(e)
-    return [f"step {step} was committed {len(rows)} times (by {[r.get('node') for r in rows]}): two worlds"
-            for step, rows in sorted(seen.items()) if len(rows) > 1]
-
-
-def _when(value: Any) -> float | None:
-    """An event's time (Unix seconds, or ISO-8601) as Unix seconds."""
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str):
-        from datetime import datetime
-        try:
-            return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-        except ValueError:
-            return None
-    return None
+            seen.setdefault((int(e["detail"]["step"]), e.get("node") if per_node else None), []).append(e)
+    return [f"step {key[0]} was committed {len(rows)} times (by {[r.get('node') for r in rows]}): two worlds"
+            for key, rows in sorted(seen.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))) if len(rows) > 1]
 
 
 def _fenced(history: History, require_fence: bool) -> list[str]:
@@ -186,7 +183,7 @@ def _node_out_at_commit(history: History, step: int, node: str, checked: float) 
     """Was ``node`` out of its world (lost or fenced, not joined again) when it committed?"""
     out_since: float | None = None
     for e in history.events:
-        at = _when(e.get("at"))
+        at = parse_time(e.get("at"))
         if at is None or at > checked:
             continue
         raw = e.get("detail")
@@ -194,7 +191,7 @@ def _node_out_at_commit(history: History, step: int, node: str, checked: float) 
         if e.get("kind") == "node_lost" and detail.get("node") == node:
             out_since = at
         elif e.get("kind") == "host_fenced" and e.get("node") == node:
-            fenced_at = _when(detail.get("fenced_at")) or at
+            fenced_at = parse_time(detail.get("fenced_at")) or at
             out_since = fenced_at if fenced_at <= checked else out_since
         elif e.get("kind") in _BACK and e.get("node") == node and out_since is not None and at >= out_since:
             out_since = None
@@ -233,7 +230,7 @@ def step_timeline(log_paths: list[Path]) -> list[tuple[float, int]]:
                 continue
             try:
                 rec = json.loads(line[line.index("{"):])
-                at = _when(rec.get("timestamp"))
+                at = parse_time(rec.get("timestamp"))
                 if at is not None:
                     rows.append((at, int(rec["step"])))
             except (ValueError, KeyError, TypeError):

@@ -96,7 +96,7 @@ class ParallelSpec:
     dp_replicate: int = spec_field(1, "int")
     dp_shard: int = spec_field(-1, "int")
     tp: int = spec_field(1, "int")
-    ep: int = spec_field(1, "int")          # expert parallelism, borrowed from dp_shard (expert_parallel)
+    ep: int = spec_field(1, "int")          # expert parallelism, borrowed from dp_shard (trainer/parallel/expert.py)
     mixed_precision: str = spec_field("fp32", "str")        # "fp32" | "bf16"
     activation_checkpointing: bool = spec_field(False, "bool")
     compile: bool = spec_field(False, "bool")

@@ -43,10 +43,7 @@ def etcd3(tmp_path_factory):
 def members(etcd3):
     """The cluster, every member running again and a leader elected after the test."""
     yield etcd3
-    for i, member in enumerate(etcd3.members):
-        if not member.running:
-            etcd3.start_member(i)
-    etcd3.wait_for_leader()
+    etcd3.restore()
 
 
 @pytest.fixture
@@ -95,38 +92,35 @@ def test_one_member_down_every_cli_command_works_and_the_job_succeeds(on_cluster
     _finish(on_cluster, job, url, baseline)
 
 
-def test_leader_killed_while_training(on_cluster, members):
-    baseline = fault_free_final_state(on_cluster)
-    job, url = on_cluster.submit("leader-training")
-    wait_for(lambda: on_cluster.step(job) >= EVERY + 2, 240, "training", interval=0.2, diag=on_cluster.diag)
+def _kill_leader_when(cluster: Cluster, members: EtcdCluster, name: str, moment, what: str) -> None:
+    """Submit a job, SIGKILL etcd's leader once ``moment(job, url)`` holds, and check the end."""
+    baseline = fault_free_final_state(cluster)
+    job, url = cluster.submit(name)
+    wait_for(lambda: moment(job, url), 240, what, interval=0.05, diag=cluster.diag)
     killed = members.kill_leader()
     members.wait_for_leader(other_than=killed)
-    _finish(on_cluster, job, url, baseline)
+    _finish(cluster, job, url, baseline)
+
+
+def test_leader_killed_while_training(on_cluster, members):
+    _kill_leader_when(on_cluster, members, "leader-training", lambda job, url: on_cluster.step(job) >= EVERY + 2,
+                      "training")
 
 
 @pytest.mark.slow
 def test_leader_killed_during_the_first_rendezvous_round(on_cluster, members):
-    baseline = fault_free_final_state(on_cluster)
-    job, url = on_cluster.submit("leader-rdzv")
-    wait_for(lambda: on_cluster.client.get_prefix_keys(on_cluster.client.key("jobs", job, "rdzv") + "/"),
-             120, "the rendezvous begun", interval=0.05, diag=on_cluster.diag)
-    killed = members.kill_leader()
-    members.wait_for_leader(other_than=killed)
-    _finish(on_cluster, job, url, baseline)
+    client = on_cluster.client
+    _kill_leader_when(on_cluster, members, "leader-rdzv",
+                      lambda job, url: client.get_prefix_keys(client.key("jobs", job, "rdzv") + "/"),
+                      "the rendezvous begun")
 
 
 @pytest.mark.slow
 def test_leader_killed_during_a_checkpoint_commit(on_cluster, members):
-    baseline = fault_free_final_state(on_cluster)
-    job, url = on_cluster.submit("leader-commit")
-    store = on_cluster.store(url)
-    wait_for(lambda: on_cluster.step(job) >= 2 * EVERY - 1, 240, "the second save near", interval=0.05,
-             diag=on_cluster.diag)
-    wait_for(lambda: len(store.steps()) >= 1 and on_cluster.step(job) >= 2 * EVERY, 120,
-             "the second save begun", interval=0.05, diag=on_cluster.diag)
-    killed = members.kill_leader()
-    members.wait_for_leader(other_than=killed)
-    _finish(on_cluster, job, url, baseline)
+    """Killed as the second save begins (its commit follows within the save's second or two)."""
+    _kill_leader_when(on_cluster, members, "leader-commit",
+                      lambda job, url: on_cluster.step(job) >= 2 * EVERY and len(on_cluster.store(url).steps()) >= 1,
+                      "the second save begun")
 
 
 @pytest.mark.slow

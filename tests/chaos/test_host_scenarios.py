@@ -117,7 +117,9 @@ def _submit(cluster: BedCluster, name: str, nodes: str, steps: int, hang_timeout
                                       global_batch=24 if len(cluster.nodes) == 3 else 8)])
     out = cluster.capsys.readouterr().out
     assert rc == 0, out
-    return out.strip().splitlines()[-1], url
+    job = out.strip().splitlines()[-1]
+    cluster.__dict__.setdefault("jobs", {})[url] = job     # _check_checkpoints runs the history checker on it
+    return job, url
 
 
 def _baseline(cluster: BedCluster, nodes: str, steps: int, every: int = EVERY) -> dict:

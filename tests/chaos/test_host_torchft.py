@@ -99,7 +99,9 @@ def _submit(cluster: BedCluster, name: str, steps: int, every: int = EVERY, keep
     rc = marind_main(["submit", _ft_spec(cluster, name, url, steps, every, keep_last)])
     out = cluster.capsys.readouterr().out
     assert rc == 0, out
-    return out.strip().splitlines()[-1], url
+    job = out.strip().splitlines()[-1]
+    cluster.__dict__.setdefault("jobs", {})[url] = job     # _check_checkpoints runs the history checker on it
+    return job, url
 
 
 def _progress(cluster: BedCluster, node: str, job: str) -> dict:

@@ -26,10 +26,7 @@ def cluster(tmp_path_factory):
 def all_up(cluster):
     """Every member running again after the test, and a leader."""
     yield cluster
-    for i, member in enumerate(cluster.members):
-        if not member.running:
-            cluster.start_member(i)
-    cluster.wait_for_leader()
+    cluster.restore()
 
 
 def _round_trip(endpoints: str, i: int) -> None:

@@ -51,7 +51,7 @@ def model_config(store, step: int, manifest: dict, config_path: str | None) -> d
         config_path: the run's run.toml (or None).
 
     Returns:
-        The config (``hf_mapping.CONFIG_KEYS`` and ``hf_mixtral.MOE_KEYS``, dense when absent).
+        The config (``mapping.CONFIG_KEYS`` and ``mixtral.MOE_KEYS``, dense when absent).
 
     Raises:
         ValueError: neither source has it, or both have it and they differ (one line each).

@@ -53,7 +53,7 @@ def read_hf_state(path: str | Path, model_cfg: dict) -> dict[str, torch.Tensor]:
 
     Args:
         path: the directory.
-        model_cfg: the run's model config (``hf_mapping.CONFIG_KEYS``).
+        model_cfg: the run's model config (``mapping.CONFIG_KEYS``).
 
     Returns:
         Trainer parameter name -> full tensor (CPU).
@@ -99,7 +99,7 @@ def load_init_from(model: torch.nn.Module, path: str | Path, model_cfg: dict) ->
     Args:
         model: the freshly built, parallelized model.
         path: the directory (``model.init_from``).
-        model_cfg: the run's model config (``hf_mapping.CONFIG_KEYS``).
+        model_cfg: the run's model config (``mapping.CONFIG_KEYS``).
 
     Returns:
         The number of tensors loaded.

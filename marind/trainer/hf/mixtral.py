@@ -71,7 +71,7 @@ def mixtral_tensors(fqn: str, shape: tuple[int, ...]) -> list[tuple[str, Any, tu
     """The Mixtral tensors of one trainer array: ``(name, transform or None, output shape or None)``.
 
     A stacked expert array gives one tensor per expert (that expert's slice, transposed); the
-    router and every dense parameter give one, named as ``hf_mapping.hf_name`` (plus the gate).
+    router and every dense parameter give one, named as ``mapping.hf_name`` (plus the gate).
 
     Raises:
         ValueError: ``fqn`` has no Mixtral counterpart.
@@ -93,7 +93,7 @@ def mixtral_config(cfg: dict[str, Any], *, dtype: str = "float32") -> dict[str, 
     """The ``config.json`` of a ``MixtralForCausalLM`` equal to the trainer's MoE GPT of ``cfg``.
 
     Args:
-        cfg: the trainer's model config (``hf_mapping.CONFIG_KEYS`` and :data:`MOE_KEYS`).
+        cfg: the trainer's model config (``mapping.CONFIG_KEYS`` and :data:`MOE_KEYS`).
         dtype: the tensors' dtype name.
 
     Returns:
