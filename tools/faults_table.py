@@ -3,9 +3,9 @@
     MARIND_FAULTS_TABLE=build/faults.jsonl make chaos      # each scenario adds its row
     python tools/faults_table.py build/faults.jsonl         # the markdown table, a row per scenario
 
-A row (``marind.testing.history.fault_row``): the scenario, its outcome, restarts, recovery
-time (the longest pause between two training steps less a median step), steps lost (steps run
-again), committed checkpoints lost and history-invariant violations (both must be 0).
+A row (``marind.testing.history.fault_row``): the scenario, its outcome, restarts, the time the
+faults cost (the run's span from first to last step less the fault-free run's), steps lost
+(steps run again), committed checkpoints lost and history-invariant violations (both must be 0).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 
 
 def render(rows: list[dict]) -> str:
-    head = "| scenario | outcome | restarts | recovery, s | steps lost | checkpoints lost | violations |"
+    head = "| scenario | outcome | restarts | time lost, s | steps lost | checkpoints lost | violations |"
     lines = [head, "|---|---|---|---|---|---|---|"]
     for r in rows:
         rec = "-" if r.get("recovery_s") is None else f"{r['recovery_s']:.1f}"

@@ -238,19 +238,33 @@ def step_timeline(log_paths: list[Path]) -> list[tuple[float, int]]:
     return sorted(set(rows))
 
 
-def fault_row(scenario: str, history: History, timeline: list[tuple[float, int]], problems: list[str]) -> dict:
-    """A row of the faults table: the scenario, restarts, recovery time (the longest pause
-    between two training steps, less a median step), steps lost (steps run again after a
-    rollback), checkpoints lost and invariant violations."""
+def fault_row(scenario: str, history: History, timeline: list[tuple[float, int]], problems: list[str],
+              baseline_span_s: float | None = None) -> dict:
+    """A row of the faults table: the scenario, its outcome, restarts, the time the faults cost,
+    steps lost (steps run again after a rollback), checkpoints lost and invariant violations.
+
+    The time lost is the run's span from its first to its last training step less a fault-free
+    run's (``baseline_span_s``); without one, the longest pause between two steps less a median
+    step (a fault-free run pauses too: a save waiting for the one before it).
+    """
     gaps = sorted(b[0] - a[0] for a, b in zip(timeline, timeline[1:]))
-    median = gaps[len(gaps) // 2] if gaps else 0.0
-    recovery = max(0.0, gaps[-1] - median) if gaps else None
+    if baseline_span_s is not None and timeline:
+        recovery: float | None = max(0.0, timeline[-1][0] - timeline[0][0] - baseline_span_s)
+    elif gaps:
+        recovery = max(0.0, gaps[-1] - gaps[len(gaps) // 2])
+    else:
+        recovery = None
     steps = [s for _, s in timeline]
     lost_ckpts = sum(len(p.split("] are gone")[0].split(",")) for p in problems if "] are gone" in p)
     return {"scenario": scenario, "state": history.state.get("state"), "restarts": history.state.get("restarts", 0),
             "recovery_s": None if recovery is None else round(recovery, 1),
             "steps_lost": len(steps) - len(set(steps)), "checkpoints_lost": lost_ckpts,
             "violations": len(problems)}
+
+
+def timeline_span(timeline: list[tuple[float, int]]) -> float | None:
+    """Seconds from the first training step to the last (None without two)."""
+    return timeline[-1][0] - timeline[0][0] if len(timeline) > 1 else None
 
 
 def append_row(path: str | Path, row: dict) -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from ckpt_store import CheckpointStore
 from marind.cli import main as marind_main
-from marind.testing.history import append_row, fault_row, step_timeline
+from marind.testing.history import append_row, fault_row, step_timeline, timeline_span
 from marind.testing.history import check as check_history
 from marind.testing.history import collect as collect_history
 from marind.testing.s3_server import ACCESS_KEY, SECRET_KEY
@@ -191,11 +191,14 @@ def _check_checkpoints(cluster: Cluster, url: str, steps_total: int = STEPS) -> 
         history = collect_history(cluster.client, job, store)
         history.save(cluster.tmp / f"history-{job}.json")
         problems = check_history(history, store, expect_state=None, expect_step=steps_total)
+        timeline = step_timeline(list(cluster.tmp.glob(f"state-*/jobs/{job}/logs/torchrun.log")))
+        key = (len(cluster.nodes), steps_total)
         table = os.environ.get("MARIND_FAULTS_TABLE")
-        if table:                                      # `make chaos`: a row of docs/perf.md's faults table
+        if job.startswith("baseline"):
+            _BASELINE_SPANS[key] = timeline_span(timeline)
+        elif table:                                    # `make chaos`: a row of docs/perf.md's faults table
             scenario = os.environ.get("PYTEST_CURRENT_TEST", job).split("::")[-1].split(" ")[0]
-            logs = list(cluster.tmp.glob(f"state-*/jobs/{job}/logs/torchrun.log"))
-            append_row(table, fault_row(scenario, history, step_timeline(logs), problems))
+            append_row(table, fault_row(scenario, history, timeline, problems, _BASELINE_SPANS.get(key)))
         assert not problems, "history violations:\n" + "\n".join(problems)
     return store
 
@@ -205,6 +208,7 @@ TWO_NODES = pytest.param(("a", "b"), id="2x2")
 
 
 _BASELINES: dict[tuple, dict] = {}
+_BASELINE_SPANS: dict[tuple, float | None] = {}     # (nodes, steps) -> the fault-free run's first-to-last step
 
 
 def fault_free_run(cluster: Cluster, steps: int = STEPS) -> dict:
