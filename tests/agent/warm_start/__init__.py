@@ -1,0 +1,1 @@
+"""tests.agent.warm_start."""
