@@ -1,1 +1,1 @@
-"""tests.control."""
+"""Tests of ``marind.control``."""

@@ -1,1 +1,1 @@
-"""tests.agent.liveness."""
+"""Tests of ``marind.agent.liveness``."""

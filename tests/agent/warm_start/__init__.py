@@ -1,1 +1,1 @@
-"""tests.agent.warm_start."""
+"""Tests of ``marind.agent.warm_start``."""
