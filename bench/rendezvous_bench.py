@@ -2,17 +2,21 @@
 
 For each agent count N, N simulated agents (processes from a fork server,
 each with its own client connection, as N nodes would have) call
-``DynamicRendezvousHandler.next_rendezvous()`` for one round with
-``--nnodes=N:N``, so the round completes as soon as the last one joins;
-no workers are spawned. The figure is the wall time from the start signal
-until every agent has its rank, median over repeats, for both backends in
-the same run: etcd3 against a local single-member etcd started here,
-c10d against a TCPStore hosted in this process (as ``--rdzv-backend=c10d``
-hosts it in the first agent). Both include torch's built-in random
-0-0.3 s first-round delay.
+``next_rendezvous()`` of their handler for one round with ``--nnodes=N:N``,
+so the round completes as soon as the last one joins; no workers are
+spawned. The figure is the wall time from the start signal until every
+agent has its rank, median over repeats, for each backend in the same run:
+etcd3 (marind's ``Etcd3RendezvousHandler``, per-round keys) against a local
+single-member etcd started here, c10d (torch's ``DynamicRendezvousHandler``)
+against a TCPStore hosted in this process (as ``--rdzv-backend=c10d`` hosts
+it in the first agent). ``--backends`` may add ``etcd3-state``: marind's
+earlier handler, torch's on one etcd state key
+(``marind.rendezvous.state_handler``). All include torch's random 0-0.3 s
+first-round delay.
 
     python bench/rendezvous_bench.py                 # 8, 32, 64 agents, 3 repeats
     python bench/rendezvous_bench.py --quick         # 2 and 4 agents, once: checks the shape
+    python bench/rendezvous_bench.py --agents 16,32 --backends etcd3,etcd3-state,c10d
 
 ``measure(agent_counts, repeats)`` returns the same dict (imported by
 bench/daemon_bench.py). The last stdout line is one JSON object (docs/design.md §7).
@@ -42,8 +46,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 
 from marind.control.local_etcd import LocalEtcd
 from marind.core.netutil import free_port
-from marind.rendezvous import create_etcd3_handler
-from marind.rendezvous.handler import use_frame_method_names
+from marind.rendezvous import create_etcd3_handler, create_state_handler
+from marind.rendezvous.state_handler import use_frame_method_names
 
 JOIN_TIMEOUT_S = 300
 
@@ -56,12 +60,13 @@ def _params(endpoint: str, run_id: str, n: int, **conf) -> RendezvousParameters:
 def _agent(make_handler, ready, go, done, results) -> None:
     """One simulated node (a forked process): connect, wait for the start, rendezvous, report.
 
-    marind's etcd3 handler replaces torch's ``inspect.stack()``-based
-    naming of rendezvous events (a large CPU cost each) with a frame lookup
-    (``use_frame_method_names``); the c10d agents get the same here, so
-    the figures compare the backends, not that. Without it the largest
-    agent counts on a small machine never finished a c10d or etcd3 round
-    (docs/perf.md, "Rendezvous").
+    torch's handlers (c10d's, and marind's earlier ``etcd3-state``) name
+    every rendezvous event with ``inspect.stack()``, a large CPU cost each;
+    they get a frame lookup instead (``use_frame_method_names``), as
+    ``etcd3-state`` always did, so the figures compare the backends, not
+    that. Without it the largest agent counts on a small machine never
+    finished a round (docs/perf.md, "Rendezvous"). marind's etcd3 handler
+    records no torch events.
     """
     use_frame_method_names()
     try:
@@ -118,9 +123,9 @@ def _round(make_handler, n: int) -> float:
     return max(when for _, when in outcomes) - began
 
 
-def _etcd3_round(endpoint: str, prefix: str, n: int) -> float:
+def _etcd3_round(endpoint: str, prefix: str, n: int, make=create_etcd3_handler) -> float:
     params = _params(endpoint, f"bench-{uuid.uuid4().hex[:8]}", n, prefix=prefix)
-    return _round(functools.partial(create_etcd3_handler, params), n)
+    return _round(functools.partial(make, params), n)
 
 
 def _c10d_handler(port: int, run_id: str, n: int):
@@ -143,13 +148,14 @@ def measure(agent_counts=(8, 32, 64), repeats: int = 3, etcd_endpoint: str | Non
     """Median time of one rendezvous round per agent count, etcd3 vs c10d, as a dict.
 
     ``agent_counts`` may be one int. The dict: ``{"bench", "agents", "repeats",
-    "etcd3": {"N": {"median_s", "runs_s"}}, "c10d": {...}, "ratios": {"etcd3_over_c10d_N"}}``.
+    "etcd3": {"N": {"median_s", "runs_s"}}, "c10d": {...}, "ratios": {"etcd3_over_c10d_N"}}``,
+    with ``"etcd3-state"`` and ``"etcd3-state_over_c10d_N"`` when that backend was asked for.
     """
     if isinstance(agent_counts, int):
         agent_counts = [agent_counts]
-    unknown = set(backends) - {"etcd3", "c10d"}
+    unknown = set(backends) - {"etcd3", "etcd3-state", "c10d"}
     if unknown:
-        raise ValueError(f"unknown rendezvous backend(s) {sorted(unknown)}: use etcd3 and/or c10d")
+        raise ValueError(f"unknown rendezvous backend(s) {sorted(unknown)}: use etcd3, etcd3-state, c10d")
     tmp = tempfile.TemporaryDirectory(prefix="marind-rdzv-bench-")
     server = None
     if etcd_endpoint is None:
@@ -161,18 +167,18 @@ def measure(agent_counts=(8, 32, 64), repeats: int = 3, etcd_endpoint: str | Non
     prefix = f"/marind-bench-{uuid.uuid4().hex[:6]}"
     result: dict = {"bench": "rendezvous", "agents": list(agent_counts), "repeats": repeats,
                     "etcd3": {}, "c10d": {}, "ratios": {}}
+    rounds = {"etcd3": lambda n: _etcd3_round(etcd_endpoint, prefix, n),
+              "etcd3-state": lambda n: _etcd3_round(etcd_endpoint, prefix, n, create_state_handler),
+              "c10d": lambda n: _c10d_round(port, n)}
     try:
         for n in agent_counts:
-            runs = {}
-            if "etcd3" in backends:
-                runs["etcd3"] = [_etcd3_round(etcd_endpoint, prefix, n) for _ in range(repeats)]
-            if "c10d" in backends:
-                runs["c10d"] = [_c10d_round(port, n) for _ in range(repeats)]
+            runs = {name: [rounds[name](n) for _ in range(repeats)] for name in rounds if name in backends}
             for name, times in runs.items():
-                result[name][str(n)] = _summary(times)
-            if len(runs) == 2:
-                result["ratios"][f"etcd3_over_c10d_{n}"] = round(
-                    statistics.median(runs["etcd3"]) / statistics.median(runs["c10d"]), 3)
+                result.setdefault(name, {})[str(n)] = _summary(times)
+            for name in ("etcd3", "etcd3-state"):
+                if name in runs and "c10d" in runs:
+                    result["ratios"][f"{name}_over_c10d_{n}"] = round(
+                        statistics.median(runs[name]) / statistics.median(runs["c10d"]), 3)
     finally:
         del tcp_server
         if server is not None:
@@ -187,10 +193,12 @@ def main(argv=None) -> int:
     parser.add_argument("--agents", default="8,32,64", help="comma-separated agent counts")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--etcd", default=None, help="use this etcd (HOST:PORT) instead of a local one")
+    parser.add_argument("--backends", default="etcd3,c10d",
+                        help="comma-separated: etcd3, c10d, etcd3-state (marind's earlier single-key handler)")
     args = parser.parse_args(argv)
     counts = [2, 4] if args.quick else [int(x) for x in args.agents.split(",")]
     repeats = 1 if args.quick else args.repeats
-    result = measure(counts, repeats, etcd_endpoint=args.etcd)
+    result = measure(counts, repeats, etcd_endpoint=args.etcd, backends=tuple(args.backends.split(",")))
     result["mode"] = "quick" if args.quick else "full"
     print(json.dumps(result, sort_keys=True))
     return 0

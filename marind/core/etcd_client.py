@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import etcd3
 import grpc
+from etcd3 import etcdrpc
 from etcd3 import exceptions as etcd_exc
 
 from marind.core.errors import ControlPlaneUnavailable
@@ -324,6 +325,25 @@ class EtcdClient:
         for current, meta in responses[0] if responses else []:
             return retried and current == data, current, meta.mod_revision   # retried: ours landed first
         return False, None, 0
+
+    def txn(self, compare: list, success: list, failure: list | None = None) -> Any:
+        """One transaction of etcd's own messages (built by ``marind.core.etcd_txn``).
+
+        The library's transaction helpers cannot ask for a count or for keys only, nor
+        delete a prefix; those keep a read of N keys from carrying N values. Returns
+        etcd's ``TxnResponse``. Fails over like every call (``_call_tracked``), so its
+        writes must be idempotent or checked by the caller.
+        """
+        request = etcdrpc.TxnRequest(compare=compare, success=success, failure=failure or [])
+
+        def send() -> Any:
+            try:
+                return self._client.kvstub.Txn(request, self.timeout, credentials=self._client.call_credentials,
+                                               metadata=self._client.metadata)
+            except grpc.RpcError as exc:
+                self._client._manage_grpc_errors(exc)   # raises the library's exception for it
+                raise
+        return self._call(send)
 
     def delete(self, key: str) -> bool:
         return self._call(self._client.delete, key)

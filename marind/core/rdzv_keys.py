@@ -4,11 +4,18 @@ The rendezvous handler inside each torchrun writes them and the agents read
 them (``marind.agent.membership``); the agent never imports the rendezvous
 package, so the spelling lives here, under ``{p}/jobs/{run_id}/rdzv/``:
 
-* ``state`` — torch's serialised rendezvous state (compare-and-set);
+* ``rounds/{n}/join/{desc}`` — a torchrun taking part in round ``n`` (its lease);
+* ``rounds/{n}/spare/{desc}`` — a torchrun waiting for a place while round ``n - 1`` is full;
+* ``rounds/{n}/closer`` — the one torchrun that closes round ``n`` (its lease);
+* ``rounds/{n}/closed`` — round ``n``'s participants in rank order, written once;
+* ``latest`` — the number of the last closed round (text);
+* ``closed`` — the rendezvous is closed: no more rounds (``set_closed``, ``shutdown``);
 * ``store/`` — the workers' key-value store of each round;
 * ``members/{node}`` — ``{desc, pid, at}``, the node's torchrun's descriptor;
-* ``round`` — the number and participants of the last completed round;
-* ``lost/{desc}`` — one marker per torchrun the agents declared lost.
+* ``round`` — the number and participants of the last closed round (for the agents);
+* ``lost/{desc}`` — one marker per torchrun the agents declared lost;
+* ``state`` — the single-key state of the earlier implementation
+  (``marind.rendezvous.state_handler``), which torchrun no longer uses.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ def _rdzv(client: EtcdClient, run_id: str, *parts: str) -> str:
 
 
 def state_key(client: EtcdClient, run_id: str) -> str:
-    """``{p}/jobs/{run_id}/rdzv/state``: torch's rendezvous state."""
+    """``{p}/jobs/{run_id}/rdzv/state``: the single-key state (``state_handler`` only)."""
     return _rdzv(client, run_id, "state")
 
 
@@ -36,7 +43,7 @@ def members_key(client: EtcdClient, run_id: str, node: str) -> str:
 
 
 def round_key(client: EtcdClient, run_id: str) -> str:
-    """``{p}/jobs/{run_id}/rdzv/round``: the last completed round's number and participants."""
+    """``{p}/jobs/{run_id}/rdzv/round``: the last closed round's number and participants."""
     return _rdzv(client, run_id, "round")
 
 
@@ -48,3 +55,43 @@ def lost_prefix(client: EtcdClient, run_id: str) -> str:
 def lost_key(client: EtcdClient, run_id: str, desc: str) -> str:
     """``{p}/jobs/{run_id}/rdzv/lost/{desc}``: the marker of one lost torchrun."""
     return lost_prefix(client, run_id) + desc
+
+
+def closed_key(client: EtcdClient, run_id: str) -> str:
+    """``{p}/jobs/{run_id}/rdzv/closed``: present once the rendezvous is closed."""
+    return _rdzv(client, run_id, "closed")
+
+
+def latest_key(client: EtcdClient, run_id: str) -> str:
+    """``{p}/jobs/{run_id}/rdzv/latest``: the number of the last closed round (text)."""
+    return _rdzv(client, run_id, "latest")
+
+
+def round_prefix(client: EtcdClient, run_id: str, round_: int) -> str:
+    """``{p}/jobs/{run_id}/rdzv/rounds/{n}/``: every key of round ``n``."""
+    return _rdzv(client, run_id, "rounds", str(round_)) + "/"
+
+
+def join_prefix(client: EtcdClient, run_id: str, round_: int) -> str:
+    """``.../rounds/{n}/join/``: one key per torchrun taking part in round ``n``."""
+    return round_prefix(client, run_id, round_) + "join/"
+
+
+def spare_prefix(client: EtcdClient, run_id: str, round_: int) -> str:
+    """``.../rounds/{n}/spare/``: one key per torchrun waiting for a place in round ``n``."""
+    return round_prefix(client, run_id, round_) + "spare/"
+
+
+def closer_key(client: EtcdClient, run_id: str, round_: int) -> str:
+    """``.../rounds/{n}/closer``: the descriptor of the torchrun that closes round ``n``."""
+    return round_prefix(client, run_id, round_) + "closer"
+
+
+def round_closed_key(client: EtcdClient, run_id: str, round_: int) -> str:
+    """``.../rounds/{n}/closed``: round ``n``'s participants in rank order."""
+    return round_prefix(client, run_id, round_) + "closed"
+
+
+def close_watch_prefix(client: EtcdClient, run_id: str, round_: int) -> str:
+    """``.../rounds/{n}/close``: the prefix of exactly ``closer`` and ``closed`` (one watch)."""
+    return round_prefix(client, run_id, round_) + "close"

@@ -1,9 +1,13 @@
 """etcd v3 rendezvous for torch elastic: ``torchrun --rdzv-backend=etcd3``.
 
-* ``Etcd3RendezvousBackend``: torch's ``RendezvousBackend`` on one etcd key
-  (``{prefix}/jobs/{run_id}/rdzv/state``), compare-and-set on its mod_revision.
+* ``Etcd3RendezvousHandler``: torch's ``RendezvousHandler`` on per-round keys
+  (``{prefix}/jobs/{run_id}/rdzv/rounds/{n}/...``): each node writes its own
+  key, one closer writes the round's participants (``etcd3_handler``, ``rounds``).
 * ``Etcd3Store``: the agents' c10d store on etcd (``.../rdzv/store/``).
 * ``create_etcd3_handler``: the ``torchrun.handlers`` entry point.
+* ``Etcd3RendezvousBackend``, ``Etcd3StateRendezvousHandler``: the earlier
+  implementation (torch's handler on one state key), kept as the bench's and
+  the tests' point of comparison (``state_handler``).
 """
 
 
@@ -34,17 +38,13 @@ def create_etcd3_handler(params=None):
 
 
 from marind.rendezvous.backend import Etcd3RendezvousBackend, state_key  # noqa: E402
-from marind.rendezvous.handler import (  # noqa: E402
-    Etcd3Options,
-    Etcd3RendezvousHandler,
-    connect,
-    create_handler,
-    parse_options,
-)
+from marind.rendezvous.etcd3_handler import Etcd3RendezvousHandler  # noqa: E402
+from marind.rendezvous.handler import Etcd3Options, connect, create_handler, parse_options  # noqa: E402
+from marind.rendezvous.state_handler import Etcd3StateRendezvousHandler, create_state_handler  # noqa: E402
 from marind.rendezvous.store import Etcd3Store, store_base  # noqa: E402
 
 __all__ = [
-    "Etcd3Options", "Etcd3RendezvousBackend", "Etcd3RendezvousHandler", "Etcd3Store",
-    "connect", "create_etcd3_handler", "create_handler", "parse_options", "state_key",
-    "store_base",
+    "Etcd3Options", "Etcd3RendezvousBackend", "Etcd3RendezvousHandler", "Etcd3StateRendezvousHandler",
+    "Etcd3Store", "connect", "create_etcd3_handler", "create_handler", "create_state_handler",
+    "parse_options", "state_key", "store_base",
 ]

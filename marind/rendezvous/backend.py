@@ -1,4 +1,9 @@
-"""torch elastic's ``RendezvousBackend`` on etcd v3.
+"""torch elastic's ``RendezvousBackend`` on etcd v3 (the earlier handler's; ``state_handler``).
+
+torchrun's ``--rdzv-backend=etcd3`` no longer uses it: every join rewrites
+the whole state here, O(N²) bytes a round (``etcd3_handler`` has per-round
+keys instead). It stays for ``marind.rendezvous.state_handler``, the point
+of comparison of the bench and the tests.
 
 The whole rendezvous state (an opaque byte string that torch's
 ``DynamicRendezvousHandler`` serialises) lives in one key,

@@ -8,12 +8,14 @@ read_timeout           seconds per etcd request (default 10)
 store_timeout          seconds an agent waits on a store key (default 60, as c10d)
 etcd_grace_timeout     seconds an etcd outage is retried before the rendezvous fails with
                        RendezvousConnectionError (default 30)
-join_timeout           torch's: seconds for a round to complete (default 600)
+join_timeout           torch's: seconds for a round to take this node (default 600)
 last_call_timeout      torch's: extra wait once ``min`` nodes joined (default 30)
-close_timeout          torch's: seconds to close the rendezvous (default 30)
-heartbeat_timeout      torch's: seconds one keep-alive may take (default 5; alias heartbeat)
-keep_alive_interval    torch's: seconds between keep-alives (default 5)
-keep_alive_max_attempt torch's: missed keep-alives before a node is dropped (default 3)
+close_timeout          torch's: most seconds ``set_closed``/``shutdown`` retry an etcd outage (default 30)
+heartbeat_timeout      torch's option, accepted (alias heartbeat); a keep-alive here is one lease
+                       renewal, bounded by read_timeout, in a thread of its own
+keep_alive_interval    torch's: seconds between lease renewals (default 5)
+keep_alive_max_attempt torch's: the lease lasts interval x attempts (default 3); a torchrun that
+                       stops renewing leaves the rendezvous when it expires
 cacert, cert, key      TLS files (aliases ca_cert, ssl_cert, ssl_cert_key); https:// endpoints
 user, password         etcd auth; else env MARIND_ETCD_USER / MARIND_ETCD_PASSWORD
 =====================  ===============================================================
@@ -24,7 +26,6 @@ The endpoint is ``HOST:PORT``, ``https://HOST:PORT`` or a comma-separated list.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,21 +34,16 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousHandler,
     RendezvousParameters,
-    dynamic_rendezvous,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler,
-    RendezvousSettings,
-    RendezvousTimeout,
-)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousSettings, RendezvousTimeout
 
 from marind.core import workerenv as WE
 from marind.core.errors import ControlPlaneUnavailable
 from marind.core.etcd_client import DEFAULT_PREFIX, EtcdClient, EtcdTLS
 from marind.core.log import get_logger
-from marind.core.rdzv_keys import state_key
-from marind.rendezvous.backend import Etcd3RendezvousBackend
-from marind.rendezvous.lost import LossAwareStateHolder, LostNodes, publish_member
+from marind.core.rdzv_keys import latest_key
+from marind.rendezvous.etcd3_handler import Etcd3RendezvousHandler
+from marind.rendezvous.lost import publish_member
 from marind.rendezvous.store import Etcd3Store
 
 log = get_logger(__name__)
@@ -149,7 +145,7 @@ def connect(options: Etcd3Options, run_id: str = "") -> EtcdClient:
 
     Args:
         options: how to reach etcd.
-        run_id: the rendezvous (job) id; its state key is read once to check access.
+        run_id: the rendezvous (job) id; one of its keys is read once to check access.
 
     Returns:
         The connected client.
@@ -162,7 +158,7 @@ def connect(options: Etcd3Options, run_id: str = "") -> EtcdClient:
         client = EtcdClient(options.endpoints, prefix=options.prefix, user=options.user,
                             password=options.password, tls=options.tls, timeout=options.read_timeout)
         client.ping()
-        client.get(state_key(client, run_id or "_"))  # auth reaches the prefix
+        client.get(latest_key(client, run_id or "_"))  # auth reaches the prefix
     except ControlPlaneUnavailable as exc:
         # the wrapper's advice names marind's own flags; under torchrun it is --rdzv-endpoint
         detail = str(exc).replace("or pass --etcd / set MARIND_ETCD", "and --rdzv-endpoint")
@@ -170,124 +166,41 @@ def connect(options: Etcd3Options, run_id: str = "") -> EtcdClient:
     return client
 
 
-class Etcd3RendezvousHandler(DynamicRendezvousHandler):
-    """torch's handler, with a fresh workers' store every round.
+def settings_of(params: RendezvousParameters) -> RendezvousSettings:
+    """torch's settings from torchrun's parameters: run id, min/max nodes, timeouts, keep-alive.
 
-    torch 2.13 builds the bootstrap info (``MASTER_ADDR``/``MASTER_PORT``
-    of the workers' TCPStore, hosted by the rank-0 agent) in a node's
-    first round only and reuses it, and the store server with it, while
-    the node stays rank 0. Three things break on that: a node joining a
-    later round (scale-up, a replacement) waits for a key rank 0 never
-    writes into that round; after the rank-0 node is lost, the other
-    survivors keep the dead node's address; and the next generation of
-    workers meets the previous one's keys in the reused server (gloo then
-    dials dead peers: "Connection refused"). torch's worker side assumes
-    "a new TCPStore for every retry"; this handler makes that true: rank 0
-    starts a new server and publishes it in every round, the others read
-    the current round. Rank 0 also drops the etcd store keys of rounds
-    older than the previous one.
-
-    Its state holder applies the agents' lost markers (``marind.rendezvous.lost``):
-    a node the agents declared lost leaves the state at once, and a round
-    re-forming after a loss completes as soon as the survivors are in.
-
-    Made by ``create_handler`` (through torch's ``from_backend``); its public
-    methods are torch's ``RendezvousHandler`` API (``next_rendezvous``,
-    ``is_closed``, ``set_closed``, ``num_nodes_waiting``, ``shutdown``, ...).
+    Raises:
+        ValueError: a timeout or keep-alive option that is not a positive number of seconds.
     """
-
-    @classmethod
-    def with_lost_nodes(cls, run_id: str, store: Etcd3Store, backend: Etcd3RendezvousBackend,
-                        client: EtcdClient, min_nodes: int, max_nodes: int, local_addr: str | None,
-                        timeout: RendezvousTimeout, keep_alive_interval: int,
-                        keep_alive_max_attempt: int) -> Etcd3RendezvousHandler:
-        """torch's ``from_backend``, with a ``LossAwareStateHolder`` (same arguments, plus the client)."""
-        node = cls._node_desc_generator.generate(local_addr)
-        settings = RendezvousSettings(run_id, min_nodes, max_nodes, timeout,
-                                      keep_alive_interval=timedelta(seconds=keep_alive_interval),
-                                      keep_alive_max_attempt=keep_alive_max_attempt)
-        holder = LossAwareStateHolder(backend, settings, LostNodes(client, run_id), repr(node))
-        return cls(node, settings, backend.name, store, holder)
-
-    def _get_world(self) -> tuple[int, int]:
-        rank, world_size = super()._get_world()
-        holder = self._state_holder
-        if isinstance(holder, LossAwareStateHolder):
-            holder.world_formed(rank)
-        # torch rebuilds both (a new server on rank 0) when the cached info is None
-        self._bootstrap_store_info = None
-        self._shared_tcp_store_server = None
-        round_ = self._state_holder.state.round
-        if rank == 0 and isinstance(self._store, Etcd3Store) and round_ >= 2:
-            try:
-                self._store.delete_rounds_before(round_ - 1)
-            except ControlPlaneUnavailable as exc:  # housekeeping only: never fail a round on it
-                log.warning("rdzv_store_cleanup_failed", run_id=self._settings.run_id, error=str(exc))
-        return rank, world_size
-
-
-def frame_method_name(depth: int = 2) -> str:
-    """What torch's ``dynamic_rendezvous.get_method_name(depth)`` returns, read off the frame.
-
-    torch names every rendezvous event it records (each join attempt,
-    keep-alive and sync) with two full ``inspect.stack()`` calls, which
-    read source lines for every frame and scan ``sys.modules``: a large
-    CPU cost per event at a deep stack, paid by the torchrun agent while
-    its node's workers want the cores, and the reason many simulated
-    agents on a small machine never finished a round (figures:
-    docs/perf.md, "Rendezvous").
-
-    Args:
-        depth: frames up from this function (2: the caller's caller, as torch's default).
-
-    Returns:
-        That frame's function name, or ``"no_method_name"`` past the top of the stack.
-    """
-    try:
-        return sys._getframe(depth).f_code.co_name
-    except ValueError:
-        return "no_method_name"
-
-
-def use_frame_method_names() -> None:
-    """Make torch's rendezvous name its events with ``frame_method_name`` (same names).
-
-    Replaces ``dynamic_rendezvous.get_method_name`` for the whole process (idempotent);
-    a torch without that function is left alone.
-    """
-    if callable(getattr(dynamic_rendezvous, "get_method_name", None)):
-        dynamic_rendezvous.get_method_name = frame_method_name
+    return RendezvousSettings(
+        params.run_id, params.min_nodes, params.max_nodes, _timeouts(params),
+        keep_alive_interval=timedelta(seconds=_positive(params, "keep_alive_interval", 5)),
+        keep_alive_max_attempt=_positive(params, "keep_alive_max_attempt", 3))
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """A ``DynamicRendezvousHandler`` on etcd v3 for ``params`` (see the module doc).
+    """The etcd v3 rendezvous handler for ``params`` (see the module doc).
 
     Args:
         params: torchrun's rendezvous parameters: the endpoint, the run id, min and
             max nodes, the local address and ``--rdzv-conf`` (options in the module doc).
 
     Returns:
-        An ``Etcd3RendezvousHandler`` whose state is ``Etcd3RendezvousBackend``'s key
-        and whose store is an ``Etcd3Store``, both under ``{prefix}/jobs/{run_id}/rdzv/``.
+        An ``Etcd3RendezvousHandler`` (per-round keys, ``marind.rendezvous.rounds``) whose
+        store is an ``Etcd3Store``, both under ``{prefix}/jobs/{run_id}/rdzv/``.
 
     Raises:
-        ValueError: a bad option (``parse_options``).
+        ValueError: a bad option (``parse_options``), or bad min/max nodes.
         RendezvousConnectionError: etcd cannot be reached with these settings (``connect``).
     """
     options = parse_options(params)
-    use_frame_method_names()
-    timeout = _timeouts(params)
-    keep_alive_interval = _positive(params, "keep_alive_interval", 5)
-    keep_alive_max_attempt = _positive(params, "keep_alive_max_attempt", 3)
+    settings = settings_of(params)
     client = connect(options, params.run_id)
-    backend = Etcd3RendezvousBackend(client, params.run_id, grace=options.grace_timeout)
     store = Etcd3Store(client, params.run_id, timeout=timedelta(seconds=options.store_timeout),
                        grace=options.grace_timeout)
-    log.info("rdzv_etcd3", run_id=params.run_id, endpoints=options.endpoints, key=backend.key,
-             min_nodes=params.min_nodes, max_nodes=params.max_nodes)
-    handler = Etcd3RendezvousHandler.with_lost_nodes(
-        params.run_id, store, backend, client, params.min_nodes, params.max_nodes, params.local_addr,
-        timeout, keep_alive_interval, keep_alive_max_attempt)
+    log.info("rdzv_etcd3", run_id=params.run_id, endpoints=options.endpoints, min_nodes=params.min_nodes,
+             max_nodes=params.max_nodes)
+    handler = Etcd3RendezvousHandler(client, store, settings, params.local_addr, grace=options.grace_timeout)
     node = os.environ.get(WE.NODE)
     if node:   # started by a marind agent: say which torchrun is this node's (for mark_lost)
         try:

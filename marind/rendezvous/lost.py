@@ -1,29 +1,32 @@
 """Lost nodes leave the rendezvous at once: the agents say which, the handler drops them.
 
-torch's dynamic rendezvous drops a node only when its keep-alive is older
-than ``keep_alive_interval * keep_alive_max_attempt``, and a round formed
-after a loss waits ``last_call_timeout`` for nodes that will not come. The
-agents know sooner: a node whose lease expired while the job's workers
-stalled is gone (``marind.agent.decisions.on_node_loss``). Here is how they
-tell the rendezvous, without touching torch's serialised state themselves:
+A rendezvous drops a dead node only when its keep-alive expires (a lease
+of ``keep_alive_interval * keep_alive_max_attempt`` here), and a round
+formed after a loss waits ``last_call_timeout`` for nodes that will not
+come. The agents know sooner: a node whose lease expired while the job's
+workers stalled is gone (``marind.agent.decisions.on_node_loss``). Here is
+how they tell the rendezvous:
 
 * every torchrun started by an agent publishes its rendezvous node
   descriptor under its node's name: ``{p}/jobs/{run_id}/rdzv/members/{node}``
-  = ``{desc, pid, at}`` (``publish_member``), and the rank 0 of each completed
-  round its number and participants, ``{p}/jobs/{run_id}/rdzv/round``
-  (``publish_round``): an agent tells whether a lost node was in the current round;
+  = ``{desc, pid, at}`` (``publish_member``), and each round's participants
+  are published in ``{p}/jobs/{run_id}/rdzv/round`` (by the round's closer;
+  ``publish_round`` is the earlier handler's way): an agent tells whether a
+  lost node was in the current round;
 * an agent that acts on a loss writes ``{p}/jobs/{run_id}/rdzv/lost/{desc}``
   (``marind.agent.membership.Membership.mark_lost``);
-* every handler reads those markers (``LostNodes``: an etcd watch says when
-  to read again, and a read every few seconds covers a broken watch), and
-  its state holder (``LossAwareStateHolder``) treats a marked node as one
-  whose keep-alive expired, so torch's own sanitising removes it from the
-  participants, the wait list and the redundancy list; a round re-forming
-  after a loss completes as soon as every survivor of the previous round has
-  joined (``complete_early``) instead of waiting out ``last_call_timeout``;
-* a torchrun marked lost may not write the state any more (it was fenced: a
-  stale process of a node that came back): its writes raise
-  ``RendezvousClosedError`` and it exits.
+* a round's closer reads those markers (``LostNodes``: an etcd watch says
+  when to read again, and a read every few seconds covers a broken watch),
+  drops the marked torchruns' round keys and leaves them out, and closes a
+  round re-forming after a loss as soon as every survivor of the previous
+  round has joined (``complete_early``; ``marind.rendezvous.closer``);
+* a torchrun marked lost may not join, claim or close a round, nor close the
+  rendezvous (it was fenced: a stale process of a node that came back): its
+  calls raise ``RendezvousClosedError`` and it exits.
+
+``LossAwareStateHolder`` does the same for the earlier single-key handler
+(``marind.rendezvous.state_handler``): it treats a marked node as one whose
+keep-alive expired, so torch's own sanitising removes it from the state.
 """
 
 from __future__ import annotations

@@ -54,7 +54,8 @@ def test_rendezvous_with_user_and_password(etcd_with_auth):
         handler.shutdown()
     stored = _ctl(etcd_with_auth.endpoint, "get", "--prefix", "--keys-only", "/marind/jobs/auth-job/",
                   user="root:root-pw")
-    assert "/marind/jobs/auth-job/rdzv/state" in stored
+    assert "/marind/jobs/auth-job/rdzv/rounds/0/closed" in stored      # the round's keys, written with auth
+    assert "/marind/jobs/auth-job/rdzv/closed" in stored
 
 
 def test_credentials_from_the_environment(etcd_with_auth, monkeypatch):

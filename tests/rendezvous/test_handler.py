@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pickle
 import threading
 import time
 from importlib.metadata import entry_points
@@ -16,6 +15,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
 
 from marind.core.netutil import free_port
+from marind.core.rdzv_keys import latest_key, round_key, spare_prefix
 from marind.rendezvous import Etcd3RendezvousHandler, create_etcd3_handler, parse_options
 
 
@@ -28,7 +28,7 @@ def _params(endpoint: str, run_id: str = "job", min_nodes: int = 1, max_nodes: i
 def test_frame_method_name_matches_torch_get_method_name():
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
-    from marind.rendezvous.handler import frame_method_name
+    from marind.rendezvous.state_handler import frame_method_name
     original = dynamic_rendezvous.__dict__.get("get_method_name")
     if original is frame_method_name:      # installed by an earlier test in this process
         pytest.skip("torch's own get_method_name was already replaced in this process")
@@ -122,10 +122,6 @@ def test_three_handlers_get_unique_contiguous_ranks(etcd, etcd_prefix):
     try:
         assert all(isinstance(h, Etcd3RendezvousHandler) for h in handlers)
         assert handlers[0].get_backend() == "etcd3"
-        from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-
-        from marind.rendezvous.handler import frame_method_name
-        assert dynamic_rendezvous.get_method_name is frame_method_name   # no inspect.stack() per event
         results, errors = _join_all(handlers)
         assert errors == [None] * 3
         assert sorted(r.rank for r in results) == [0, 1, 2]
@@ -133,6 +129,13 @@ def test_three_handlers_get_unique_contiguous_ranks(etcd, etcd_prefix):
         # every node got rank 0's workers' store address
         assert len({(r.bootstrap_store_info.master_addr, r.bootstrap_store_info.master_port)
                     for r in results}) == 1
+        # the agents' record of the round: its participants in rank order (docs/design.md §2)
+        client = handlers[0]._client
+        record = client.get_json(round_key(client, "round"))
+        assert record["round"] == 0 and len(record["participants"]) == 3
+        by_rank = sorted(zip((r.rank for r in results), (repr(h._this_node) for h in handlers), strict=True))
+        assert record["participants"] == [desc for _, desc in by_rank]
+        assert client.get(latest_key(client, "round"))[0] == b"0"
     finally:
         for h in handlers:
             h.shutdown()
@@ -173,6 +176,6 @@ def test_node_beyond_max_waits_and_does_not_disturb_the_group(etcd, etcd_prefix)
 
 
 def _in_redundancy_list(handler) -> bool:
-    """Read the shared state straight from etcd (torch pickles it; this is torch's own object)."""
-    state_bits, _ = handler._state_holder._backend.get_state()
-    return len(pickle.loads(state_bits).redundancy_list) == 1
+    """One spare key waits for the round after the full one (torch's redundancy list)."""
+    client = handler._client
+    return len(client.get_prefix_keys(spare_prefix(client, handler.get_run_id(), 1))) == 1

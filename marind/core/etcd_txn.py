@@ -1,0 +1,97 @@
+"""Parts of an etcd transaction for ``EtcdClient.txn``: compares, ops, and reading the answer.
+
+The etcd3 library's transaction helpers read whole values only. The
+rendezvous (``marind.rendezvous.rounds``) asks etcd for counts and key
+names inside one transaction, so that what a node reads does not grow with
+the number of nodes; these build etcd's own messages for that.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from etcd3 import etcdrpc
+
+
+def _b(text: str | bytes) -> bytes:
+    return text if isinstance(text, bytes) else text.encode()
+
+
+def prefix_end(prefix: str) -> bytes:
+    """The range end that makes ``prefix`` a prefix range (etcd's rule: last byte + 1)."""
+    raw = bytearray(_b(prefix))
+    for i in range(len(raw) - 1, -1, -1):
+        if raw[i] < 0xFF:
+            raw[i] += 1
+            return bytes(raw[: i + 1])
+    return b"\0"
+
+
+def absent(key: str) -> Any:
+    """Compare: ``key`` does not exist (its version is 0)."""
+    return etcdrpc.Compare(key=_b(key), target=etcdrpc.Compare.VERSION,
+                           result=etcdrpc.Compare.EQUAL, version=0)
+
+
+def equals(key: str, value: str | bytes) -> Any:
+    """Compare: ``key`` holds exactly ``value``."""
+    return etcdrpc.Compare(key=_b(key), target=etcdrpc.Compare.VALUE,
+                           result=etcdrpc.Compare.EQUAL, value=_b(value))
+
+
+def put(key: str, value: str | bytes, lease_id: int = 0) -> Any:
+    """Op: put ``value`` at ``key`` (under ``lease_id`` when not 0)."""
+    return etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=_b(key), value=_b(value), lease=lease_id))
+
+
+def delete(key: str) -> Any:
+    """Op: delete ``key``."""
+    return etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=_b(key)))
+
+
+def delete_prefix(prefix: str) -> Any:
+    """Op: delete every key under ``prefix``."""
+    return etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(
+        key=_b(prefix), range_end=prefix_end(prefix)))
+
+
+def get(key: str) -> Any:
+    """Op: read ``key`` (value and revisions)."""
+    return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=_b(key)))
+
+
+def count(key: str, prefix: bool = False) -> Any:
+    """Op: how many keys are ``key`` (0 or 1) or, with ``prefix``, under it; no key is sent back."""
+    request = etcdrpc.RangeRequest(key=_b(key), count_only=True)
+    if prefix:
+        request.range_end = prefix_end(key)
+    return etcdrpc.RequestOp(request_range=request)
+
+
+def keys(prefix: str) -> Any:
+    """Op: the keys under ``prefix`` with their revisions, without values."""
+    return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
+        key=_b(prefix), range_end=prefix_end(prefix), keys_only=True))
+
+
+def nested(compare: list, success: list, failure: list | None = None) -> Any:
+    """Op: a transaction inside a transaction (etcd 3.3+), for a write with a condition of its own."""
+    return etcdrpc.RequestOp(request_txn=etcdrpc.TxnRequest(compare=compare, success=success,
+                                                             failure=failure or []))
+
+
+def value_of(response: Any, index: int) -> bytes | None:
+    """The value a ``get`` at ``index`` of the answer read, or None when the key is absent."""
+    kvs = response.responses[index].response_range.kvs
+    return bytes(kvs[0].value) if kvs else None
+
+
+def count_of(response: Any, index: int) -> int:
+    """The count a ``count``, ``keys`` or ``get`` at ``index`` of the answer read."""
+    return int(response.responses[index].response_range.count)
+
+
+def keys_of(response: Any, index: int) -> list[tuple[str, int]]:
+    """``(key, create_revision)`` of each key a ``keys`` at ``index`` of the answer read."""
+    return [(kv.key.decode(), int(kv.create_revision))
+            for kv in response.responses[index].response_range.kvs]

@@ -1,0 +1,96 @@
+"""What one rendezvous round costs etcd, counted by etcd itself: it must grow linearly with the nodes.
+
+torch's single-key rendezvous makes every joiner rewrite the whole group
+(O(N²) bytes, and compare-and-swap retries on top); the per-round keys of
+``marind.rendezvous.rounds`` make it O(N). This test reads etcd's own
+counters (``/metrics`` of a private etcd) around one round of N in-process
+handlers (threads) for two small N and fails when requests, writes or bytes
+written grow faster than N. No timing is asserted.
+
+``round_cost(endpoint, n, make)`` is also how the figures in docs/perf.md
+("Rendezvous") were taken, for this handler and for the earlier one
+(``marind.rendezvous.create_state_handler``).
+"""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+import uuid
+from collections.abc import Callable
+
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+
+from marind.rendezvous import create_etcd3_handler, create_state_handler
+
+SMALL, LARGE = 4, 16
+#: the most a figure may grow from SMALL to LARGE nodes: linear, with 20 % slack
+LIMIT = LARGE / SMALL * 1.2
+
+
+def etcd_counters(endpoint: str) -> dict[str, float]:
+    """etcd's counters that a round moves: requests (gRPC messages), writes, bytes written."""
+    text = urllib.request.urlopen(f"{endpoint}/metrics", timeout=10).read().decode()
+    out = {"requests": 0.0, "writes": 0.0, "wal_bytes": 0.0, "bytes_in": 0.0, "bytes_out": 0.0}
+    names = {"etcd_mvcc_put_total": "writes", "etcd_mvcc_delete_total": "writes",
+             "etcd_disk_wal_write_bytes_total": "wal_bytes",
+             "etcd_network_client_grpc_received_bytes_total": "bytes_in",
+             "etcd_network_client_grpc_sent_bytes_total": "bytes_out"}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, _, value = line.rpartition(" ")
+        if name.startswith("grpc_server_msg_received_total{") and 'grpc_service="etcdserverpb.' in name:
+            out["requests"] += float(value)
+        elif name in names:
+            out[names[name]] += float(value)
+    return out
+
+
+def round_cost(endpoint: str, n: int, make: Callable[[RendezvousParameters], RendezvousHandler]
+               = create_etcd3_handler) -> dict[str, float]:
+    """etcd's counters moved by ``n`` handlers made with ``make`` joining one round of ``n:n`` nodes.
+
+    Counts from before the handlers connect until every one has its rank.
+    """
+    # keep-alives are work per second, not per round: none falls inside a round here
+    params = RendezvousParameters("etcd3", endpoint, f"cost-{uuid.uuid4().hex[:8]}", n, n,
+                                  prefix=f"/cost-{uuid.uuid4().hex[:6]}", join_timeout="120",
+                                  last_call_timeout="30", keep_alive_interval="60")
+    before = etcd_counters(endpoint)
+    handlers = [make(params) for _ in range(n)]
+    errors: list = []
+
+    def join(handler: RendezvousHandler) -> None:
+        try:
+            handler.next_rendezvous()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    threads = [threading.Thread(target=join, args=(h,), daemon=True) for h in handlers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    after = etcd_counters(endpoint)
+    for handler in handlers:
+        handler._stop_heartbeats()            # type: ignore[attr-defined]  # both handlers have it
+    assert not errors and not any(t.is_alive() for t in threads), errors[:3]
+    return {k: after[k] - before[k] for k in after}
+
+
+def test_one_rounds_requests_and_writes_grow_linearly(etcd_private):
+    small = round_cost(etcd_private.endpoint, SMALL)
+    large = round_cost(etcd_private.endpoint, LARGE)
+    print(f"\netcd counters for one round: {SMALL} nodes {small}\n{LARGE} nodes {large}")
+    for figure in ("requests", "writes", "wal_bytes", "bytes_in"):
+        assert large[figure] <= small[figure] * LIMIT, (figure, small, large)
+
+
+def test_the_count_tells_the_single_key_handler_apart(etcd_private):
+    """The same count on torch's single-key handler (marind's earlier one): its bytes written grow
+    faster than N, so the test above would catch a return to it."""
+    large_n = 2 * LARGE                          # far enough apart that N² stands out of fixed costs
+    small = round_cost(etcd_private.endpoint, SMALL, create_state_handler)
+    large = round_cost(etcd_private.endpoint, large_n, create_state_handler)
+    print(f"\nsingle-key handler, one round: {SMALL} nodes {small}\n{large_n} nodes {large}")
+    assert large["wal_bytes"] > small["wal_bytes"] * large_n / SMALL * 1.2, (small, large)
