@@ -77,7 +77,7 @@ def _finish(cluster: Cluster, job: str, url: str, baseline: dict) -> None:
     _no_node_lost_and_at_most_one_restart(cluster, job)
 
 
-@pytest.mark.parametrize("down", [0, 2], ids=["first-listed", "last-listed"])
+@pytest.mark.parametrize("down", [0, pytest.param(2, marks=pytest.mark.slow)], ids=["first-listed", "last-listed"])
 def test_one_member_down_every_cli_command_works_and_the_job_succeeds(on_cluster, members, down, capsys):
     baseline = fault_free_final_state(on_cluster)
     members.stop_member(down)
