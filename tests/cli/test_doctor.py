@@ -17,11 +17,13 @@ def test_doctor_passes_on_a_good_node(etcd, etcd_prefix, s3, s3_url, tmp_path, c
                "--storage-options", json.dumps(s3.storage_options), "--state-dir", str(tmp_path)])
     doc = json.loads(capsys.readouterr().out)
     names = [c["name"] for c in doc["checks"]]
-    assert names == ["torch", "cuda", "backends", "all-reduce", "etcd", "checkpoint store", "etcd binary",
+    member = f"etcd member {etcd.endpoint}"            # one row per endpoint given: a single member leads
+    assert names == ["torch", "cuda", "backends", "all-reduce", "etcd", member, "checkpoint store", "etcd binary",
                      "free disk"]
     by_name = {c["name"]: c for c in doc["checks"]}
-    for name in ("torch", "backends", "all-reduce", "etcd", "checkpoint store"):
+    for name in ("torch", "backends", "all-reduce", "etcd", member, "checkpoint store"):
         assert by_name[name]["ok"], by_name[name]
+    assert by_name[member]["detail"].startswith("leader,") and not by_name[member]["warn"]
     assert rc == (0 if doc["ok"] else 1)
 
 
