@@ -15,7 +15,7 @@ $(VENV)/.setup-stamp: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@# torch first, pinned: the project's range (torch>=2.6) then pulls nothing more
 	$(PIP) install -q --disable-pip-version-check "torch==$(TORCH_VERSION)"
-	$(PIP) install -q --disable-pip-version-check -e '.[test,torchft]'
+	$(PIP) install -q --disable-pip-version-check -e '.[test,torchft,torchx]'
 	@{ command -v etcd && command -v etcdctl; } >/dev/null 2>&1 || { \
 	  echo "installing etcd-server and etcd-client (Debian packages)"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client; }
