@@ -19,6 +19,17 @@ $(VENV)/.setup-stamp: pyproject.toml
 	@{ command -v etcd && command -v etcdctl; } >/dev/null 2>&1 || { \
 	  echo "installing etcd-server and etcd-client (Debian packages)"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client; }
+	@# shellcheck: tests/integrations/test_slurm_script.py checks examples/slurm/marind.sbatch with it
+	@command -v shellcheck >/dev/null 2>&1 || { \
+	  echo "installing shellcheck (Debian package)"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck; }
+	@# Slurm and munge: the bed's Slurm tests (marind.testing.slurm_bed, tests/chaos/test_host_slurm.py) run a
+	@# slurmctld and a slurmd per bed host; the bed needs root, so only as root (elsewhere they skip, saying why).
+	@# Only the binaries: no service is started (the tests start their own daemons on their own config).
+	@[ "$$(id -u)" != 0 ] || { [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && [ -x /usr/sbin/munged ] \
+	  && command -v sbatch >/dev/null 2>&1; } || { \
+	  echo "installing slurmctld slurmd slurm-client munge (Debian packages)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge; }
 	@etcd --version | head -1
 	@$(VENV)/bin/weed version
 	@touch $@

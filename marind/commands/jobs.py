@@ -6,6 +6,7 @@ A thin layer over ``marind.control.jobs_client``: parse, call, print. Tables and
 
 from __future__ import annotations
 
+import dataclasses
 import getpass
 import json
 import socket
@@ -31,6 +32,8 @@ def register(sub) -> None:
     p.add_argument("--wait", action="store_true", help="follow the job; exit 4 if it fails")
     p.add_argument("--json", action="store_true", help='print {"id": ...}')
     p.add_argument("--id", help="job id (default: NAME-YYYYmmdd-HHMMSS-xxxx)")
+    p.add_argument("--nodes", help="node counts MIN:MAX (or N) in place of the run.toml's job.nodes, checked the "
+                                   "same way (a scheduler's allocation: examples/slurm)")
     common_flags(p)
     p.set_defaults(handler=submit)
 
@@ -69,15 +72,17 @@ def _client(args):
     return JobsClient(connect(args.etcd, args.config, args.state_dir))
 
 
-def checked_spec(path: str):
+def checked_spec(path: str, nodes: str | None = None):
     """The spec ``marind submit`` stores: parsed, paths made absolute, checked on this machine.
 
     A trainer job (``entrypoint = "marind.trainer"``) also gets the trainer's validation
     (sections, presets, batch arithmetic at every world size) and its data path checked;
-    any other program's sections are its own and pass through.
+    any other program's sections are its own and pass through. ``nodes`` replaces
+    ``job.nodes`` before any of it, so the world sizes checked are the ones the job will run at.
 
     Args:
         path: the run.toml.
+        nodes: ``"MIN:MAX"`` or ``"N"`` in place of ``job.nodes`` (``--nodes``), or None.
 
     Returns:
         The core spec to store (a trainer job's sections fully resolved).
@@ -86,9 +91,12 @@ def checked_spec(path: str):
         SpecError: an invalid spec, or a working dir / data path missing here (one line; exit 2).
     """
     from marind.core.errors import SpecError
-    from marind.core.spec import load_spec, missing_paths
+    from marind.core.spec import load_spec, missing_paths, parse_nodes, validate_spec
 
     spec = load_spec(path)               # relative paths resolve against the run.toml's directory
+    if nodes is not None:
+        spec = spec.replace(job=dataclasses.replace(spec.job, nodes=parse_nodes(nodes, "--nodes")))
+        validate_spec(spec)
     problem = missing_paths(spec)
     if spec.runs_trainer and problem is None:
         from marind.trainer.config import init_from_problem, missing_data, trainer_spec
@@ -103,7 +111,7 @@ def checked_spec(path: str):
 def submit(args) -> int:
     from marind.core.errors import JobFailed
 
-    spec = checked_spec(args.spec)       # validates before anything touches etcd (exit 2)
+    spec = checked_spec(args.spec, args.nodes)       # validates before anything touches etcd (exit 2)
     jc = _client(args)
     job = jc.submit(spec.to_dict(), spec.job.name, args.id)
     if not args.wait:

@@ -15,5 +15,7 @@ imports ``tests``):
 * ``marind.testing.hosts``: the multi-host bed (network namespaces with their own
   hostnames, a control and a data network; ``hosts_plan`` names it, ``hosts_net``
   makes it);
+* ``marind.testing.slurm_bed``: a real Slurm on that bed (a slurmd per host, slurmctld and
+  munged on the bridge side), for ``examples/slurm``;
 * ``marind.testing.chaos``: the library behind the ``chaos/`` injectors.
 """

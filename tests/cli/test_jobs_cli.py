@@ -103,3 +103,17 @@ def test_status_shows_the_step_a_job_ended_at_when_rank0s_report_lags(cli, tmp_p
     etcd_client.put_json(etcd_client.key("jobs", "lag-1", "progress"), {"step": 60, "updated_at": 2.0})
     rc, out, _ = cli("status", "lag-1", "--json")
     assert json.loads(out)["jobs"][0]["step"] == 60
+
+
+def test_submit_nodes_replaces_the_run_tomls_node_range(cli, tmp_path, etcd_client, etcd_prefix):
+    """``--nodes`` (a scheduler's allocation, examples/slurm) is stored in place of ``job.nodes``, checked
+    like it: a bad range is one line, exit 2, and nothing reaches etcd."""
+    spec_path = str(tiny_spec(tmp_path, name="alloc", nodes="1:1"))
+    for bad in ("0:2", "3:2", "two", "1:2:3"):
+        rc, out, err = cli("submit", spec_path, "--nodes", bad)
+        assert rc == 2 and err.startswith("Error: --nodes") and err.count("\n") == 1, (bad, err)
+    assert etcd_client.get_prefix(etcd_prefix + "/") == []
+    rc, out, err = cli("submit", spec_path, "--nodes", "2:3", "--id", "alloc-1")
+    assert rc == 0, err
+    spec = json.loads(etcd_client.get(etcd_client.key("jobs", "alloc-1", "spec"))[0])
+    assert spec["job"]["nodes"] == "2:3"
