@@ -6,8 +6,9 @@ host1 as a user would: one ``marind agent`` per allocated node through ``srun``,
 etcd on the first node, the run submitted with the allocation's node range and followed to its
 end; the checkpoints are files (every host sees the same filesystem).
 
-* CI: two hosts, the real trainer, no fault: Slurm reports COMPLETED, the run SUCCEEDED, every
-  checkpoint verifies and the history holds; and a run whose program fails is a FAILED Slurm job
+* CI: two hosts, the real trainer, host2 powered off mid-run: the run goes on with host1, Slurm marks
+  host2 DOWN and reports the job COMPLETED, the run SUCCEEDED, every checkpoint verifies and the history
+  holds; and a run whose program fails is a FAILED Slurm job
   with the script's exit code 4, not requeued.
 * ``slow`` (``make chaos``): three hosts, a host other than the first powered off for good in the
   middle of the run: marind goes on with two, Slurm marks the host DOWN (and drained, the script
@@ -190,25 +191,42 @@ def _start(slurm: SlurmBed, dataset: str, steps: int, env: dict | None = None) -
     return run
 
 
-# -- CI: the script end to end on two hosts -------------------------------------------------------------
+# -- CI: the script end to end on two hosts, the second powered off -------------------------------------
 
-def test_sbatch_runs_the_job_on_every_allocated_node_and_completes(slurm, dataset):
-    steps = 12
+def test_sbatch_runs_on_every_allocated_node_and_completes_without_a_host_powered_off(slurm, dataset):
+    """Two hosts, ``job.nodes`` from the allocation (``1:2``); host2 (not the first: it runs neither the script nor
+    etcd) powered off past the first checkpoint: marind goes on with host1's two ranks, Slurm marks host2 DOWN and
+    keeps the job (``--no-kill``), and the job still ends COMPLETED with every step trained once."""
+    steps = 24
     run = _start(slurm, dataset, steps)
     try:
-        wait_for(lambda: run.safely(lambda: run.world_size(run.job), 0) == 4, 600,
-                 "the run training on both hosts (4 ranks)", interval=0.5, diag=run.diag)
+        wait_for(lambda: run.safely(lambda: run.world_size(run.job) == 4 and run.step(run.job) >= EVERY + 1),
+                 600, "the run training on both hosts (4 ranks) past its first checkpoint", interval=0.5,
+                 diag=run.diag)
+        out = run.output()
+        assert "event=agents_registered count=2" in out, out
+        frozen = slurm.bed.power_off("host2")
+        assert frozen, "nothing ran in host2"
+        host_faults.kill_host_processes(slurm.bed.host("host2"))
+        lost_at = run.step(run.job)
+        wait_for(lambda: run.world_size(run.job) == 2 and run.step(run.job) > lost_at, 600,
+                 "host1 training alone", interval=0.5, diag=run.diag)
+        wait_for(lambda: _down_or_drained(slurm, "host2"), 300, "Slurm marking host2 down", interval=1,
+                 diag=run.diag)
         rec = run.wait_slurm()
         assert rec["JobState"] == "COMPLETED" and rec["ExitCode"] == "0:0", run.diag()
         out = run.output()
-        assert "event=agents_registered count=2" in out and "exit_code=0" in out, out
-        assert " succeeded " in out, out                                    # the run's events, followed
+        assert "exit_code=0" in out and " succeeded " in out, out             # the run's events, followed
+        assert "event=node_lost node=host2" in out, out
         run.reopen_etcd()
         assert run.client.get_json(run.client.key("jobs", run.job, "state"))["state"] == "SUCCEEDED"
         spec = run.client.get_json(run.client.key("jobs", run.job, "spec"))
         assert spec["job"]["nodes"] == "1:2", spec["job"]            # the allocation's range, not the run.toml's
         _check_checkpoints(run, run.url, steps)
-        assert slurm.node_states() == {n: "idle" for n in slurm.bed.names}
+        lost = [e for e in run.events(run.job) if e["kind"] == "node_lost"]
+        assert [e["detail"]["node"] for e in lost] == ["host2"], run.events(run.job)
+        assert sorted(run.losses(run.job)) == list(range(1, steps + 1))
+        assert slurm.node_states()["host1"] == "idle", slurm.node_states()
     finally:
         run.close()
 
