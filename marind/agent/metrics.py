@@ -60,6 +60,8 @@ class Metrics:
             "marind_job_tokens_per_second": ("gauge", "the job's tokens per second (rank 0)"),
             "marind_job_restarts_total": ("counter", "the job's worker restarts on this node"),
             "marind_job_last_checkpoint_step": ("gauge", "the job's last committed checkpoint step"),
+            "marind_job_compute_seconds": ("gauge", "median compute seconds per step of this node's ranks"),
+            "marind_job_stragglers": ("gauge", "the job's ranks named stragglers now (on the agent that runs rank 0)"),
         }
         self._values: dict[tuple[str, tuple], float] = {}
         self._hist: dict[tuple[str, tuple], list] = {}

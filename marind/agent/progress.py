@@ -12,8 +12,8 @@ from typing import Any
 
 from marind.core.progress import PHASES, ProgressRecord, progress_dir, read_records
 
-__all__ = ["PHASES", "ProgressRecord", "all_done", "current", "job_summary", "node_step", "progress_dir",
-           "read_records", "stall_marker"]
+__all__ = ["PHASES", "ProgressRecord", "all_done", "current", "drift_findings", "job_summary", "node_step",
+           "progress_dir", "read_records", "stall_marker"]
 
 
 def current(records: list[ProgressRecord], pids: set[int]) -> list[ProgressRecord]:
@@ -44,10 +44,39 @@ def job_summary(records: list[ProgressRecord]) -> dict[str, Any] | None:
         if r.rank == 0:
             return {"step": r.step, "loss": r.loss, "tokens_per_s": _total_tps(records, r),
                     "last_checkpoint_step": r.last_checkpoint_step, "world_size": r.world_size,
-                    "phase": r.phase, "updated_at": r.updated_at}
+                    "phase": r.phase, "updated_at": r.updated_at,
+                    **({"checkpoint_error": r.checkpoint_error} if r.checkpoint_error else {})}
     return None
 
 
 def _total_tps(records: list[ProgressRecord], rank0: ProgressRecord) -> float | None:
     # the trainer reports the job-wide figure on every rank; keep rank 0's
     return rank0.tokens_per_s
+
+
+def drift_findings(records: list[ProgressRecord], seen: dict[tuple[int, int], bool]) -> list[dict[str, Any]]:
+    """The ``replica_drift`` events the records call for (torchft: ``marind.trainer.ft.drift``).
+
+    A group's finding is reported once when it appears (``healed`` false: it heals at its next
+    quorum) and once more when its record says it healed. Every rank of a group carries the same
+    finding; the lowest rank's counts.
+
+    Args:
+        records: the current round's records.
+        seen: (replica group, step) -> healed, as reported so far; updated in place.
+
+    Returns:
+        The events' details (``{replica_group, step, reason, healed}``), oldest first.
+    """
+    out = []
+    for r in sorted(records, key=lambda rec: rec.rank):
+        d = r.drift
+        if r.replica_group is None or not d or not isinstance(d.get("step"), int):
+            continue
+        key, healed = (r.replica_group, d["step"]), bool(d.get("healed"))
+        if key in seen and (seen[key] or not healed):
+            continue
+        seen[key] = healed
+        out.append({"replica_group": r.replica_group, "step": d["step"], "reason": str(d.get("reason", "")),
+                    "healed": healed})
+    return out

@@ -7,6 +7,9 @@ records every tick (``observe``). From them it keeps
 * when the round's stall marker last changed (``progress_at``) and a typical time between
   two changes (``progress_interval``, a moving average): the fence, node-loss and
   silent-host decisions read how long the workers stalled from them;
+* torchft: each replica-drift finding of this node's group (``replica_drift``, when found and
+  when healed);
+* its ranks' compute times, for the job's straggler watch (``stragglers``);
 * rank 0's checkpoint commits: each one after the run's restore is a
   ``checkpoint_committed`` event, with its duration (from when rank 0 first showed the
   checkpoint's step to when its record showed the commit) and a metric;
@@ -25,6 +28,8 @@ from typing import Any
 from marind.agent import progress as prog
 from marind.agent.metrics import Metrics
 from marind.agent.outbox import Outbox
+from marind.agent.stragglers import StragglerWatch
+from marind.control.events import REPLICA_DRIFT
 
 
 class RunProgress:
@@ -45,10 +50,13 @@ class RunProgress:
         self._ckpt_baseline = False          # the first training record's checkpoint step is a restore
         self._step_seen_at: dict[int, float] = {}   # rank 0's steps: when its record first showed them
         self._marker: object = None
+        self._drift_seen: dict[tuple[int, int], bool] = {}
+        self.stragglers = StragglerWatch(job, outbox, metrics)
 
     def new_round(self) -> None:
         """A new rendezvous round: its stall marker starts afresh."""
         self._marker, self.progress_at, self.progress_interval = None, None, None
+        self.stragglers.new_round()
 
     def observe(self, records: list[prog.ProgressRecord], now: float, *, restarts: int) -> None:
         """One tick's records of the current round: checkpoints, the stall marker, the step, the metrics.
@@ -59,6 +67,9 @@ class RunProgress:
             restarts: the run's restarts so far (a metric).
         """
         self._watch_checkpoints(records, now)
+        for detail in prog.drift_findings(records, self._drift_seen):
+            self.outbox.event(self.job, REPLICA_DRIFT, detail)
+        self.stragglers.tick(records, now)
         marker = prog.stall_marker(records)
         if marker is not None and marker != self._marker:
             if self.progress_at is not None:

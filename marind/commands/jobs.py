@@ -183,6 +183,9 @@ def status(args) -> int:
     for j in doc["jobs"]:
         if j.get("torchft"):
             _print_replica_groups(j["id"], j["torchft"])
+        for s in j.get("stragglers") or ():
+            print(f"{j['id']}: straggler {s['node']} rank {s['rank']}: {_fmt(s.get('compute_s'), 3)}s of compute "
+                  "per step, slower than the others (marind events for why)")
     return 0
 
 

@@ -14,6 +14,14 @@ from marind.core.etcd_client import EtcdClient
 
 DEFAULT_KEEP = 200
 
+#: torchft: a replica group's state differed from the others' at a drift check (``{replica_group,
+#: step, reason, healed}``; once when found, once more when healed; ``marind.trainer.ft.drift``).
+REPLICA_DRIFT = "replica_drift"
+#: a rank persistently slower than the job's median (``{node, ranks, compute_s, median_s, factor,
+#: window_s, reason}``; ``marind.agent.stragglers``), and its end (``{node, ranks}``).
+STRAGGLER = "straggler"
+STRAGGLER_CLEARED = "straggler_cleared"
+
 
 def event_key(client: EtcdClient, job: str, seq: int) -> str:
     return client.key("jobs", job, "events", f"{seq:012d}")

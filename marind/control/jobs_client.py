@@ -129,7 +129,9 @@ class JobsClient:
                 "submitted_rev": view.submitted_rev,
                 "target_steps": view.target_steps,
                 "torchft": ft_status(self.client, view.id, nodes)
-                if is_torchft(view.run_spec or view.spec) else None}
+                if is_torchft(view.run_spec or view.spec) else None,
+                "stragglers": (self.client.get_json(self.client.key("jobs", view.id, "stragglers")) or {}).get("ranks")
+                or []}
 
     def nodes(self) -> list[dict]:
         """The registered nodes' records, by name."""
@@ -142,7 +144,7 @@ class JobsClient:
                 "last_checkpoint_step", "restarts", "reason", "updated_at")
         return {"schema_version": SCHEMA_VERSION, "nodes": self.nodes(),
                 "jobs": [{k: j[k] for k in keys} | ({"torchft": j["torchft"]} if j["torchft"] else {})
-                         for j in jobs]}
+                         | ({"stragglers": j["stragglers"]} if j["stragglers"] else {}) for j in jobs]}
 
     def cancel(self, job: str, by: str) -> str:
         """Ask the agents to stop a job and move it to CANCELLED.

@@ -14,7 +14,11 @@ The JSON object, in this key order::
 plus, in torchft mode only (``[fault] mode = "torchft"``), keys that are absent otherwise:
 ``replica_group`` once the worker knows its group; ``participants``, ``replica_rank``,
 ``quorum_id``, ``lighthouse_epoch``, ``manager_rebuilds`` together once it has been through
-a quorum; ``param_digest`` in its final record. :class:`ProgressRecord` documents each field.
+a quorum; ``param_digest`` in its final record; ``drift`` once a replica-drift check found this
+group's state differing. ``compute_s`` (any mode, where the program measures it: the reference
+trainer does) is this rank's compute time of its last step, time waiting in collectives left out;
+the agents compare it across the job (stragglers). ``checkpoint_error`` (any mode) is there
+while the latest checkpoint save failed (its reason). :class:`ProgressRecord` documents each field.
 ``metrics`` (an object of name -> number: a program's own metrics, ``marind.worker.report``'s
 keyword arguments) comes last when set and is absent otherwise.
 
@@ -92,6 +96,13 @@ class ProgressRecord:
         manager_rebuilds: torchft: times the worker rebuilt its Manager after a failed quorum.
         param_digest: torchft, final record only: sha256 over this rank's local parameter shards
             (equal across groups iff they hold the same parameters).
+        compute_s: seconds this rank computed in its last step (forward, backward, optimizer step;
+            time waiting in collectives left out); None when the program does not measure it.
+        drift: torchft: the last replica-drift finding of this group (``{"step", "reason",
+            "healed"}``, ``marind.trainer.ft.drift``); None while there was none.
+        checkpoint_error: why the latest checkpoint save failed, in words (the kind, e.g. a full
+            checkpoint volume, and the fix: ``ckpt_store.errors.failure_reason``); None once a
+            later save committed, or while none failed.
         metrics: the program's own metrics of its last report (name -> number), None if it
             gave none (``marind.worker.report(step, lr=..., grad_norm=...)``). A reader that
             predates the field ignores it; a malformed entry is dropped on reading.
@@ -114,6 +125,9 @@ class ProgressRecord:
     lighthouse_epoch: int | None = None
     manager_rebuilds: int | None = None
     param_digest: str | None = None
+    compute_s: float | None = None
+    drift: dict[str, Any] | None = field(default=None, hash=False)
+    checkpoint_error: str | None = None
     metrics: dict[str, float] | None = field(default=None, hash=False)   # records stay hashable
 
     def to_dict(self) -> dict[str, Any]:
@@ -130,6 +144,9 @@ class ProgressRecord:
                 del out[key]
         if self.param_digest is None:
             del out["param_digest"]
+        for key in ("compute_s", "drift", "checkpoint_error"):
+            if out[key] is None:
+                del out[key]
         if self.metrics is None:
             del out["metrics"]
         return out
@@ -161,6 +178,9 @@ class ProgressRecord:
                    lighthouse_epoch=_opt_int(d.get("lighthouse_epoch")),
                    manager_rebuilds=_opt_int(d.get("manager_rebuilds")),
                    param_digest=None if d.get("param_digest") is None else str(d["param_digest"]),
+                   compute_s=_opt_float(d.get("compute_s")),
+                   drift=d["drift"] if isinstance(d.get("drift"), dict) else None,
+                   checkpoint_error=None if d.get("checkpoint_error") is None else str(d["checkpoint_error"]),
                    metrics=_metrics(d.get("metrics")))
 
 

@@ -101,6 +101,9 @@ class FaultSpec:
     quorum_timeout: float = spec_field(60.0, "duration")    # torchft: waiting for a quorum
     join_timeout: float = spec_field(1.0, "duration")       # lighthouse: wait for stragglers before a quorum
     heartbeat_timeout: float = spec_field(5.0, "duration")  # lighthouse: a silent group is dead after this
+    drift_check_every: int = spec_field(100, "int")  # torchft: compare the groups' state every N steps (0 = off)
+    straggler_factor: float = spec_field(1.5, "float")      # a rank this much slower than the median is named
+    straggler_window: float = spec_field(30.0, "duration")  # ... when it stayed so over this window
 
 
 #: marind's own sections; every other one is the program's (``RunSpec.sections``).
@@ -337,6 +340,7 @@ def _validate_fault(spec: RunSpec) -> None:
     f = spec.fault
     if f.mode not in FAULT_MODES:
         raise SpecError(f"fault.mode = {f.mode!r}{did_you_mean(f.mode, FAULT_MODES)}")
+    _validate_stragglers(f)
     if f.mode != "torchft":
         return
     positive(f.replica_groups, "fault.replica_groups")
@@ -352,3 +356,11 @@ def _validate_fault(spec: RunSpec) -> None:
                         f"lower job.nodes or raise fault.replica_groups")
     for key in ("timeout", "quorum_timeout", "join_timeout", "heartbeat_timeout"):
         positive(getattr(f, key), f"fault.{key}")
+
+
+def _validate_stragglers(f: FaultSpec) -> None:
+    positive(f.drift_check_every, "fault.drift_check_every", zero_ok=True)
+    if not f.straggler_factor > 1.0:
+        raise SpecError(f"fault.straggler_factor = {f.straggler_factor:g}: a straggler is slower than the median "
+                        "by this factor; use a number above 1 (e.g. 1.5)")
+    positive(f.straggler_window, "fault.straggler_window")

@@ -18,7 +18,8 @@ calls in this order (a hook's name in brackets)::
                          on some rank (within the torch world)
       [report_step]      the step's log line (rank 0)
       [after_step]       elastic: roll back after train.max_bad_steps non-finite steps
-      progress record    step, loss, tokens/s, last checkpoint, [progress_fields] (marind.worker's report)
+      progress record    step, loss, tokens/s, last checkpoint, compute_s (forward/backward and
+                         optimizer step, collectives left out: compute_time), [progress_fields]
       stop               when any rank was asked to (SIGTERM/SIGINT through marind.worker.stop's
                          handler, MARIND_TEST_STOP_AT_STEP), agreed in the all-reduce above
       [save_due]         periodic checkpoint of (state.step, state.position)
@@ -47,6 +48,7 @@ import torch.distributed as dist
 
 from ckpt_store import CheckpointError
 from marind.trainer.build import Run
+from marind.trainer.compute_time import ComputeTimer
 from marind.trainer.config import TrainerSpec
 from marind.trainer.model.gpt import lm_loss
 from marind.trainer.model.moe import router_summary, take_moe_outputs
@@ -289,6 +291,7 @@ def run_loop(run: Run, mode: TrainMode, stop: StopFlag) -> Result:
     tokens_per_step = d.global_batch * d.seq_len
     stop_at = run.env.test_stop_at_step
     state = LoopState()
+    timer = ComputeTimer(run.device)
     mode.start(run, state)
     state.t_mark = time.perf_counter()  # step time runs end to end, so checkpoint stalls count
     run.progress.mark()                 # the same for the record's tokens/s (marind.worker.reporting)
@@ -298,13 +301,15 @@ def run_loop(run: Run, mode: TrainMode, stop: StopFlag) -> Result:
         for g in run.optimizer.param_groups:
             g["lr"] = lr
         pipe = run.pipeline   # pipeline parallelism: the schedule runs the micro-batches (marind.trainer.parallel.pipeline)
-        loss_acc, router = pipe.forward_backward(_batches(run, mode, state), state.step) if pipe \
-            else _forward_backward(run, mode, state)
+        with timer:
+            loss_acc, router = pipe.forward_backward(_batches(run, mode, state), state.step) if pipe \
+                else _forward_backward(run, mode, state)
         mode.on_gradients(run, state)
         norm = clip_grad_norm(run.params, o.grad_clip, pp_mesh=pipe.norm_meshes if pipe else None)
         committed = mode.commit(run, state, norm)
         if committed:
-            run.optimizer.step()
+            with timer:
+                run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=mode.grads_to_none)
         mode.advance(run, state, committed)
         flags = torch.stack([loss_acc.float(),
@@ -328,7 +333,7 @@ def run_loop(run: Run, mode: TrainMode, stop: StopFlag) -> Result:
                                                 router=_router(run, flags[4:])))
         mode.after_step(run, state)
         run.progress.report(state.step, loss, tokens=tokens_per_step, last_checkpoint_step=ckpt.poll(),
-                            **mode.progress_fields())
+                            compute_s=timer.take(), **mode.progress_fields())
         if float(flags[1]) > 0:
             state.stopped = True
             break

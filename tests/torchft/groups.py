@@ -27,7 +27,7 @@ FAULT = {"min_replicas": 1, "join_timeout": 0.5, "heartbeat_timeout": 2.0}
 
 def ft_spec(tmp: Path, *, steps: int, groups: int = 2, min_replicas: int = 1, ckpt: str = "",
             every_steps: int = 0, nproc: int = 1, nodes_per_group: int = 1, max_restarts: int = 3,
-            timeout: str = "10s") -> Path:
+            timeout: str = "10s", fault_extra: str = "") -> Path:
     from marind.trainer.data.corpus import write_example_dataset
 
     data = tmp / "data"
@@ -65,6 +65,7 @@ timeout = "{timeout}"
 quorum_timeout = "20s"
 join_timeout = "500ms"
 heartbeat_timeout = "2s"
+{fault_extra}
 """)
     return path
 

@@ -56,6 +56,7 @@ from marind.trainer.build import Run, setup_run
 from marind.trainer.checkpointing import init_optimizer_state
 from marind.trainer.config import TrainerSpec
 from marind.trainer.data.dataset import rank_sample_indices
+from marind.trainer.ft.drift import DriftCheck
 from marind.trainer.ft.group import (
     MAX_QUORUM_FAILURES,
     FTGroup,
@@ -114,6 +115,8 @@ class TorchftMode(TrainMode):
         self.failures = 0           # quorum failures in a row
         self.parent = 0             # torchrun's pid
         self.pause_file = os.environ.get(TEST_FT_PAUSE_FILE) or None   # test hook
+        self.drift: DriftCheck | None = None     # fault.drift_check_every (after start)
+        self.attempted = 0                        # the step being attempted (for the drift check)
 
     @property
     def ft(self) -> FTGroup:
@@ -134,6 +137,7 @@ class TorchftMode(TrainMode):
         """Note the group in the progress record, build the Manager (collective), log train_start."""
         spec, f = run.spec, run.spec.fault
         run.progress.update(replica_group=self.group)
+        self.drift = DriftCheck(f.drift_check_every, self.group, run.rank)
         self._ft = FTGroup(spec, LiveState(run.model, run.optimizer), run.rank, run.world, self.group,
                            run.env.job_id or spec.job.name, self.stop, self.lighthouse)
         if run.rank == 0:
@@ -196,6 +200,8 @@ class TorchftMode(TrainMode):
             elif run.rank == 0:
                 run.log.info("healed_from_peer", step=step)
             run.progress.update(phase="training", step=step, last_checkpoint_step=ckpt.last_step, **self.ft.status())
+        if self.drift is not None:
+            self.drift.after_quorum(step, manager.num_participants())
         self._set_step(run, state, step)
         return step < run.spec.train.steps
 
@@ -222,6 +228,7 @@ class TorchftMode(TrainMode):
             run.log.info("test_pause", step=state.step + 1)
             while os.path.exists(self.pause_file):
                 time.sleep(0.05)
+        self.attempted = state.step + 1
         allreduce_grads(self.ft.manager, run.params, self.ft)
 
     def commit(self, run: Run, state: LoopState, grad_norm: torch.Tensor) -> bool:
@@ -246,9 +253,16 @@ class TorchftMode(TrainMode):
                      lr=report.lr, participants=self.ft.manager.num_participants(), step_s=round(report.step_s, 4),
                      **report.router)
 
+    def after_step(self, run: Run, state: LoopState) -> None:
+        """Every ``fault.drift_check_every`` committed steps: compare the groups' state (``ft.drift``);
+        a drifted group's step goes back by one, so that the next quorum heals it from a peer."""
+        if self.drift is not None and self.drift.after_step(run.model, run.optimizer, self.ft, attempted=self.attempted,
+                                                            step=state.step, device=run.device):
+            self._set_step(run, state, self.ft.manager.current_step())
+
     def progress_fields(self) -> dict[str, Any]:
-        """The quorum fields of the progress record."""
-        return self.ft.status()
+        """The quorum fields of the progress record (and the last drift finding)."""
+        return {**self.ft.status(), **(self.drift.progress_fields() if self.drift is not None else {})}
 
     def save_due(self, run: Run, state: LoopState, committed: bool, time_due: bool) -> bool:
         """Every ``checkpoint.every_steps`` committed steps, by replica rank 0 of the quorum only."""
