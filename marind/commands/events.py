@@ -61,9 +61,23 @@ def register(sub) -> None:
     p.add_argument("job")
     p.add_argument("-f", "--follow", action="store_true",
                    help="print new events until the job ends; exit 0 if it SUCCEEDED, else 4")
-    p.add_argument("--json", action="store_true", help='one object per line: {"seq", "at", "node", "kind", "detail"}')
+    p.add_argument("--json", action="store_true", help='one object per line: {"seq", "at", "node", "kind", "detail"}; '
+                   'without -f, a last line of kind "ledger": the goodput ledger')
     common_flags(p)
     p.set_defaults(handler=events)
+
+
+def _show_ledger(args, jc, rows: list[dict] | None) -> None:
+    """``--json`` without ``-f``: a last line ``{"kind": "ledger", "detail": LEDGER, ...}`` (docs/design.md §11)."""
+    if not args.json:
+        return
+    import time
+
+    from marind.control.job_history import read_ledger
+
+    ledger = read_ledger(jc.client, args.job, rows)
+    print(json.dumps({"seq": None, "at": time.time(), "node": None, "kind": "ledger", "detail": ledger},
+                     sort_keys=True), flush=True)
 
 
 def events(args) -> int:
@@ -86,6 +100,7 @@ def events(args) -> int:
             print(f"No events of job {args.job}.")
         for event in rows:
             show(event)
+        _show_ledger(args, jc, rows)
         return 0
     state = jc.follow_events(args.job, show)
     if state != JobState.SUCCEEDED:

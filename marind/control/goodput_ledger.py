@@ -1,0 +1,241 @@
+"""Where a job's wall time went: the goodput ledger (docs/design.md §11, *the goodput ledger*).
+
+A pure fold over the job's history, in time order: its events (``marind.control.events``:
+``submitted``, ``node_joined``, ``restart``, ``node_lost``, ``hang_detected``, a terminal one...)
+and samples of global rank 0's progress record (``Sample``: step, phase, which generation of
+workers wrote it, when its rendezvous round closed). Every second from the job's submission to
+its end (or now) is charged to exactly one cause (``CAUSES``), so the parts add up to the wall
+time by construction:
+
+* ``waiting``: submitted, no node has joined yet;
+* ``rendezvous``: a node joined (its torchrun started) or a failure was noticed, until the next
+  round closed;
+* ``startup`` / ``restart``: the round closed, until its workers were restoring or training
+  (``startup`` for the first round, ``restart`` after);
+* ``restore``: workers in phase ``restoring``;
+* ``training``: steps completed above the highest step reached before (goodput);
+* ``recompute``: steps at or below it again, redone after a rollback to an older checkpoint;
+* ``checkpoint``: workers in phase ``checkpointing`` (a save that blocked training);
+* ``detection``: from the last step before a failure to the event that noticed it;
+* ``hang``: from the last step before a hang to ``hang_detected``;
+* ``shutdown``: after the last step, until the terminal event.
+
+Time after the last step is held back (``LedgerState.t`` stays at the last step) until the
+next observation says what it was: a step (training), a restart (detection), a hang. A view
+of the ledger (``close``) charges what is held back provisionally to the current mode.
+
+The state is plain JSON (``to_dict``/``from_dict``): the agent of global rank 0 keeps it in
+etcd and goes on folding where another agent left off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+#: Every cause the wall time is charged to; ``training`` is the goodput.
+CAUSES = ("training", "checkpoint", "waiting", "rendezvous", "startup", "restart", "restore", "recompute",
+          "detection", "hang", "shutdown")
+
+#: Events that say the running round failed (its time since the last step: detection).
+FAILURE_EVENTS = ("restart", "node_lost", "host_fenced", "group_failed")
+#: Events that end the job.
+TERMINAL_EVENTS = ("succeeded", "failed", "cancelled")
+_RUNNING = ("startup", "restart", "restore", "training", "recompute", "checkpoint")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Global rank 0's progress record as an agent saw it.
+
+    Attributes:
+        at: when the agent read it.
+        step: the record's step.
+        phase: the record's phase (``marind.core.progress.PHASES``).
+        gen: which workers wrote it (rank 0's pid): a new value is a new round.
+        round_at: when that round's rendezvous closed (``rdzv/round``'s ``at``), if known.
+    """
+
+    at: float
+    step: int
+    phase: str
+    gen: str
+    round_at: float | None = None
+
+
+@dataclass
+class LedgerState:
+    """The fold's state; ``seconds`` holds the time charged so far (up to ``t``)."""
+
+    start: float | None = None
+    t: float | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    mode: str = "waiting"
+    step: int = 0
+    best: int = 0               # the highest step reached before the current round
+    gen: str | None = None
+    rounds: int = 0
+    seq: int = 0                # the last event folded
+    end: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["seconds"] = {k: round(v, 3) for k, v in self.seconds.items()}
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict | None) -> LedgerState:
+        """A stored state; anything unreadable starts afresh."""
+        if not isinstance(raw, dict):
+            return cls()
+        known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+        try:
+            state = cls(**known)
+            state.seconds = {str(k): float(v) for k, v in dict(state.seconds or {}).items() if k in CAUSES}
+        except (TypeError, ValueError, AttributeError):
+            return cls()
+        return state
+
+
+def _charge(state: LedgerState, cause: str, until: float) -> None:
+    if state.t is not None and until > state.t:
+        state.seconds[cause] = state.seconds.get(cause, 0.0) + (until - state.t)
+        state.t = until
+
+
+def _begin(state: LedgerState, at: float, mode: str) -> None:
+    if state.start is None:
+        state.start, state.t, state.mode = at, at, mode
+
+
+def fold_event(state: LedgerState, event: dict) -> None:
+    """Fold one event (``{at, kind, seq?}``) into ``state`` (in place)."""
+    seq = int(event.get("seq") or 0)
+    if seq and seq <= state.seq:
+        return
+    state.seq = max(state.seq, seq)
+    if state.end is not None or not isinstance(event.get("at"), (int, float)):
+        return
+    at, kind = float(event["at"]), str(event.get("kind"))
+    _begin(state, at, "waiting")
+    assert state.t is not None
+    late = at < state.t        # written after later samples were folded: it changes no mode
+    if kind in TERMINAL_EVENTS:
+        cause = state.mode
+        if state.mode in _RUNNING:
+            cause = "shutdown" if kind != "failed" else "detection"
+        _charge(state, cause, at)
+        state.end = max(at, state.t)
+    elif kind in ("node_joined", "node_rejoined"):
+        if state.mode == "waiting":
+            _charge(state, "waiting", at)
+            state.mode = "rendezvous"
+    elif kind in FAILURE_EVENTS or kind == "hang_detected":
+        if state.mode in _RUNNING and not late:
+            _charge(state, "hang" if kind == "hang_detected" else "detection", at)
+            state.best, state.mode = max(state.best, state.step), "rendezvous"
+        elif not late:
+            _charge(state, state.mode, at)
+
+
+def fold_sample(state: LedgerState, s: Sample) -> None:
+    """Fold one progress sample into ``state`` (in place)."""
+    if state.end is not None:
+        return
+    _begin(state, s.at, "startup")
+    assert state.t is not None
+    if s.at <= state.t:
+        return
+    if s.gen != state.gen:
+        if state.gen is not None and state.mode in _RUNNING:
+            # a new round before any event said why: the failure is noticed here
+            _charge(state, "detection", s.round_at if s.round_at and s.round_at > state.t else s.at)
+        if s.round_at is not None and state.t < s.round_at < s.at:
+            _charge(state, "waiting" if state.mode == "waiting" else "rendezvous", s.round_at)
+        state.best = max(state.best, state.step)
+        state.mode = "startup" if state.rounds == 0 else "restart"
+        state.gen, state.step, state.rounds = s.gen, s.step, state.rounds + 1
+    boot = "startup" if state.rounds <= 1 else "restart"
+    if s.phase == "starting":
+        _charge(state, boot if state.mode in ("startup", "restart", "waiting", "rendezvous") else state.mode, s.at)
+        state.mode = boot
+    elif s.phase == "restoring":
+        _charge(state, "restore", s.at)
+        state.mode = "restore"
+    elif s.phase == "checkpointing":
+        _charge(state, "checkpoint", s.at)
+        state.mode = "checkpoint"
+    elif s.phase == "done":
+        _charge(state, _step_cause(state, s.step) if s.step > state.step else "shutdown", s.at)
+        state.mode = "shutdown"
+    elif s.step > state.step:          # training and a step went by
+        cause = _step_cause(state, s.step)
+        _charge(state, cause, s.at)
+        state.mode = cause
+    elif state.mode not in ("training", "recompute"):
+        # the record says training since it was written: before it, the workers were starting or restoring
+        _charge(state, state.mode if state.mode in ("startup", "restart", "restore", "checkpoint") else boot, s.at)
+        state.mode = _step_cause(state, s.step + 1)
+    state.step = max(state.step, s.step)
+
+
+def _step_cause(state: LedgerState, step: int) -> str:
+    return "recompute" if step <= state.best else "training"
+
+
+def fold(state: LedgerState, events: Iterable[dict], samples: Iterable[Sample]) -> LedgerState:
+    """Fold events and samples into ``state`` in time order (an event first at equal times)."""
+    merged: list[tuple[float, int, Any]] = [(float(e.get("at") or 0.0), 0, e) for e in events]
+    merged += [(s.at, 1, s) for s in samples]
+    for _, kind, item in sorted(merged, key=lambda x: (x[0], x[1], int(x[2].get("seq") or 0) if x[1] == 0 else 0)):
+        if kind == 0:
+            fold_event(state, item)
+        else:
+            fold_sample(state, item)
+    return state
+
+
+def close(state: LedgerState, now: float) -> dict[str, Any]:
+    """The ledger as shown: ``state`` with the time held back charged to its mode, up to its end or ``now``.
+
+    Returns:
+        ``{start, end, wall_s, seconds: {cause: s}, goodput, top: [[cause, s], ...], final}``;
+        ``seconds`` sums to ``wall_s`` (to rounding); ``top``: the loss causes, largest first.
+        Before anything happened: zeros.
+    """
+    if state.start is None or state.t is None:
+        return {"start": None, "end": None, "wall_s": 0.0, "seconds": {c: 0.0 for c in CAUSES},
+                "goodput": None, "top": [], "final": False}
+    end = state.end if state.end is not None else max(now, state.t)
+    seconds = dict(state.seconds)
+    if end > state.t:
+        seconds[state.mode] = seconds.get(state.mode, 0.0) + (end - state.t)
+    wall = end - state.start
+    shown = {c: round(seconds.get(c, 0.0), 3) for c in CAUSES}
+    top = sorted(((c, v) for c, v in shown.items() if c != "training" and v > 0), key=lambda x: -x[1])
+    return {"start": state.start, "end": end, "wall_s": round(wall, 3), "seconds": shown,
+            "goodput": round(seconds.get("training", 0.0) / wall, 4) if wall > 0 else None,
+            "top": [[c, v] for c, v in top], "final": state.end is not None}
+
+
+def compute(events: Iterable[dict], samples: Iterable[Sample], now: float) -> dict[str, Any]:
+    """The ledger of a whole history (``fold`` from scratch, then ``close``)."""
+    return close(fold(LedgerState(), events, samples), now)
+
+
+def summary_line(ledger: dict[str, Any], top: int = 3) -> str:
+    """``goodput 91.2% of 1h02m; lost: detection 40s, restart 25s, rendezvous 12s``."""
+    if ledger.get("goodput") is None:
+        return "goodput -"
+    causes = ", ".join(f"{c} {_dur(v)}" for c, v in ledger.get("top", [])[:top])
+    return f"goodput {100 * ledger['goodput']:.1f}% of {_dur(ledger['wall_s'])}" + (f"; lost: {causes}" if causes else "")
+
+
+def _dur(seconds: float) -> str:
+    s = int(round(seconds))
+    if s < 60:
+        return f"{seconds:.0f}s" if seconds >= 1 else f"{seconds:.1f}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"

@@ -1,0 +1,128 @@
+"""The goodput ledger on hand-written histories: each cause where it belongs, parts summing to the wall time."""
+
+from __future__ import annotations
+
+import pytest
+
+from marind.control import goodput_ledger as gl
+from marind.control.goodput_ledger import LedgerState, Sample
+
+pytestmark = pytest.mark.unit
+
+
+def ev(at: float, kind: str, seq: int) -> dict:
+    return {"at": at, "kind": kind, "seq": seq, "node": "n1", "detail": {}}
+
+
+def train(gen: str, t0: float, t1: float, step0: int, round_at: float | None = None) -> list[Sample]:
+    """Samples once a second from t0 to t1, a step each second from step0."""
+    out = [Sample(t0, step0, "starting", gen, round_at), Sample(t0 + 1, step0, "restoring", gen)]
+    step = step0
+    t = t0 + 2
+    while t <= t1:
+        step += 1
+        out.append(Sample(t, step, "training", gen))
+        t += 1
+    return out
+
+
+def assert_sums(ledger: dict) -> None:
+    assert abs(sum(ledger["seconds"].values()) - ledger["wall_s"]) < 0.01, ledger
+
+
+def test_a_clean_run_is_waiting_startup_restore_training_and_shutdown():
+    events = [ev(100, "submitted", 1), ev(103, "node_joined", 2), ev(150, "succeeded", 3)]
+    samples = train("p1", 106, 140, 0, round_at=105) + [Sample(141, 35, "done", "p1")]
+    ledger = gl.compute(events, samples, now=500)
+    s = ledger["seconds"]
+    assert ledger["wall_s"] == 50 and ledger["final"]
+    assert s["waiting"] == 3 and s["rendezvous"] == 2 and s["startup"] == 1 and s["restore"] == 1
+    assert s["training"] == 34 and s["shutdown"] == 9       # the done record at 141, the end at 150
+    assert s["recompute"] == s["detection"] == s["hang"] == 0
+    assert_sums(ledger)
+
+
+def test_a_kill_is_detection_rendezvous_restart_restore_and_recompute():
+    events = [ev(0, "submitted", 1), ev(0, "node_joined", 2),
+              ev(22.5, "restart", 3),                       # last step at 20, noticed 2.5 s later
+              ev(60, "succeeded", 4)]
+    first = train("p1", 1, 20, 0, round_at=0.5)             # steps 1..18 at 3..20
+    second = [Sample(26, 10, "starting", "p2", round_at=25), Sample(28, 10, "restoring", "p2")]
+    second += [Sample(28 + i, 10 + i, "training", "p2") for i in range(1, 20)]   # steps 11..29 at 29..47
+    ledger = gl.compute(events, first + second, now=99)
+    s = ledger["seconds"]
+    assert s["detection"] == 2.5
+    assert s["rendezvous"] == 0.5 + 2.5                     # the first round's close, then 22.5 -> 25
+    assert s["startup"] == 0.5 and s["restart"] == 1 and s["restore"] == 1 + 2
+    assert s["recompute"] == 8                               # steps 11..18 again
+    assert s["training"] == 18 + 11 and s["shutdown"] == 60 - 47
+    assert_sums(ledger)
+
+
+def test_a_hang_charges_the_stall_to_hang():
+    samples = train("p1", 0, 10, 0) + [Sample(10 + i, 9, "training", "p1") for i in range(1, 30)]
+    events = [ev(0, "node_joined", 1), ev(40, "hang_detected", 2), ev(42, "restart", 3)]
+    state = gl.fold(LedgerState(), events, samples)
+    ledger = gl.close(state, now=42)
+    assert ledger["seconds"]["hang"] == 30 and ledger["seconds"]["training"] == 9
+    assert ledger["seconds"]["rendezvous"] == 2
+    assert_sums(ledger)
+
+
+def test_time_held_back_is_shown_in_the_current_mode_and_settled_later():
+    state = gl.fold(LedgerState(), [ev(0, "node_joined", 1)], train("p1", 0, 10, 0) +
+                    [Sample(11, 9, "training", "p1"), Sample(12, 9, "training", "p1")])
+    view = gl.close(state, now=12.5)
+    assert view["seconds"]["training"] == 9 + 2.5 and not view["final"]
+    assert_sums(view)
+    gl.fold(state, [], [Sample(13, 10, "training", "p1")])
+    assert gl.close(state, now=13)["seconds"]["training"] == 12
+
+
+def test_a_power_off_seen_by_another_node_and_the_state_taken_over():
+    """One agent folds, stores the state, another reads it back and goes on (rank 0 moved)."""
+    state = gl.fold(LedgerState(), [ev(0, "node_joined", 1)], train("p1", 0, 20, 0))
+    stored = LedgerState.from_dict(state.to_dict())
+    events = [ev(0, "node_joined", 1), ev(31, "node_lost", 2), ev(31.2, "restart", 3)]
+    second = train("q7", 40, 50, 15, round_at=38)
+    gl.fold(stored, events, second)
+    s = gl.close(stored, now=50)["seconds"]
+    assert s["detection"] == 11 and s["rendezvous"] == 7 and s["restart"] == 2
+    assert s["recompute"] == 4 and s["training"] == 19 + 5
+
+
+def test_a_checkpoint_phase_and_a_late_event():
+    samples = train("p1", 0, 5, 0) + [Sample(6, 4, "checkpointing", "p1"), Sample(8, 5, "training", "p1")]
+    events = [ev(0, "node_joined", 1), ev(9, "succeeded", 3), ev(7, "checkpoint_committed", 2)]
+    ledger = gl.compute(events, samples, now=100)
+    # sampled once a second: the interval up to the record in phase checkpointing
+    assert ledger["seconds"]["checkpoint"] == 1 and ledger["seconds"]["training"] == 6 and ledger["wall_s"] == 9
+    assert_sums(ledger)
+
+
+def test_events_folded_twice_count_once_and_a_broken_state_starts_afresh():
+    state = gl.fold(LedgerState(), [ev(0, "node_joined", 1), ev(5, "restart", 2)], train("p1", 0, 4, 0))
+    before = state.to_dict()
+    gl.fold(state, [ev(5, "restart", 2)], [])
+    assert state.to_dict() == before
+    assert LedgerState.from_dict({"seconds": "x"}).start is None
+    assert LedgerState.from_dict(None).seconds == {}
+    assert gl.close(LedgerState(), now=5)["goodput"] is None
+
+
+def test_summary_line_names_goodput_and_the_top_causes():
+    ledger = gl.compute([ev(0, "node_joined", 1), ev(22.5, "restart", 2), ev(100, "cancelled", 3)],
+                        train("p1", 0, 20, 0) + train("p2", 30, 90, 0, round_at=29), now=0)
+    line = gl.summary_line(ledger, top=6)
+    assert line.startswith("goodput ") and "detection" in line and "lost:" in line
+
+
+def test_a_first_record_already_training_charges_the_wait_for_it_to_startup():
+    events = [ev(0, "node_joined", 1)]
+    samples = [Sample(10, 0, "training", "p1", round_at=4), Sample(11, 1, "training", "p1"),
+               Sample(20, 5, "training", "p2", round_at=15), Sample(21, 6, "training", "p2")]
+    ledger = gl.compute(events + [ev(14, "restart", 2)], samples, now=21)
+    s = ledger["seconds"]
+    assert s["rendezvous"] == 4 + 1 and s["startup"] == 6 and s["restart"] == 5 and s["detection"] == 3
+    assert s["training"] == 1 + 1
+    assert_sums(ledger)
