@@ -3,9 +3,12 @@
 The ``RunMonitor`` of a job with a membership watch keeps one ``NodeLosses``. Each
 report polls the job's node records (``poll``: ``Membership.poll``); a node gone is
 pending until ``act`` decides on it (``decisions.on_node_loss``): a node whose lease
-expired while this node's workers stalled is marked lost for the rendezvous, and the
-agent that records the loss (its claim wins) restarts its workers into a new round at
-once; the others' torchruns follow when it waits for them in the rendezvous. A loss
+expired while this node's workers stalled is marked lost for the rendezvous, one agent
+records the loss (its claim wins), and every agent whose workers stalled in a round with
+it restarts them into a new round at once: SIGKILL, since a worker blocked in a send to
+the lost node (no reset ever comes back from a powered-off host, nor over a one-way
+drop) would ignore the SIGTERM with which torchrun stops workers for a new round until
+its grace ends (30 s). A loss
 that the data-network watch declared and acted on already (``note_declared``) is dropped.
 """
 
@@ -80,12 +83,12 @@ class NodeLosses:
             first = members.claim(loss, {"action": action.value})
             del self.pending[node]
             self._waiting_logged.discard(node)
+            # every survivor whose workers stalled kills them, not only the one that records the loss: a
+            # worker blocked in a send to the lost node ignores torchrun's SIGTERM for its 30 s grace
+            killed = kill_workers() if action == LossAction.RESTART else []
             self.log.warning("node_lost", lost=node, cause=loss.cause, action=action.value, reason=why,
-                             recorded=first, rdzv_node=desc)
+                             recorded=first, rdzv_node=desc, killed=killed)
             if not first:
                 continue
-            killed: list[int] = []
-            if action == LossAction.RESTART:
-                killed = kill_workers()
             self.outbox.event(self.job, "node_lost", {"node": node, "cause": loss.cause, "action": action.value,
                                                       "reason": why, "killed": killed})

@@ -190,3 +190,42 @@ def test_a_ring_verdict_cuts_off_a_node_its_probers_lost():
         down = {p: long_ago for p in probed if n == "d" or p == "d"}
         rows[n] = row(n, probed, down, link_up=n != "d")
     assert cut_off(rows, now=NOW, window=WINDOW, fresh_s=FRESH)[0] == frozenset({"d"})
+
+
+def test_a_broken_pair_among_three_cuts_the_later_of_the_two():
+    """a's packets to b vanish (a one-way drop: TCP fails both ways); both still reach c. Nobody is isolated,
+    but the workers' collectives need the pair: b (the later by name) is cut off, a and c keep the job."""
+    long_ago = NOW - WINDOW - 1
+    rows = {"a": row("a", ["b", "c"], {"b": long_ago}), "b": row("b", ["a", "c"], {"a": long_ago}),
+            "c": row("c", ["a", "b"])}
+    cut, why = cut_off(rows, now=NOW, window=WINDOW, fresh_s=FRESH)
+    assert cut == frozenset({"b"}) and "a-b" in why
+    recent = NOW - WINDOW + 1
+    young = {**rows, "a": row("a", ["b", "c"], {"b": recent})}
+    assert cut_off(young, now=NOW, window=WINDOW, fresh_s=FRESH)[0] == frozenset()       # not for long enough
+
+
+def test_a_pair_silent_one_way_only_is_not_broken():
+    long_ago = NOW - WINDOW - 1
+    rows = {"a": row("a", ["b", "c"], {"b": long_ago}), "b": row("b", ["a", "c"]), "c": row("c", ["a", "b"])}
+    assert cut_off(rows, now=NOW, window=WINDOW, fresh_s=FRESH)[0] == frozenset()
+
+
+def test_the_fewest_nodes_that_leave_no_broken_pair_are_cut():
+    from marind.agent.liveness.data_decisions import broken_pairs, fewest_to_cut
+    assert fewest_to_cut([("a", "b")]) == frozenset({"b"})
+    assert fewest_to_cut([("a", "c"), ("b", "c"), ("c", "d")]) == frozenset({"c"})      # the one in most pairs
+    assert fewest_to_cut([("a", "b"), ("c", "d")]) == frozenset({"b", "d"})
+    assert fewest_to_cut([]) == frozenset()
+    long_ago = NOW - WINDOW - 1
+    rows = {"a": row("a", ["b"], {"b": long_ago}), "b": row("b", ["c"]), "c": row("c", ["a"])}   # a ring
+    assert broken_pairs(rows, now=NOW, window=WINDOW) == [("a", "b")]       # b does not probe a: a's word holds
+
+
+def test_a_node_cut_off_for_a_broken_pair_must_hear_from_its_partner_before_it_rejoins():
+    from marind.agent.liveness.data_decisions import must_answer
+    long_ago = NOW - WINDOW - 1
+    assert must_answer(row("b", ["a", "c"], {"a": long_ago}), {"a", "c"}) == frozenset({"a"})
+    assert must_answer(row("b", ["a", "c"], {"a": long_ago, "c": long_ago}), {"a", "c"}) == frozenset()  # isolated
+    assert must_answer(row("b", ["a"], {"a": long_ago}), {"a"}) == frozenset()
+    assert must_answer(None, {"a"}) == frozenset()

@@ -13,7 +13,13 @@ switch dropping traffic; or every link lost it) nobody can tell which side
 is lost, but a world of one node needs no data network: the first node by
 name keeps the job and the others are cut off (they fence and hold, and
 rejoin once a peer answers), instead of everyone waiting for
-``job.hang_timeout``.
+``job.hang_timeout``. When every node still reaches a peer but some pairs
+cannot reach each other (a one-way drop between two of three nodes: TCP
+needs both directions), the workers' collectives, which need every pair, are
+stuck all the same: the fewest nodes whose removal leaves no such **broken
+pair** are cut off (greedily: the node in most broken pairs first, the last
+by name on a tie, so the first by name keeps the job), and each holds the
+job until the peers it could not reach answer it (``must_answer``).
 
 ``on_data_loss`` turns the verdict into this node's action, like
 ``decisions.on_node_loss``: a survivor whose workers stalled restarts them
@@ -40,6 +46,8 @@ host's lease expires).
 from __future__ import annotations
 
 import hashlib
+import itertools
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -80,7 +88,7 @@ class ReachRow:
     at: float                                   # when it was published
     link_up: bool                               # its own data link has its carrier
     probed: frozenset[str]                      # the peers it probes
-    down: Mapping[str, float] = field(default_factory=dict)   # peer -> unreachable since
+    down: Mapping[str, float] = field(default_factory=dict)   # peer -> not answering steadily since
 
     @classmethod
     def from_record(cls, node: str, record: Mapping) -> ReachRow | None:
@@ -123,7 +131,13 @@ def cut_off(rows: Mapping[str, ReachRow], *, now: float, window: float, fresh_s:
         return frozenset(), "fewer than two nodes report their data reachability"
     isolated = {n for n, r in fresh.items() if r.reaches_none(nodes - {n}, now, window)}
     if not isolated:
-        return frozenset(), "every node reaches a peer on the data network"
+        pairs = broken_pairs(fresh, now=now, window=window)
+        if not pairs:
+            return frozenset(), "every node reaches a peer on the data network"
+        cut = fewest_to_cut(pairs)
+        return cut, (f"every node reaches a peer but {', '.join('-'.join(p) for p in pairs)} have not reached each "
+                     f"other for {window:g}s (the collectives need every pair): {sorted(cut)} cut off, the fewest "
+                     "that leave no such pair")
     unreached = {n for n in isolated
                  if any(n in fresh[o].probed for o in nodes - {n})
                  and all(fresh[o].down_for(n, now, window) for o in nodes - {n} if n in fresh[o].probed)}
@@ -144,6 +158,55 @@ def cut_off(rows: Mapping[str, ReachRow], *, now: float, window: float, fresh_s:
     links = "every data link lost its carrier" if down_links else "every data link keeps its carrier"
     return nodes - {keep}, (f"no node reaches another for {window:g}s and {links}: no side can tell, so "
                             f"{keep} (first by name) keeps the job alone and {sorted(nodes - {keep})} are cut off")
+
+
+def broken_pairs(rows: Mapping[str, ReachRow], *, now: float, window: float) -> list[tuple[str, str]]:
+    """The pairs of nodes that have not reached each other for ``window`` (pure).
+
+    A pair is broken when at least one of the two probes the other and each of them that does has had
+    the other down for ``window``: a silence one way only (the other probe still answered) is not.
+
+    Returns:
+        The broken pairs, each ``(first, second)`` by name, sorted.
+    """
+    out = []
+    for a, b in itertools.combinations(sorted(rows), 2):
+        probes = [(x, y) for x, y in ((a, b), (b, a)) if y in rows[x].probed]
+        if probes and all(rows[x].down_for(y, now, window) for x, y in probes):
+            out.append((a, b))
+    return out
+
+
+def fewest_to_cut(pairs: list[tuple[str, str]]) -> frozenset[str]:
+    """Nodes whose removal leaves none of ``pairs`` (pure; greedy, the same on every agent).
+
+    The node in most of the pairs left goes first; on a tie the last by name, so that the first
+    by name keeps the job, as when no side can tell (``cut_off``).
+    """
+    left, cut = set(pairs), set()
+    while left:
+        count = Counter(n for pair in left for n in pair)
+        worst = max(count, key=lambda n: (count[n], n))
+        cut.add(worst)
+        left = {pair for pair in left if worst not in pair}
+    return frozenset(cut)
+
+
+def must_answer(row: ReachRow | None, peers: frozenset[str] | set[str]) -> frozenset[str]:
+    """The peers a cut-off node must reach again before it starts its job again (pure).
+
+    Args:
+        row: its own row when it was cut off.
+        peers: the job's other nodes that were not cut off.
+
+    Returns:
+        Nothing when it reached none of the peers it probes (its own network is gone: any peer that
+        answers again shows it back); otherwise the peers among ``peers`` it could not reach (a
+        broken pair: rejoining while they still cannot reach it would stall the world again).
+    """
+    if row is None or not row.probed or row.probed <= set(row.down):
+        return frozenset()
+    return frozenset(p for p in row.down if p in peers)
 
 
 class DataAction(str, Enum):

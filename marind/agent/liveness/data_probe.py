@@ -13,7 +13,10 @@ answered and since when it has not (``PeerState``). Only the greeting with the
 peer's token counts as reached: a cut link answers nothing (no RST) and the
 probe times out; a REJECT rule, a closed port or another program on the port
 answer, but not with the greeting. The listener's thread writes the greeting
-at once, so a busy agent still answers.
+at once, so a busy agent still answers. A peer answers **steadily** once it
+answered every probe for ``STEADY_S`` (``PeerState.flaky_since`` clears only
+then): over a lossy link, probes fail and answer by turns, and one answer
+says little about whether the workers' collectives can get through.
 
 ``link_up`` says whether the interface that holds the data address has its
 carrier (``IFF_RUNNING``): a host whose own data link is down is the one cut
@@ -40,6 +43,8 @@ from marind.doctor_cluster.probe import own_address
 PROBE_S = 1.0
 #: a connect and greeting that take longer count as unreachable
 CONNECT_TIMEOUT_S = 1.0
+#: a peer that answered every probe for this long answers **steadily** (three probes in a row at ``PROBE_S``)
+STEADY_S = 2.0
 
 
 #: a peer's published data endpoint: (addr, port, token; None from an agent that publishes none)
@@ -54,6 +59,12 @@ class PeerState:
     down_since: float | None     # the first failed probe since the last success (None: it answers)
     checked_at: float            # the last probe
     outcome: str                 # its outcome (``"ok"``, ``"timeout"``, ``"refused"``, ``"not_a_probe"``, ...)
+    up_since: float | None = None      # the first answer of the answers in a row up to now (None: the last failed)
+    flaky_since: float | None = None   # the first failed probe since it last answered steadily (None: steady)
+
+    def steady_for(self, now: float) -> float:
+        """How long it has answered every probe (0 when the last one failed)."""
+        return 0.0 if self.up_since is None else now - self.up_since
 
 
 def data_address() -> str:
@@ -177,7 +188,14 @@ class DataProber:
 
     @staticmethod
     def _next(prev: PeerState | None, outcome: str, now: float) -> PeerState:
+        """The state after a probe: ``down_since`` clears on one answer, ``flaky_since`` only once the
+        answers come ``STEADY_S`` in a row (a lossy link, whose probes fail and answer by turns, stays flaky)."""
         if reached(outcome):
-            return PeerState(ok_at=now, down_since=None, checked_at=now, outcome=outcome)
+            up = prev.up_since if prev is not None and prev.up_since is not None else now
+            flaky = None if prev is None or now - up >= STEADY_S else prev.flaky_since
+            return PeerState(ok_at=now, down_since=None, checked_at=now, outcome=outcome, up_since=up,
+                             flaky_since=flaky)
         since = prev.down_since if prev is not None and prev.down_since is not None else now
-        return PeerState(ok_at=prev.ok_at if prev else None, down_since=since, checked_at=now, outcome=outcome)
+        flaky_since = prev.flaky_since if prev is not None and prev.flaky_since is not None else now
+        return PeerState(ok_at=prev.ok_at if prev else None, down_since=since, checked_at=now, outcome=outcome,
+                         flaky_since=flaky_since)

@@ -18,15 +18,17 @@ watch's own state, apart from the ``RunMonitor``). Each tick, for each run:
    isolation is;
 4. every node judges the rows alike (``data_decisions.cut_off``) and acts
    (``data_decisions.on_data_loss``): a survivor marks the cut-off node's
-   torchrun lost for the rendezvous (``rdzv/lost/{desc}``), and the agent whose
-   claim of ``departed/{node}/{incarnation}`` wins writes ``node_lost`` (cause
-   ``data_network_gone``) and, when its workers stalled, SIGKILLs them: a new
-   round without it, no ``hang_timeout`` (torchft: no kill; the replica groups'
+   torchrun lost for the rendezvous (``rdzv/lost/{desc}``) and, when its workers
+   stalled, SIGKILLs them (every such survivor, ``marind.agent.node_losses``), and
+   the agent whose claim of ``departed/{node}/{incarnation}`` wins writes
+   ``node_lost`` (cause ``data_network_gone``): a new round without it, no ``hang_timeout`` (torchft: no kill; the replica groups'
    quorum goes on without it); the ``RunMonitor`` is told (``note_member_lost``) so
    that it does not act on the loss again. The cut-off node fences its run (the
    agent's ``fence``, ``Fencing.fence_replaced``: everything SIGKILLed, queued writes dropped, a new
    registration, ``host_fenced``) and **holds** the job: it starts it again
-   (``node_rejoined``) only once a peer's data endpoint answers again. A torchft
+   (``node_rejoined``) only once a peer's data endpoint answers again, every probe
+   for a lease TTL (cut off for a broken pair, ``data_decisions.must_answer``: once
+   every peer it could not reach does so, or has left the cluster). A torchft
    node fences even while its group steps (alone it would train a world of its
    own) and gives up its replica-group slot and, if it holds it, the lighthouse,
    so the connected nodes elect one they reach.
@@ -56,12 +58,14 @@ from marind.agent.liveness.data_decisions import (
     ReachRow,
     commit_fence_due,
     cut_off,
+    must_answer,
     on_data_loss,
     probe_targets,
 )
 from marind.agent.liveness.data_probe import DataProber, Endpoint, link_up
 from marind.agent.liveness.silence import HOST_SILENT, on_silent_peer, silent_peer, stall_for, suspect
 from marind.agent.membership import Loss
+from marind.core.errors import ControlPlaneUnavailable
 from marind.core.lease_file import silent_window, write_lease
 from marind.core.log import get_logger
 
@@ -113,11 +117,15 @@ class DataWatch:
         return out
 
     def refresh(self) -> tuple[dict[str, float], frozenset[str]]:
-        """Probe the current peers; (peer -> silent since, the peers probed so far)."""
+        """Probe the current peers; (peer -> not answering steadily since, the peers probed so far).
+
+        ``flaky_since``, not ``down_since``: a peer behind a lossy link, whose probes fail and answer
+        by turns, counts as down until it answers steadily again (``data_probe.STEADY_S``).
+        """
         peers = self.peers()
         self.prober.want(self.run.job, peers)
         states = self.prober.states(self.run.job)
-        return ({p: s.down_since for p, s in states.items() if s.down_since is not None},
+        return ({p: s.flaky_since for p, s in states.items() if s.flaky_since is not None},
                 frozenset(states))
 
     def update_fence(self, now: float, registry: NodeRegistry) -> None:
@@ -159,10 +167,12 @@ class DataWatch:
 
 @dataclass(frozen=True)
 class Hold:
-    """A job this node fenced because its data network was gone: not started until a peer answers."""
+    """A job this node fenced because its data network was gone: not started until a peer answers
+    (``must``: until each of those answers, or has left the cluster)."""
 
     since: float
     peers: tuple[str, ...]
+    must: tuple[str, ...] = ()
 
 
 class DataNetwork:
@@ -173,10 +183,14 @@ class DataNetwork:
         outbox: the agent's outbox (events).
         registry: this node's registration (lease times for ``lease.json``).
         fresh_s: rows published longer ago are ignored.
+        steady_s: a held job starts again once a peer answered every probe for this long
+            (default ``fresh_s``, the lease TTL: a lossy link, answering by turns, does not let it flap back).
     """
 
-    def __init__(self, node: str, outbox: Outbox, registry: NodeRegistry, *, fresh_s: float):
+    def __init__(self, node: str, outbox: Outbox, registry: NodeRegistry, *, fresh_s: float,
+                 steady_s: float | None = None):
         self.node, self.outbox, self.registry, self.fresh_s = node, outbox, registry, fresh_s
+        self.steady_s = fresh_s if steady_s is None else steady_s
         self.prober = DataProber().start()
         self.holds: dict[str, Hold] = {}
         self.watches: dict[str, DataWatch] = {}     # job -> the watch of the run of it now
@@ -211,14 +225,27 @@ class DataNetwork:
         hold = self.holds.get(job)
         if hold is None:
             return True
-        states = self.prober.states(f"hold:{job}")
-        back = [p for p, s in states.items() if s.ok_at is not None and s.ok_at > hold.since and s.down_since is None]
+        states, now = self.prober.states(f"hold:{job}"), time.time()
+        steady = {p: s for p, s in states.items()     # answering every probe for a lease TTL
+                  if s.up_since is not None and s.steady_for(now) >= self.steady_s}
+        if hold.must:       # a broken pair: the peers it could not reach must answer (or be gone); the others
+            back = sorted(steady) if all(p in steady or not self._registered(p) for p in hold.must) else []
+        else:               # it reached nobody: only answers that began after the hold show its network back
+            back = sorted(p for p, s in steady.items() if s.up_since is not None and s.up_since > hold.since)
         if (back or not hold.peers) and link_up(self.prober.addr):
             self.log.info("data_network_back", job=job, reached=back, held_s=round(time.time() - hold.since, 1))
             del self.holds[job]
             self.prober.drop(f"hold:{job}")
             return True
         return False
+
+    def _registered(self, node: str) -> bool:
+        """Is ``node`` registered (its lease alive)? True when etcd cannot tell now."""
+        client = self.registry.client
+        try:
+            return client.get(client.key("nodes", node))[0] is not None
+        except ControlPlaneUnavailable:
+            return True
 
     def prune(self, runs: dict[str, RunMonitor]) -> None:
         """Stop probing for jobs no longer run here (held ones go on), and forget their watches."""
@@ -266,7 +293,8 @@ class DataNetwork:
                                           torchft=run.ft is not None)
         if action == DataAction.FENCE:
             peers = {p: ep for p, ep in watch.endpoints().items() if p not in cut}   # every one, not the ring
-            self.holds[run.job] = Hold(since=now, peers=tuple(sorted(peers)))
+            must = must_answer(rows.get(run.node), frozenset(peers))
+            self.holds[run.job] = Hold(since=now, peers=tuple(sorted(peers)), must=tuple(sorted(must)))
             self.prober.want(f"hold:{run.job}", peers)
             self.prober.drop(run.job)
             fence(run, f"{why} ({verdict})", now)
@@ -334,8 +362,8 @@ class DataNetwork:
 
     def _declare(self, run: RunMonitor, watch: DataWatch, loss: Loss, desc: str | None, action: str, reason: str,
                  *, restart: bool, log: dict | None = None, event: dict | None = None) -> None:
-        """Mark ``loss``'s torchrun lost for the rendezvous and claim the loss; the agent whose claim wins
-        SIGKILLs its workers when ``restart`` and writes ``node_lost`` (with ``event``'s fields). The run
+        """Mark ``loss``'s torchrun lost for the rendezvous, SIGKILL this node's workers when ``restart`` and
+        claim the loss; the agent whose claim wins writes ``node_lost`` (with ``event``'s fields). The run
         is told (``RunMonitor.note_member_lost``): it does not act on the loss again."""
         members = run.members
         assert members is not None
@@ -343,11 +371,11 @@ class DataNetwork:
         first = members.claim(loss, {"action": action})
         watch.acted.add((loss.node, loss.incarnation))
         run.note_member_lost(loss)
+        killed = run.kill_workers() if restart else []     # every stalled survivor (``node_losses``: SIGTERM waits)
         self.log.warning("node_lost", job=run.job, lost=loss.node, cause=loss.cause, action=action, reason=reason,
-                         recorded=first, rdzv_node=desc, **(log or {}))
+                         recorded=first, rdzv_node=desc, killed=killed, **(log or {}))
         if not first:
             return
-        killed = run.kill_workers() if restart else []
         self.outbox.event(run.job, "node_lost", {"node": loss.node, "cause": loss.cause, "action": action,
                                                  "reason": reason, "killed": killed, **(event or {})})
 
