@@ -14,7 +14,7 @@ imports ``tests``):
   tiny dataset (the daemon benchmarks);
 * ``marind.testing.hosts``: the multi-host bed (network namespaces with their own
   hostnames, a control and a data network; ``hosts_plan`` names it, ``hosts_net``
-  makes it);
+  makes it, ``hosts_filter`` makes its links half work: one-way drops, loss);
 * ``marind.testing.slurm_bed``: a real Slurm on that bed (a slurmd per host, slurmctld and
   munged on the bridge side), for ``examples/slurm``;
 * ``marind.testing.chaos``: the library behind the ``chaos/`` injectors.

@@ -35,11 +35,14 @@ Which network carries what:
 Faults: ``cut``/``restore`` set a link's outer end down/up (the bridge then
 drops the host's frames without a reset; the host's inner end loses its
 carrier); ``power_off``/``power_on`` also SIGSTOP/SIGCONT the host's
-processes. ``chaos/power_off.py`` and ``chaos/partition.py`` act on a bed
+processes. Links that half work (``drop_one_way``, ``lossy``, ``heal``) are
+nftables filters in the hosts' own namespaces (``marind.testing.hosts_filter``;
+they need ``nft``: ``nft_unavailable()`` says why not). ``chaos/power_off.py`` and ``chaos/partition.py`` act on a bed
 through its state file (``bed.json`` in the bed's directory; scripts take
 ``--bed DIR`` or ``MARIND_BED``). Nothing global is changed: no forwarding,
-no default route in a host, no firewall rule, addresses only on the bed's
-own bridges and veths. ``close()`` (also on an exception inside ``with``)
+no default route in a host, no firewall rule in the root namespace (the
+filters are in the hosts' namespaces, in a table of the bed's own),
+addresses only on the bed's own bridges and veths. ``close()`` (also on an exception inside ``with``)
 kills every process in every host's namespace and every process group
 the bed started, stops the servers, and deletes the namespaces, links,
 bridges and ``/etc/netns`` entries; ``leftovers()`` lists what remains.
@@ -62,6 +65,8 @@ from marind.core.log import get_logger
 from marind.testing import hosts_net as net
 from marind.testing.chaos import host_faults
 from marind.testing.chaos.host_faults import Frozen
+from marind.testing.etcd_cluster import EtcdCluster
+from marind.testing.hosts_filter import Filters, fault_key, lossy_rules, nft_unavailable, one_way_rules
 from marind.testing.hosts_net import BedError, bed_unavailable
 from marind.testing.hosts_plan import (
     BED_ENV,
@@ -82,7 +87,7 @@ from marind.testing.hosts_sweep import register, remove_network, sweep_stale, un
 from marind.testing.procs import REPO_ROOT, kill_group, spawn
 from marind.testing.s3_server import SeaweedS3
 
-__all__ = ["HostBed", "BedError", "bed_unavailable", "nets_of", "BED_ENV"]
+__all__ = ["HostBed", "BedError", "bed_unavailable", "nft_unavailable", "nets_of", "BED_ENV"]
 
 log = get_logger("testing.hosts")
 
@@ -99,22 +104,26 @@ class HostBed:
         root: the bed's directory (state file, logs, server data, agents' state dirs).
         names: the hostnames.
         etcd: start etcd on the control network.
+        etcd_members: how many etcd members (1, or a real cluster of 3 or 5 whose leader and
+            members a scenario can kill: ``bed.etcd`` is then an ``EtcdCluster``).
         s3: start S3 (SeaweedFS) on the control network.
         seed: seeds the bed's id and subnets (default: random).
     """
 
     def __init__(self, root: str | os.PathLike, names: list[str] | tuple[str, ...] = ("host1", "host2"), *,
-                 etcd: bool = True, s3: bool = False, seed: int | None = None):
+                 etcd: bool = True, s3: bool = False, seed: int | None = None, etcd_members: int = 1):
         self.root = Path(root)
+        self.etcd_members = etcd_members
         self.names = list(names)
         self.want_etcd, self.want_s3 = etcd, s3
         self._seed = seed
         self._rng = random.Random(seed)
         self.plan: BedPlan | None = None
-        self.etcd: LocalEtcd | None = None
+        self.etcd: LocalEtcd | EtcdCluster | None = None
         self.s3: SeaweedS3 | None = None
         self._procs: list[subprocess.Popen] = []
         self._holders: dict[str, subprocess.Popen] = {}
+        self._filters: Filters | None = None
 
     # -- building and tearing down ---------------------------------------------------------------
 
@@ -173,13 +182,18 @@ class HostBed:
             hosts.append(replace(host, holder_pid=holder.pid))
         self.plan = replace(plan, hosts=tuple(hosts))
         addr = plan.server_addrs[CONTROL]
-        if self.want_etcd:
+        if self.want_etcd and self.etcd_members > 1:
+            self.etcd = EtcdCluster(self.root / "etcd", self.etcd_members, host=addr).start()
+            self.plan = replace(self.plan, etcd=self.etcd.endpoints)
+        elif self.want_etcd:
             self.etcd = LocalEtcd(self.root / "etcd" / "data", host=addr).start()
             self.plan = replace(self.plan, etcd=self.etcd.endpoint)
         if self.want_s3:
             self.s3 = SeaweedS3(self.root / "s3", host=addr).start()
             self.plan = replace(self.plan, s3=self.s3.endpoint)
-        servers = [server.pid for server in (self.etcd, self.s3) if server is not None]
+        servers = [server.pid for server in (self.etcd, self.s3) if isinstance(server, LocalEtcd | SeaweedS3)]
+        if isinstance(self.etcd, EtcdCluster):
+            servers += [m.pid for m in self.etcd.members]
         register(self.plan, [pid for pid in servers if pid])
         write_state(self.state_path, self.plan)
 
@@ -192,6 +206,12 @@ class HostBed:
         if self.plan is None:
             return
         plan = self.plan
+        if self._filters is not None:
+            try:
+                self._filters.remove()      # the namespaces' deletion below takes the tables anyway
+            except BedError as exc:
+                log.warning("filters_not_removed", error=str(exc))
+            self._filters = None
         for proc in self._procs:
             kill_group(proc)
         for host in plan.hosts:
@@ -366,6 +386,36 @@ class HostBed:
         net.set_links(veths, up=True)
         net.set_forwarding(veths, on=True)
         return veths
+
+    # -- half-working links (nftables in the hosts' namespaces: marind.testing.hosts_filter) --------
+
+    def drop_one_way(self, src: str, dst: str, which: str = DATA) -> list[str]:
+        """``src``'s packets to ``dst`` on ``control``/``data``/``both`` vanish, ``dst``'s to ``src`` arrive
+        (TCP fails both ways: half its handshake is gone); the hosts whose filters changed.
+
+        Raises:
+            BedError: no ``nft`` here (``nft_unavailable``), or it refused the rules.
+        """
+        return self._filters_of().add(fault_key("one-way", src, dst, which=which),
+                                      one_way_rules(self._plan(), src, dst, which))
+
+    def lossy(self, name: str, which: str = DATA, percent: float = 25) -> list[str]:
+        """``percent`` (whole, 1..100) of host ``name``'s IPv4 packets on ``which`` vanish, each way, each
+        packet drawn alone (a second call replaces the share); the hosts whose filters changed.
+
+        Raises:
+            BedError: no ``nft`` here, or it refused the rules.
+        """
+        return self._filters_of().add(fault_key("lossy", name, which=which),
+                                      lossy_rules(self._plan(), name, which, percent))
+
+    def heal(self, name: str | None = None) -> list[str]:
+        """Remove the filters of every fault involving host ``name`` (None: all); the faults removed."""
+        return self._filters.remove(name) if self._filters is not None else []
+
+    def _filters_of(self) -> Filters:
+        self._filters = self._filters or Filters(self._plan())
+        return self._filters
 
     def power_off(self, name: str) -> list[Frozen]:
         """What ``chaos/power_off.py`` does, in process: cut both links, SIGSTOP every process.

@@ -2,7 +2,8 @@
 
 The one skip of the bed: where ``bed_unavailable()`` gives a reason (not
 root, no iproute2/util-linux, namespaces forbidden) the bed tests skip
-with that line. Every bed is torn down after its test, pass or fail, and
+with that line; the tests of its filters also where ``nft_unavailable()``
+does. Every bed is torn down after its test, pass or fail (``built_bed``), and
 the test fails if anything of it is left.
 """
 
@@ -12,10 +13,11 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 
-from marind.testing.hosts import HostBed, bed_unavailable
+from marind.testing.hosts import HostBed, bed_unavailable, nft_unavailable
 
 PORT = 7411
 
@@ -27,15 +29,30 @@ def require_bed() -> None:
         pytest.skip(reason)
 
 
-@pytest.fixture
-def bed(tmp_path):
+def require_nft() -> None:
+    """Skip the calling test, with the reason, where no bed can be built or its filters (``nft``)
+    cannot be used (``HostBed.drop_one_way``/``lossy``)."""
     require_bed()
-    hb = HostBed(tmp_path / "bed", ["host1", "host2"]).start()
+    reason = nft_unavailable()
+    if reason:
+        pytest.skip(reason)
+
+
+def built_bed(tmp_path, names: list[str], **kw) -> Iterator[HostBed]:
+    """A bed of ``names`` under ``tmp_path`` for a fixture to yield (``HostBed``'s keywords), torn down
+    after the test, pass or fail; the teardown fails if anything of it is left."""
+    hb = HostBed(tmp_path / "bed", names, **kw).start()
     try:
         yield hb
     finally:
         hb.close()
     assert hb.leftovers() == []
+
+
+@pytest.fixture
+def bed(tmp_path):
+    require_bed()
+    yield from built_bed(tmp_path, ["host1", "host2"])
 
 
 def serve(hb: HostBed, host: str, port: int = PORT) -> subprocess.Popen:

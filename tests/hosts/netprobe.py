@@ -2,12 +2,16 @@
 
     python -m tests.hosts.netprobe serve PORT
     python -m tests.hosts.netprobe probe ADDR PORT [--timeout S] [--wait-file F]
+    python -m tests.hosts.netprobe udp-sink PORT --stop-file F
+    python -m tests.hosts.netprobe udp-send ADDR PORT COUNT
 
 ``probe`` connects, checks one echo, then (with ``--wait-file F``) writes
 ``F.ready``, waits for F to appear and checks a second echo on the same connection. It
 prints one JSON line: ``connect`` and ``recv`` are ``ok``, ``timeout``,
 ``refused``, ``reset`` or ``unreachable``; ``local``/``hostname`` say where
-it ran from.
+it ran from. ``udp-sink`` prints ``{"ready": true}`` once bound, counts datagrams until F
+appears, then prints ``{"received": N}``; ``udp-send`` sends COUNT one-byte
+datagrams, paced (one-way traffic: TCP cannot tell the directions of a one-way drop apart).
 """
 
 from __future__ import annotations
@@ -75,6 +79,42 @@ def probe(addr: str, port: int, timeout: float, wait_file: str | None) -> dict:
     return out
 
 
+def udp_sink(port: int, stop_file: str) -> None:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:        # root may exceed rmem_max: no datagram lost to a full buffer while this process waits for a CPU
+        sock.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_RCVBUFFORCE", 33), 1 << 22)
+    except OSError:
+        pass
+    sock.bind(("0.0.0.0", port))
+    sock.settimeout(0.1)
+    print(json.dumps({"ready": True}), flush=True)
+    received = 0
+    deadline = time.monotonic() + 120
+    while not os.path.exists(stop_file) and time.monotonic() < deadline:
+        try:
+            sock.recv(64)
+            received += 1
+        except TimeoutError:
+            pass
+    sock.setblocking(False)
+    try:
+        while True:
+            sock.recv(64)
+            received += 1
+    except BlockingIOError:
+        pass
+    print(json.dumps({"received": received}), flush=True)
+
+
+def udp_send(addr: str, port: int, count: int) -> None:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for i in range(count):
+        sock.sendto(b"x", (addr, port))
+        if i % 50 == 49:
+            time.sleep(0.01)        # no burst beyond the receiver's buffer
+    print(json.dumps({"sent": count}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -85,9 +125,20 @@ def main() -> None:
     p.add_argument("port", type=int)
     p.add_argument("--timeout", type=float, default=2.0)
     p.add_argument("--wait-file")
+    u = sub.add_parser("udp-sink")
+    u.add_argument("port", type=int)
+    u.add_argument("--stop-file", required=True)
+    v = sub.add_parser("udp-send")
+    v.add_argument("addr")
+    v.add_argument("port", type=int)
+    v.add_argument("count", type=int)
     args = parser.parse_args()
     if args.cmd == "serve":
         serve(args.port)
+    elif args.cmd == "udp-sink":
+        udp_sink(args.port, args.stop_file)
+    elif args.cmd == "udp-send":
+        udp_send(args.addr, args.port, args.count)
     else:
         print(json.dumps(probe(args.addr, args.port, args.timeout, args.wait_file)), flush=True)
 
