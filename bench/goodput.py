@@ -65,9 +65,9 @@ from marind.testing.cluster import make_data, marind, submit
 from marind.testing.hosts import HostBed, bed_unavailable
 
 if __package__:     # imported as bench.goodput (the tests)
-    from bench.goodput_common import SPEC, Job, kept_step_seconds, percentile
+    from bench.goodput_common import SPEC, Job, job_ledger, kept_step_seconds, ledger_check, percentile
 else:               # run as a script: bench/ is sys.path[0] (goodput_torchft imports the same module)
-    from goodput_common import SPEC, Job, kept_step_seconds, percentile
+    from goodput_common import SPEC, Job, job_ledger, kept_step_seconds, ledger_check, percentile
 
 PHASES = ("detection", "rendezvous", "restart", "restore", "first_step")
 FLOORS = {"goodput_min": 0.85, "recovery_p50_max_s": 15.0}
@@ -183,6 +183,7 @@ def run_job(root: Path, etcd: LocalEtcd | None, data: str, *, name: str, nodes: 
         time.sleep(max(0.0, end - time.time()))
         lines = job.step_lines()
         marind(["cancel", job.id], site.endpoint, prefix, timeout=60)
+        ledger = job_ledger(site.endpoint, prefix, job.id)
     finally:
         site.stop(agents)
     first = min((ln.at - ln.step_s for ln in lines), default=end)
@@ -192,7 +193,8 @@ def run_job(root: Path, etcd: LocalEtcd | None, data: str, *, name: str, nodes: 
             "steps_kept": kept_n, "steps_run": runs, "kept_step_s": round(kept_s, 2),
             "goodput": round(kept_s / (end - t0), 4),
             "goodput_steady": round(kept_s / max(1e-9, end - first), 4),
-            "failures": [f.to_json() for f in failures]}
+            "failures": [f.to_json() for f in failures],
+            "ledger": ledger, "ledger_check": ledger_check(ledger, round(kept_s / (end - t0), 4))}
 
 
 def summarize(run: dict) -> dict:

@@ -147,3 +147,26 @@ def kill_one(job: Job, etcd: str, prefix: str, seed: int) -> dict:
     res = subprocess.run(kill_cmd(job.id, etcd, prefix, seed), env=env(), capture_output=True, text=True,
                          timeout=60, cwd=REPO)
     return kill_line(res)
+
+
+def job_ledger(endpoint: str, prefix: str, job: str) -> dict:
+    """The job's goodput ledger as marind keeps it (``marind events JOB --json``'s last line), beside
+    the bench's own outside measurement; ``{"error": ...}`` when it cannot be read."""
+    from marind.control.job_history import read_ledger
+    from marind.core.errors import MarindError
+    from marind.core.etcd_client import EtcdClient
+
+    try:
+        with EtcdClient(endpoint, prefix=prefix) as client:
+            return read_ledger(client, job)
+    except (MarindError, OSError, ValueError) as exc:   # reported, rather than losing the run
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def ledger_check(ledger: dict, outside_goodput: float) -> dict:
+    """How the ledger compares with the outside figure: the parts' sum against its wall time, the goodputs."""
+    if "seconds" not in ledger or ledger.get("goodput") is None:
+        return {"readable": False}
+    parts = sum(ledger["seconds"].values())
+    return {"readable": True, "parts_minus_wall_s": round(parts - ledger["wall_s"], 3),
+            "goodput_minus_outside": round(ledger["goodput"] - outside_goodput, 4)}

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from bench.goodput import phase_split
-from bench.goodput_common import StepLine, kept_step_seconds, parse_step_lines, percentile
+from bench.goodput_common import StepLine, kept_step_seconds, ledger_check, parse_step_lines, percentile
 from marind.testing.procs import REPO_ROOT, base_env
 
 
@@ -57,6 +57,17 @@ def test_quick_goodput_run_has_the_promised_shape():
     assert set(el["summary"]["recovery_s"]) == {"detection", "rendezvous", "restart", "restore",
                                                 "first_step", "total"}
     assert "elastic_goodput_over_baseline" in doc["ratios"] and "goodput_met" in doc["floors"]
+    # marind's own ledger beside the outside figure: its parts add up, its causes name the kill
+    for run in (base, el):
+        assert run["ledger_check"]["readable"] and abs(run["ledger_check"]["parts_minus_wall_s"]) < 1.0, run["ledger"]
+    assert el["ledger"]["seconds"]["detection"] > 0 and el["ledger"]["final"]
+
+
+@pytest.mark.unit
+def test_ledger_check_compares_the_parts_and_the_goodputs():
+    ledger = {"wall_s": 10.0, "seconds": {"training": 8.0, "detection": 2.0}, "goodput": 0.8}
+    assert ledger_check(ledger, 0.75) == {"readable": True, "parts_minus_wall_s": 0.0, "goodput_minus_outside": 0.05}
+    assert ledger_check({"error": "x"}, 0.5) == {"readable": False}
 
 
 @pytest.mark.unit
