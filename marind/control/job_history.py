@@ -26,6 +26,12 @@ def series_key(client: EtcdClient, job: str) -> str:
     return client.key("jobs", job, "series")
 
 
+def start_ledger(client: EtcdClient, job: str, at: float | None = None) -> None:
+    """At submission: the ledger starts, waiting for nodes (``waiting`` until a node joins)."""
+    now = time.time() if at is None else at
+    client.put_json(ledger_key(client, job), {"state": gl.LedgerState(start=now, t=now, mode="waiting").to_dict()})
+
+
 def ledger_from(stored: Any, events: list[dict], now: float) -> dict[str, Any]:
     """The ledger shown: the stored fold state (or none) with ``events`` folded in, closed at ``now`` (pure)."""
     state = gl.LedgerState.from_dict(stored.get("state") if isinstance(stored, dict) else None)

@@ -126,3 +126,11 @@ def test_a_first_record_already_training_charges_the_wait_for_it_to_startup():
     assert s["rendezvous"] == 4 + 1 and s["startup"] == 6 and s["restart"] == 5 and s["detection"] == 3
     assert s["training"] == 1 + 1
     assert_sums(ledger)
+
+
+def test_a_ledger_started_at_submission_counts_the_wait_for_nodes():
+    stored = LedgerState(start=100, t=100, mode="waiting").to_dict()         # what `marind submit` writes
+    state = gl.fold(LedgerState.from_dict(stored), [ev(130, "node_joined", 1)],
+                    [Sample(140, 0, "training", "p1", round_at=135), Sample(141, 1, "training", "p1")])
+    s = gl.close(state, now=141)["seconds"]
+    assert s["waiting"] == 30 and s["rendezvous"] == 5 and s["startup"] == 5 and s["training"] == 1
