@@ -15,7 +15,9 @@ internal, grouped by stage:
 * ``save/``: a save's stages: gather, snapshot, hand-off to a writer (thread or process), each
   rank's part, the fence and the commit;
 * ``load/``: a load into any layout, the newest step that loads clean, ``verify``;
-* ``export/``: safetensors files for tools that do not read Zarr (public).
+* ``export/``: safetensors files for tools that do not read Zarr (public);
+* ``memory/``: the memory tier: checkpoints in the hosts' memory, each part replicated on the
+  next node of a ring (``MemoryTier``, and the ring's pure placement math, public here).
 
 The store classes load on first use, so the writer process (``python -m
 ckpt_store.save.writer_process``) runs without importing torch.
@@ -33,10 +35,13 @@ from ckpt_store.errors import (
 
 __all__ = ["CheckpointStore", "PendingSave", "VerifyReport", "CheckpointError",
            "CheckpointNotFound", "CheckpointCorrupt", "CheckpointMismatch", "CheckpointSaveFailed",
-           "CheckpointFormatUnsupported", "CheckpointStorageUnavailable", "all_ranks_ok", "all_gather_json"]
+           "CheckpointFormatUnsupported", "CheckpointStorageUnavailable", "all_ranks_ok", "all_gather_json",
+           "MemoryTier", "MemoryStep", "survives", "memory_needed", "memory_fits"]
 
 _LAZY = {"CheckpointStore": "store", "PendingSave": "store", "VerifyReport": "store",
-         "all_ranks_ok": "agreement", "all_gather_json": "agreement"}
+         "all_ranks_ok": "agreement", "all_gather_json": "agreement",
+         "MemoryTier": "memory.tier", "MemoryStep": "memory.tier", "survives": "memory.ring",
+         "memory_needed": "memory.ring", "memory_fits": "memory.ring"}
 
 
 def __getattr__(name: str):

@@ -8,7 +8,9 @@ backends implement it:
   reads, ``fdatasync`` per file and directory fsyncs for durability (``syncfs``
   for a large part: ``flush_mode``);
 * ``object_store.FsspecStorage`` (s3://, memory://, any other fsspec URL):
-  crc32c-checked PUTs on S3, one HEAD per ``exists``.
+  crc32c-checked PUTs on S3, one HEAD per ``exists``;
+* ``ckpt_store.memory.peer_storage.PeerMemoryStorage`` (peermem://): the memory tier, this
+  node's host memory with a replica on the next node (issue 33).
 
 What they share (the I/O threads, the write-rate limit) is in ``base``.
 """
@@ -154,6 +156,9 @@ def open_storage(url: str, storage_options: dict | None = None, io_threads: int 
         url = "file://" + os.path.abspath(url)
     scheme, rest = url.split("://", 1)
     url = f"{scheme}://{rest.rstrip('/')}"   # "memory://" stays a URL, never a local "memory:"
+    if scheme == "peermem":     # the memory tier: this node's host memory and its peers' (ckpt_store.memory)
+        from ckpt_store.memory.peer_storage import open_peer_memory
+        return open_peer_memory(url, storage_options, io_threads)
     fs, root = fsspec.core.url_to_fs(url, **s3_defaults(url, storage_options))
     root = root.rstrip("/")
     protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)

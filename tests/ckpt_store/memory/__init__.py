@@ -1,0 +1,1 @@
+"""Tests of ckpt_store's memory tier (ckpt_store/memory)."""
