@@ -20,9 +20,14 @@ time by construction:
 * ``hang``: from the last step before a hang to ``hang_detected``;
 * ``shutdown``: after the last step, until the terminal event.
 
-Time after the last step is held back (``LedgerState.t`` stays at the last step) until the
-next observation says what it was: a step (training), a restart (detection), a hang. A view
-of the ledger (``close``) charges what is held back provisionally to the current mode.
+A record is written when something starts (a phase, the next step), so the time between two
+records belongs to what the first one announced (``LedgerState.mode``): the interval after a
+record in phase ``checkpointing`` is the save (with the reference trainer, also the step after
+it: its next record is that step's). Time in training after the last step is held back
+(``LedgerState.t`` stays at the last step) until the next observation says what it was: a
+step (training), a restart (detection), a hang. A view of the ledger (``close``) charges what
+is held back provisionally to the current mode. The samples are what the agent saw each
+``report_interval``: a phase shorter than that may go unseen, its time counted with the next.
 
 The state is plain JSON (``to_dict``/``from_dict``): the agent of global rank 0 keeps it in
 etcd and goes on folding where another agent left off.
@@ -132,6 +137,8 @@ def fold_event(state: LedgerState, event: dict) -> None:
             _charge(state, "waiting", at)
             state.mode = "rendezvous"
     elif kind in FAILURE_EVENTS or kind == "hang_detected":
+        if kind == "node_lost" and (event.get("detail") or {}).get("action") == "mark":
+            return                      # only the rendezvous forgot it: no worker stopped
         if state.mode in _RUNNING and not late:
             _charge(state, "hang" if kind == "hang_detected" else "detection", at)
             state.best, state.mode = max(state.best, state.step), "rendezvous"
@@ -157,26 +164,20 @@ def fold_sample(state: LedgerState, s: Sample) -> None:
         state.mode = "startup" if state.rounds == 0 else "restart"
         state.gen, state.step, state.rounds = s.gen, s.step, state.rounds + 1
     boot = "startup" if state.rounds <= 1 else "restart"
-    if s.phase == "starting":
-        _charge(state, boot if state.mode in ("startup", "restart", "waiting", "rendezvous") else state.mode, s.at)
-        state.mode = boot
-    elif s.phase == "restoring":
-        _charge(state, "restore", s.at)
-        state.mode = "restore"
-    elif s.phase == "checkpointing":
-        _charge(state, "checkpoint", s.at)
-        state.mode = "checkpoint"
-    elif s.phase == "done":
-        _charge(state, _step_cause(state, s.step) if s.step > state.step else "shutdown", s.at)
-        state.mode = "shutdown"
-    elif s.step > state.step:          # training and a step went by
-        cause = _step_cause(state, s.step)
-        _charge(state, cause, s.at)
-        state.mode = cause
-    elif state.mode not in ("training", "recompute"):
-        # the record says training since it was written: before it, the workers were starting or restoring
-        _charge(state, state.mode if state.mode in ("startup", "restart", "restore", "checkpoint") else boot, s.at)
-        state.mode = _step_cause(state, s.step + 1)
+    if state.mode in ("waiting", "rendezvous"):        # the same workers went on after all (a loss only marked)
+        state.mode = _step_cause(state, state.step + 1)
+    # the time since the last record belongs to what that record announced (``mode``); time in
+    # training is charged when a step went by (or the phase moved on), else held back
+    advanced = s.step > state.step
+    if state.mode in ("training", "recompute"):
+        if advanced:
+            _charge(state, _step_cause(state, s.step), s.at)
+        elif s.phase != "training":
+            _charge(state, state.mode, s.at)
+    elif s.phase != "training" or advanced or state.mode != "shutdown":
+        _charge(state, state.mode, s.at)
+    state.mode = {"starting": boot, "restoring": "restore", "checkpointing": "checkpoint",
+                  "done": "shutdown"}.get(s.phase) or _step_cause(state, max(state.step, s.step) + 1)
     state.step = max(state.step, s.step)
 
 

@@ -36,8 +36,9 @@ def test_a_clean_run_is_waiting_startup_restore_training_and_shutdown():
     ledger = gl.compute(events, samples, now=500)
     s = ledger["seconds"]
     assert ledger["wall_s"] == 50 and ledger["final"]
-    assert s["waiting"] == 3 and s["rendezvous"] == 2 and s["startup"] == 1 and s["restore"] == 1
-    assert s["training"] == 34 and s["shutdown"] == 9       # the done record at 141, the end at 150
+    # each interval belongs to what the record before it announced: starting (106), restoring (107)
+    assert s["waiting"] == 3 and s["rendezvous"] == 2 and s["startup"] == 1 + 1 and s["restore"] == 1
+    assert s["training"] == 33 and s["shutdown"] == 9       # the done record at 141, the end at 150
     assert s["recompute"] == s["detection"] == s["hang"] == 0
     assert_sums(ledger)
 
@@ -46,16 +47,16 @@ def test_a_kill_is_detection_rendezvous_restart_restore_and_recompute():
     events = [ev(0, "submitted", 1), ev(0, "node_joined", 2),
               ev(22.5, "restart", 3),                       # last step at 20, noticed 2.5 s later
               ev(60, "succeeded", 4)]
-    first = train("p1", 1, 20, 0, round_at=0.5)             # steps 1..18 at 3..20
+    first = train("p1", 1, 20, 0, round_at=0.5)             # steps 1..18 at 3..20 (the first: restore)
     second = [Sample(26, 10, "starting", "p2", round_at=25), Sample(28, 10, "restoring", "p2")]
     second += [Sample(28 + i, 10 + i, "training", "p2") for i in range(1, 20)]   # steps 11..29 at 29..47
     ledger = gl.compute(events, first + second, now=99)
     s = ledger["seconds"]
     assert s["detection"] == 2.5
     assert s["rendezvous"] == 0.5 + 2.5                     # the first round's close, then 22.5 -> 25
-    assert s["startup"] == 0.5 and s["restart"] == 1 and s["restore"] == 1 + 2
-    assert s["recompute"] == 8                               # steps 11..18 again
-    assert s["training"] == 18 + 11 and s["shutdown"] == 60 - 47
+    assert s["startup"] == 0.5 + 1 and s["restart"] == 1 + 2 and s["restore"] == 1 + 1
+    assert s["recompute"] == 7                               # steps 12..18 again (11: the restore's)
+    assert s["training"] == 17 + 11 and s["shutdown"] == 60 - 47
     assert_sums(ledger)
 
 
@@ -64,7 +65,7 @@ def test_a_hang_charges_the_stall_to_hang():
     events = [ev(0, "node_joined", 1), ev(40, "hang_detected", 2), ev(42, "restart", 3)]
     state = gl.fold(LedgerState(), events, samples)
     ledger = gl.close(state, now=42)
-    assert ledger["seconds"]["hang"] == 30 and ledger["seconds"]["training"] == 9
+    assert ledger["seconds"]["hang"] == 30 and ledger["seconds"]["training"] == 8
     assert ledger["seconds"]["rendezvous"] == 2
     assert_sums(ledger)
 
@@ -73,10 +74,10 @@ def test_time_held_back_is_shown_in_the_current_mode_and_settled_later():
     state = gl.fold(LedgerState(), [ev(0, "node_joined", 1)], train("p1", 0, 10, 0) +
                     [Sample(11, 9, "training", "p1"), Sample(12, 9, "training", "p1")])
     view = gl.close(state, now=12.5)
-    assert view["seconds"]["training"] == 9 + 2.5 and not view["final"]
+    assert view["seconds"]["training"] == 8 + 2.5 and not view["final"]
     assert_sums(view)
     gl.fold(state, [], [Sample(13, 10, "training", "p1")])
-    assert gl.close(state, now=13)["seconds"]["training"] == 12
+    assert gl.close(state, now=13)["seconds"]["training"] == 11
 
 
 def test_a_power_off_seen_by_another_node_and_the_state_taken_over():
@@ -87,16 +88,16 @@ def test_a_power_off_seen_by_another_node_and_the_state_taken_over():
     second = train("q7", 40, 50, 15, round_at=38)
     gl.fold(stored, events, second)
     s = gl.close(stored, now=50)["seconds"]
-    assert s["detection"] == 11 and s["rendezvous"] == 7 and s["restart"] == 2
-    assert s["recompute"] == 4 and s["training"] == 19 + 5
+    assert s["detection"] == 11 and s["rendezvous"] == 7 and s["restart"] == 2 + 1 and s["restore"] == 1 + 1
+    assert s["recompute"] == 3 and s["training"] == 18 + 5
 
 
 def test_a_checkpoint_phase_and_a_late_event():
     samples = train("p1", 0, 5, 0) + [Sample(6, 4, "checkpointing", "p1"), Sample(8, 5, "training", "p1")]
     events = [ev(0, "node_joined", 1), ev(9, "succeeded", 3), ev(7, "checkpoint_committed", 2)]
     ledger = gl.compute(events, samples, now=100)
-    # sampled once a second: the interval up to the record in phase checkpointing
-    assert ledger["seconds"]["checkpoint"] == 1 and ledger["seconds"]["training"] == 6 and ledger["wall_s"] == 9
+    # from the record in phase checkpointing to the next one
+    assert ledger["seconds"]["checkpoint"] == 2 and ledger["seconds"]["training"] == 4 and ledger["wall_s"] == 9
     assert_sums(ledger)
 
 
@@ -134,3 +135,9 @@ def test_a_ledger_started_at_submission_counts_the_wait_for_nodes():
                     [Sample(140, 0, "training", "p1", round_at=135), Sample(141, 1, "training", "p1")])
     s = gl.close(state, now=141)["seconds"]
     assert s["waiting"] == 30 and s["rendezvous"] == 5 and s["startup"] == 5 and s["training"] == 1
+
+
+def test_a_loss_only_marked_stops_nothing():
+    events = [ev(0, "node_joined", 1), {"at": 5.5, "kind": "node_lost", "seq": 2, "detail": {"action": "mark"}}]
+    ledger = gl.compute(events, train("p1", 0, 10, 0), now=10)
+    assert ledger["seconds"]["detection"] == 0 and ledger["seconds"]["training"] == 8

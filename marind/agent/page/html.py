@@ -92,7 +92,7 @@ def job_part(doc: dict[str, Any]) -> str:
 
     head = (f'<p><b class="st-{escape(str(j["state"]))}">{escape(str(j["state"]))}</b> '
             f'step {_fmt(j.get("step"))}/{_fmt(j.get("target_steps"))}, {_fmt(j.get("restarts"))} restarts, '
-            f'goodput <b class="goodput">{_pct(j.get("goodput"))}</b>, nodes {escape(", ".join(j.get("nodes") or []))}'
+            f'goodput <b class="goodput">{_pct(j.get("goodput"))}</b>, nodes {escape(", ".join(j.get("nodes") or []) or "-")}'
             + (f'<br><span class="reason">{escape(str(j["reason"]))}</span>' if j.get("reason") else "") + "</p>")
     charts = "".join(svg.line_chart(curve(i), x0, x1, label=label, marks=restarts)
                      for i, label in ((2, "loss"), (3, "tokens/s"), (4, "step time (s)")))
