@@ -17,7 +17,7 @@ What torchrun's elastic agent sees is torch's ``RendezvousHandler``:
   (torch would reuse its first one, which breaks after rank 0 changes or is
   lost) unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``;
 * ``num_nodes_waiting``: how many torchruns joined the round after this
-  node's (a count, cached for a second as torch caches its state), which
+  node's (a count, read again only after a join there: ``waiting``), which
   makes the agent restart its workers into a larger round;
 * ``set_closed``/``is_closed``/``shutdown``: the rendezvous' ``closed`` key;
   a closed rendezvous admits nobody: a spare leaves with
@@ -58,6 +58,7 @@ from marind.rendezvous.closer import Closer, Wakeup
 from marind.rendezvous.lost import LostNodes
 from marind.rendezvous.rounds import Place, Rounds
 from marind.rendezvous.store import Etcd3Store
+from marind.rendezvous.waiting import WaitingCount
 
 log = get_logger(__name__)
 
@@ -116,7 +117,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         self._latest = -1                           # the last closed round it saw
         self._first_join = True
         self._lost: LostNodes | None = None
-        self._waiting: tuple[float, int] | None = None
+        self._waiting = WaitingCount(client, self._rounds.join_prefix, self._rounds.count)
         self._shared_tcp_store_server: dist.Store | None = None
         self._bootstrap_store_info: RendezvousStoreInfo | None = None
 
@@ -160,7 +161,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             self._stop_heartbeats()      # as torch's handler: no keep-alive without a round (the lease lapses)
             raise
         self._round = round_
-        self._waiting = None
+        self._waiting.forget()
         rank, world_size = participants.index(self._desc), len(participants)
         store = dist.PrefixStore(f"torch.rendezvous.{self.get_run_id()}.{round_}", self._store)
         info = self._bootstrap(rank, store)
@@ -194,10 +195,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         """How many torchruns joined the round after this node's (0 before its first round)."""
         if self._round is None:
             return 0
-        now = time.monotonic()
-        if self._waiting is None or now - self._waiting[0] >= 1.0:
-            self._waiting = (now, self._rounds.waiting(self._round))
-        return self._waiting[1]
+        return self._waiting.get(self._round)     # counted after a join there (a watch), not per call
 
     def shutdown(self) -> bool:
         """Close the rendezvous and let go of this torchrun's keys; False when it could not close it."""
@@ -423,4 +421,5 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         if self._lost is not None:
             self._lost.close()
             self._lost = None
+        self._waiting.close()
 

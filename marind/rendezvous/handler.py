@@ -178,12 +178,14 @@ def settings_of(params: RendezvousParameters) -> RendezvousSettings:
         keep_alive_max_attempt=_positive(params, "keep_alive_max_attempt", 3))
 
 
-def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+def create_handler(params: RendezvousParameters, node: str | None = None) -> RendezvousHandler:
     """The etcd v3 rendezvous handler for ``params`` (see the module doc).
 
     Args:
         params: torchrun's rendezvous parameters: the endpoint, the run id, min and
             max nodes, the local address and ``--rdzv-conf`` (options in the module doc).
+        node: the marind node this torchrun belongs to (default ``MARIND_NODE``; the
+            cluster simulator, ``bench/scale.py``, runs many nodes in one process).
 
     Returns:
         An ``Etcd3RendezvousHandler`` (per-round keys, ``marind.rendezvous.rounds``) whose
@@ -201,7 +203,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     log.info("rdzv_etcd3", run_id=params.run_id, endpoints=options.endpoints, min_nodes=params.min_nodes,
              max_nodes=params.max_nodes)
     handler = Etcd3RendezvousHandler(client, store, settings, params.local_addr, grace=options.grace_timeout)
-    node = os.environ.get(WE.NODE)
+    node = node or os.environ.get(WE.NODE)
     if node:   # started by a marind agent: say which torchrun is this node's (for mark_lost)
         try:
             publish_member(client, params.run_id, node, handler._this_node)

@@ -15,36 +15,17 @@ written grow faster than N. No timing is asserted.
 from __future__ import annotations
 
 import threading
-import urllib.request
 import uuid
 from collections.abc import Callable
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
 from marind.rendezvous import create_etcd3_handler, create_state_handler
+from marind.testing.etcd_metrics import etcd_counters
 
 SMALL, LARGE = 4, 16
 #: the most a figure may grow from SMALL to LARGE nodes: linear, with 20 % slack
 LIMIT = LARGE / SMALL * 1.2
-
-
-def etcd_counters(endpoint: str) -> dict[str, float]:
-    """etcd's counters that a round moves: requests (gRPC messages), writes, bytes written."""
-    text = urllib.request.urlopen(f"{endpoint}/metrics", timeout=10).read().decode()
-    out = {"requests": 0.0, "writes": 0.0, "wal_bytes": 0.0, "bytes_in": 0.0, "bytes_out": 0.0}
-    names = {"etcd_mvcc_put_total": "writes", "etcd_mvcc_delete_total": "writes",
-             "etcd_disk_wal_write_bytes_total": "wal_bytes",
-             "etcd_network_client_grpc_received_bytes_total": "bytes_in",
-             "etcd_network_client_grpc_sent_bytes_total": "bytes_out"}
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name, _, value = line.rpartition(" ")
-        if name.startswith("grpc_server_msg_received_total{") and 'grpc_service="etcdserverpb.' in name:
-            out["requests"] += float(value)
-        elif name in names:
-            out[names[name]] += float(value)
-    return out
 
 
 def round_cost(endpoint: str, n: int, make: Callable[[RendezvousParameters], RendezvousHandler]

@@ -215,7 +215,7 @@ def test_with_etcd_away_calls_raise_rendezvous_errors_and_keep_alive_swallows_th
     handler = create_etcd3_handler(params)
     try:
         handler.next_rendezvous()
-        handler._waiting = None
+        handler._waiting.forget()
         etcd_private.kill()
         handler._keep_alive()                      # logged, not raised
         began = time.monotonic()
