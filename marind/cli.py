@@ -4,7 +4,7 @@ Each command group lives in ``marind/commands/<group>.py`` and exposes
 ``register(subparsers)``; the handler it sets returns an exit code.
 Errors are mapped to exit codes here and only here (docs/design.md §5):
 0 ok, 1 failed, 2 bad input/usage, 3 control plane unreachable,
-4 job failed. User errors print one line on stderr, with a traceback
+4 job failed, 5 refused by etcd's access control (roles). User errors print one line on stderr, with a traceback
 only when ``MARIND_DEBUG=1``. A reader that stops reading (``marind status
 | head -1``) ends the command quietly with exit 0.
 """
@@ -19,7 +19,7 @@ import traceback
 from ckpt_store.errors import CheckpointError
 from marind.core.errors import MarindError
 
-COMMAND_MODULES = ("agent", "jobs", "events", "ckpt", "data", "doctor", "slurm")
+COMMAND_MODULES = ("agent", "jobs", "events", "ckpt", "data", "doctor", "slurm", "auth")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -17,6 +17,7 @@ Modules, one concept each:
 * ``worker_errors``: why workers failed (torchrun's log, torchelastic's error file);
 * ``doctor_probe``: this node's part in `marind doctor --cluster`;
 * ``outbox``: what the agent writes to etcd, in order, surviving an outage;
+* ``job_trust``: which jobs the agent agrees to run (only signed ones, when its config says so);
 * ``link``: the etcd client and what hangs off it; ``embedded_etcd``: `--embedded`;
 * ``supervisor``: one torchrun process tree (start, workers, stop, reaping leftovers);
 * ``torchrun_args``: what a torchrun runs with (run dir, run.toml, command line, environment);

@@ -28,16 +28,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from marind.agent import progress as prog
-from marind.agent.decisions import (
-    Admission,
-    ExitAction,
-    admit,
-    after_exit,
-    replica_group_lost,
-    stall_window,
-)
+from marind.agent.decisions import Admission, ExitAction, admit, after_exit, replica_group_lost, stall_window
 from marind.agent.doctor_probe import DoctorProbes
 from marind.agent.ft.exits import group_failure_leaves, leave_replica_group
+from marind.agent.job_trust import JobTrust
 from marind.agent.launch import launch
 from marind.agent.link import Link
 from marind.agent.liveness.data_watch import DataNetwork
@@ -92,6 +86,7 @@ class Agent:
         self._last_nodes_count = 0.0
         self._cp_restarts: dict[str, int] = {}
         self._fencing: Fencing | None = None
+        self.trust = JobTrust.from_config(config)     # [agent] require_signed_jobs, trusted_keys
 
     @property
     def jobs_dir(self) -> Path:
@@ -318,6 +313,8 @@ class Agent:
                 self.log.error("job_spec_invalid", job=view.id, error=view.spec_error, action="job fails")
             self.finished.add(view.id)
             link.outbox.state(view.id, JobEvent.FAILED, reason=f"the stored spec is not valid: {view.spec_error}")
+            return
+        if not self.trust.admits(view, link):     # not signed by a trusted key (refused), or not read yet
             return
         verdict, _ = admit(spec.job.nproc_per_node, sum(r.nproc for r in self.runs.values()), self.slots)
         if verdict == Admission.TOO_BIG:

@@ -34,6 +34,8 @@ def register(sub) -> None:
     p.add_argument("--id", help="job id (default: NAME-YYYYmmdd-HHMMSS-xxxx)")
     p.add_argument("--nodes", help="node counts MIN:MAX (or N) in place of the run.toml's job.nodes, checked the "
                                    "same way (a scheduler's allocation: examples/slurm)")
+    p.add_argument("--sign-key", help="sign the job with this Ed25519 private key (default: $MARIND_SIGN_KEY, "
+                                      "[client] sign_key; agents may run only signed jobs: docs/design.md §2)")
     common_flags(p)
     p.set_defaults(handler=submit)
 
@@ -68,8 +70,9 @@ def register(sub) -> None:
 
 
 def _client(args):
+    from marind.control.config import client_settings
     from marind.control.jobs_client import JobsClient, connect
-    return JobsClient(connect(args.etcd, args.config, args.state_dir))
+    return JobsClient(connect(args.etcd, args.config, args.state_dir), owner=client_settings(args.config)["user"])
 
 
 def checked_spec(path: str, nodes: str | None = None):
@@ -109,11 +112,12 @@ def checked_spec(path: str, nodes: str | None = None):
 
 
 def submit(args) -> int:
+    from marind.control.config import sign_key_setting
     from marind.core.errors import JobFailed
 
     spec = checked_spec(args.spec, args.nodes)       # validates before anything touches etcd (exit 2)
     jc = _client(args)
-    job = jc.submit(spec.to_dict(), spec.job.name, args.id)
+    job = jc.submit(spec.to_dict(), spec.job.name, args.id, sign_key=sign_key_setting(args.sign_key, args.config))
     if not args.wait:
         if args.json:
             print(json.dumps({"id": job}))

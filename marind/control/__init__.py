@@ -12,6 +12,8 @@ The agent (``marind.agent``) builds on this package; the CLI (``marind.commands`
   the one transition function; ``events``: the bounded event ring;
 * ``change_watch``: when to read the jobs again (a change, or a slow resync);
 * ``nodes``: the registered nodes; ``ft_status``: a torchft job's keys and its status;
+* ``auth_roles``: the etcd roles (viewer, submitter, agent) and the owner prefix of job ids;
+  ``job_signing``: signed job specs (canonical form, Ed25519 sign and verify, key files);
 * ``local_etcd``: a single-member etcd server as a child process (the agent's ``--embedded``
   mode, the demo, the tests and the benches).
 """

@@ -65,6 +65,9 @@ class AgentConfig:
     metrics_host: str = "127.0.0.1"
     rdzv_conf: str = ""                 # extra --rdzv-conf items, e.g. "keep_alive_interval=2"
     python: str = ""                    # interpreter for torchrun ("" = this one)
+    trusted_keys: tuple[str, ...] = ()  # Ed25519 public key files whose signed jobs this agent runs
+    require_signed_jobs: bool = False   # refuse every job not signed by one of trusted_keys
+    sign_key: str | None = None         # the CLI's: sign every `marind submit` with this private key
 
     @property
     def tls(self) -> EtcdTLS:
@@ -87,12 +90,14 @@ class AgentConfig:
 
 
 # TOML layout: [agent] node, state_dir, slots, labels, lease_ttl, ...;  [etcd] endpoints, prefix,
-# user, password, ca_cert, cert, key;  [metrics] port, host
+# user, password, ca_cert, cert, key;  [metrics] port, host;  [client] sign_key
 _TOML_KEYS = {
     ("agent", "node"): "node", ("agent", "state_dir"): "state_dir", ("agent", "slots"): "slots",
     ("agent", "labels"): "labels", ("agent", "lease_ttl"): "lease_ttl",
     ("agent", "report_interval"): "report_interval", ("agent", "stop_timeout"): "stop_timeout",
     ("agent", "rdzv_conf"): "rdzv_conf", ("agent", "python"): "python",
+    ("agent", "trusted_keys"): "trusted_keys", ("agent", "require_signed_jobs"): "require_signed_jobs",
+    ("client", "sign_key"): "sign_key",
     ("etcd", "endpoints"): "etcd", ("etcd", "prefix"): "prefix", ("etcd", "user"): "etcd_user",
     ("etcd", "password"): "etcd_password", ("etcd", "ca_cert"): "etcd_ca_cert",
     ("etcd", "cert"): "etcd_cert", ("etcd", "key"): "etcd_key",
@@ -104,6 +109,7 @@ _ENV_KEYS = {
     "MARIND_STATE_DIR": "state_dir", "MARIND_SLOTS": "slots", "MARIND_METRICS_PORT": "metrics_port",
     "MARIND_RDZV_CONF": "rdzv_conf", "MARIND_LEASE_TTL": "lease_ttl",
     "MARIND_REPORT_INTERVAL": "report_interval", "MARIND_STOP_TIMEOUT": "stop_timeout",
+    "MARIND_SIGN_KEY": "sign_key",
 }
 
 
@@ -131,6 +137,12 @@ def parse_config_text(text: str, source: str = "marind.toml") -> dict[str, Any]:
                                 + (f"; did you mean {hint}?" if hint else ""))
             if target == "etcd" and isinstance(value, list):
                 value = ",".join(value)
+            if target == "trusted_keys":
+                if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                    raise SpecError(f"{source}: agent.trusted_keys must be a list of public key files")
+                value = tuple(value)
+            if target == "require_signed_jobs" and not isinstance(value, bool):
+                raise SpecError(f"{source}: agent.require_signed_jobs must be true or false")
             if target == "labels":
                 if not isinstance(value, dict):
                     raise SpecError(f"{source}: agent.labels must be a table of strings")
@@ -176,6 +188,9 @@ def load_config(path: str | None = None, env: Mapping[str, str] | None = None,
     config = AgentConfig(**values)
     if config.slots < 0 or config.lease_ttl < 2:
         raise SpecError("agent.slots must be >= 0 and agent.lease_ttl >= 2")
+    if config.require_signed_jobs and not config.trusted_keys:
+        raise SpecError("agent.require_signed_jobs is set but agent.trusted_keys lists no key: "
+                        "list the public key files of who may submit (marind keygen)")
     return config
 
 
@@ -234,3 +249,16 @@ def client_settings(config_file: str | None = None, env: Mapping[str, str] | Non
             "password": env.get("MARIND_ETCD_PASSWORD") or values.get("etcd_password"),
             "tls": EtcdTLS(ca_cert=values.get("etcd_ca_cert"), cert=values.get("etcd_cert"),
                            key=values.get("etcd_key"))}
+
+
+def sign_key_setting(flag: str | None = None, config_file: str | None = None,
+                     env: Mapping[str, str] | None = None) -> str | None:
+    """The private key `marind submit` signs with: ``--sign-key``, else ``MARIND_SIGN_KEY``, else
+    ``[client] sign_key`` in the config file, else None (unsigned)."""
+    env = os.environ if env is None else env
+    if flag or env.get("MARIND_SIGN_KEY"):
+        return flag or env["MARIND_SIGN_KEY"]
+    cfg = config_path(config_file)
+    if cfg is not None and cfg.is_file():
+        return parse_config_text(cfg.read_text(), str(cfg)).get("sign_key")
+    return None

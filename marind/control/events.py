@@ -22,6 +22,12 @@ REPLICA_DRIFT = "replica_drift"
 STRAGGLER = "straggler"
 STRAGGLER_CLEARED = "straggler_cleared"
 
+#: An agent would not run the job: ``{reason, key_id}``. With ``[agent] require_signed_jobs``, a
+#: job whose spec is unsigned, or not signed by a key of ``[agent] trusted_keys``, is refused: the
+#: agent that moves it to FAILED (reason ``refused: ...``) writes this event; nothing runs
+#: (``marind.agent.job_trust``, docs/design.md §2).
+JOB_REFUSED = "job_refused"
+
 
 def event_key(client: EtcdClient, job: str, seq: int) -> str:
     return client.key("jobs", job, "events", f"{seq:012d}")

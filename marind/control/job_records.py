@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from marind.control.lifecycle import JobEvent, JobState, StateRecord, apply
+from marind.core import etcd_txn as T
 from marind.core.errors import NotFound, SpecError
 from marind.core.etcd_client import EtcdClient
 from marind.core.spec import RunSpec
@@ -164,20 +165,34 @@ def mark_jobs_changed(client: EtcdClient) -> None:
     client.put(changed_key(client), repr(time.time()))
 
 
-def create_job(client: EtcdClient, job: str, spec: dict, now: float | None = None) -> bool:
-    """Write spec (only if absent) and the initial PENDING state.
+def signature_key(client: EtcdClient, job: str) -> str:
+    """``{p}/jobs/{job}/signature``: the spec's signature record (``marind.control.job_signing``)."""
+    return client.key("jobs", job, "signature")
+
+
+def create_job(client: EtcdClient, job: str, spec: dict, now: float | None = None,
+               signature: dict | None = None) -> bool:
+    """Write spec (only if absent), with its signature in the same transaction, and the initial PENDING state.
 
     Args:
         client: the etcd client.
         job: the job's id.
         spec: the spec document (``RunSpec.to_dict()``).
         now: the time of submission (default: now).
+        signature: the spec's signature record, or None (an unsigned job).
 
     Returns:
         True; False when the id exists.
     """
     now = time.time() if now is None else now
-    if not client.create(client.key("jobs", job, "spec"), json.dumps(spec, sort_keys=True)):
+    spec_key, spec_json = client.key("jobs", job, "spec"), json.dumps(spec, sort_keys=True)
+    if signature is None:
+        created = client.create(spec_key, spec_json)
+    else:     # an agent never sees the spec without its signature
+        created = bool(client.txn([T.absent(spec_key)], [
+            T.put(spec_key, spec_json), T.put(signature_key(client, job), json.dumps(signature, sort_keys=True))
+        ]).succeeded)
+    if not created:
         return False
     client.put_json(job_state_key(client, job),
                     StateRecord(JobState.PENDING, reason="submitted", updated_at=now).to_dict())

@@ -13,20 +13,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 from marind.control import job_records as J
+from marind.control.auth_roles import owned_job_id
 from marind.control.change_watch import ChangeWatch
 from marind.control.config import client_settings, resolve_endpoint
-from marind.control.events import append_event, list_events
+from marind.control.events import JOB_REFUSED, append_event, list_events
 from marind.control.ft_status import ft_status, is_torchft
 from marind.control.lifecycle import JobEvent, JobState
 from marind.control.nodes import live_nodes
-from marind.core.errors import NotFound
+from marind.core.errors import NotFound, PermissionDenied
 from marind.core.etcd_client import EtcdClient
 
 SCHEMA_VERSION = 1
 #: States whose status row shows a reason (the last worker error line, else the state's reason).
 REASON_STATES = ("RESTARTING", "FAILED")
 #: Event kinds that end a job's event stream.
-FINAL_EVENTS = ("succeeded", "failed", "cancelled")
+FINAL_EVENTS = ("succeeded", "failed", "cancelled", JOB_REFUSED)
 
 
 def connect(etcd: str | None = None, config_file: str | None = None, state_dir: str | None = None) -> EtcdClient:
@@ -72,25 +73,39 @@ class JobsClient:
         client: the etcd client (``connect``).
     """
 
-    def __init__(self, client: EtcdClient):
+    def __init__(self, client: EtcdClient, owner: str | None = None):
         self.client = client
+        self.owner = owner          # the etcd user: its job ids start with ``owner.`` (control/auth_roles.py)
 
-    def submit(self, spec_dict: dict, name: str, job_id: str | None = None) -> str:
+    def submit(self, spec_dict: dict, name: str, job_id: str | None = None, sign_key: str | None = None) -> str:
         """Create a PENDING job.
 
         Args:
             spec_dict: the validated spec (``RunSpec.to_dict()``).
             name: ``job.name``, the stem of a generated id.
-            job_id: an id of the user's choosing instead.
+            job_id: an id of the user's choosing instead (``owner.`` is put before it when missing).
+            sign_key: an Ed25519 private key file: the spec is signed with it (``job_signing``).
 
         Returns:
             The job's id.
 
         Raises:
             ValueError: a bad ``job_id``, or a job with that id exists.
+            PermissionDenied: etcd's roles do not let this user create the job.
         """
-        job = J.check_job_id(job_id) if job_id else J.new_job_id(name)
-        if not J.create_job(self.client, job, spec_dict):
+        job = owned_job_id(self.owner, J.check_job_id(job_id) if job_id else J.new_job_id(name))
+        J.check_job_id(job)
+        signature = None
+        if sign_key:
+            from marind.control.job_signing import load_private_key, sign  # cryptography: only when signing
+            signature = sign(job, spec_dict, load_private_key(sign_key))
+        try:
+            created = J.create_job(self.client, job, spec_dict, signature=signature)
+        except PermissionDenied as exc:
+            raise PermissionDenied(f"etcd user {self.owner or '(none)'} may not create job {job}: a submitter "
+                                   f"writes only ids starting '{self.owner or 'USER'}.' (docs/design.md §2, etcd roles); "
+                                   f"{exc}") from exc
+        if not created:
             raise ValueError(f"job {job} already exists: pick another --id or `marind rm {job}`")
         return job
 
@@ -159,7 +174,11 @@ class JobsClient:
         view = J.read_job(self.client, job)
         if view.state.state.is_terminal():
             return view.state.state.value
-        self.client.put_json(self.client.key("jobs", job, "cancel"), {"at": time.time(), "by": by})
+        try:
+            self.client.put_json(self.client.key("jobs", job, "cancel"), {"at": time.time(), "by": by})
+        except PermissionDenied as exc:
+            raise PermissionDenied(f"etcd user {self.owner or '(none)'} may not cancel job {job}: a submitter "
+                                   "cancels only its own jobs (docs/design.md §2, etcd roles); " + str(exc)) from exc
         new = J.update_state(self.client, job, JobEvent.CANCEL, reason=f"cancelled by {by}")
         if new is not None:
             append_event(self.client, job, "cancelled", by, {"by": by})

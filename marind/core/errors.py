@@ -25,6 +25,12 @@ class ControlPlaneUnavailable(MarindError):
     exit_code = 3
 
 
+class PermissionDenied(ControlPlaneUnavailable):
+    """etcd refused the request: the user's roles do not allow it (docs/design.md §2, etcd roles)."""
+
+    exit_code = 5
+
+
 class JobFailed(MarindError):
     exit_code = 4
 

@@ -24,7 +24,7 @@ import grpc
 from etcd3 import etcdrpc
 from etcd3 import exceptions as etcd_exc
 
-from marind.core.errors import ControlPlaneUnavailable
+from marind.core.errors import ControlPlaneUnavailable, PermissionDenied
 
 DEFAULT_PREFIX = "/marind"
 _TRANSIENT = (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError,
@@ -184,9 +184,9 @@ class EtcdClient:
                 f"etcd at {self.endpoints_spec} rejected user {self._user!r}: {details}; "
                 "check the etcd user and password")
         if details and ("permission denied" in details or "user name is empty" in details):
-            return ControlPlaneUnavailable(
-                f"etcd at {self.endpoints_spec} refused the request ({details}): "
-                "give an etcd user with access to the prefix (user/password)")
+            return PermissionDenied(
+                f"etcd at {self.endpoints_spec} refused user {self._user or '(none)'} ({details}): "
+                "give an etcd user whose roles allow it (user/password, docs/design.md §2)")
         return ControlPlaneUnavailable(
             f"etcd unreachable at {self.endpoints_spec} ({type(exc).__name__}): "
             "check that etcd is running, or pass --etcd / set MARIND_ETCD")
