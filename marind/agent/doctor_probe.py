@@ -26,7 +26,7 @@ from marind.core.etcd_client import EtcdClient
 from marind.core.log import get_logger
 from marind.doctor_cluster.keys import Request, requests_prefix
 
-RESYNC_S = 10.0
+RESYNC_S = 60.0
 KILL_MARGIN_S = 10.0
 
 

@@ -21,7 +21,8 @@ from marind.core.errors import ControlPlaneUnavailable
 from marind.core.etcd_client import EtcdClient
 from marind.core.log import get_logger
 
-DEFAULT_RESYNC_S = 5.0
+#: a lost watch event is noticed this late at worst; each resync reads every job (docs/perf.md, "A thousand nodes")
+DEFAULT_RESYNC_S = 30.0
 
 
 class ChangeWatch:

@@ -74,6 +74,11 @@ def keys(prefix: str) -> Any:
         key=_b(prefix), range_end=prefix_end(prefix), keys_only=True))
 
 
+def values(prefix: str) -> Any:
+    """Op: the keys under ``prefix`` with their values."""
+    return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=_b(prefix), range_end=prefix_end(prefix)))
+
+
 def nested(compare: list, success: list, failure: list | None = None) -> Any:
     """Op: a transaction inside a transaction (etcd 3.3+), for a write with a condition of its own."""
     return etcdrpc.RequestOp(request_txn=etcdrpc.TxnRequest(compare=compare, success=success,
@@ -95,3 +100,8 @@ def keys_of(response: Any, index: int) -> list[tuple[str, int]]:
     """``(key, create_revision)`` of each key a ``keys`` at ``index`` of the answer read."""
     return [(kv.key.decode(), int(kv.create_revision))
             for kv in response.responses[index].response_range.kvs]
+
+
+def values_of(response: Any, index: int) -> list[tuple[str, bytes]]:
+    """``(key, value)`` of each key a ``values`` (or ``get``) at ``index`` of the answer read."""
+    return [(kv.key.decode(), bytes(kv.value)) for kv in response.responses[index].response_range.kvs]
