@@ -53,6 +53,7 @@ class JobTrust:
     trusted: dict[str, Any] = field(default_factory=dict)
     node: str = ""
     refused: set[str] = field(default_factory=set)       # jobs this agent refused (never looked at again)
+    verified: set[tuple[str, int]] = field(default_factory=set)   # (job, spec revision) found signed
 
     @classmethod
     def from_config(cls, config: AgentConfig) -> JobTrust:
@@ -70,6 +71,8 @@ class JobTrust:
             return True
         if view.id in self.refused:
             return False
+        if (view.id, view.submitted_rev) in self.verified:   # a job waiting for slots: checked once
+            return True
         log = get_logger(__name__, node=self.node, job=view.id)
         try:
             record = link.client.get_json(signature_key(link.client, view.id))
@@ -79,6 +82,7 @@ class JobTrust:
         ok, why = self.verify(view, record)
         if ok:
             log.info("job_signature_ok", key_id=why)
+            self.verified.add((view.id, view.submitted_rev))     # a spec written anew is checked anew
             return True
         self.refused.add(view.id)
         key_id = record.get("key_id") if isinstance(record, dict) else None

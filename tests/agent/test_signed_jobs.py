@@ -14,10 +14,11 @@ import json
 
 import pytest
 
-from marind.agent.job_trust import JobTrust
+from marind.agent.job_trust import JobTrust, refuse
 from marind.cli import main
 from marind.control.config import load_config
 from marind.control.events import JOB_REFUSED, list_events
+from marind.control.job_records import create_job
 from marind.core.errors import SpecError
 from marind.core.etcd_client import EtcdClient
 from tests.agent.helpers import agent_log, job_state, start_agent, tiny_spec, wait_for
@@ -83,6 +84,17 @@ def test_only_jobs_signed_by_a_trusted_key_run(etcd_private, tmp_path, monkeypat
         root.close()
         agent.terminate()
         agent.wait(timeout=60)
+
+
+def test_a_job_is_refused_once_however_many_agents_refuse_it(etcd_client, tmp_path):
+    spec = {"job": {"name": "x"}}
+    assert create_job(etcd_client, "alice.x-1", spec)
+    assert refuse(etcd_client, "alice.x-1", "n1", "the job is not signed", None)
+    assert not refuse(etcd_client, "alice.x-1", "n2", "the job is not signed", None)
+    state = job_state(etcd_client, "alice.x-1")
+    assert state["state"] == "FAILED" and state["reason"] == "refused: the job is not signed"
+    events = list_events(etcd_client, "alice.x-1")
+    assert [(e["kind"], e["node"]) for e in events] == [(JOB_REFUSED, "n1")]
 
 
 @pytest.mark.unit

@@ -36,6 +36,17 @@ def test_the_plan_gives_each_submitter_its_own_prefix_and_the_viewer_no_write():
 
 
 @pytest.mark.unit
+def test_auth_roles_prints_the_etcdctl_commands(capsys):
+    assert main(["auth", "roles", "--prefix", "/m", "--submitter", "alice", "--viewer", "vera"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "etcdctl role grant-permission marind-viewer --prefix=true read /m/jobs/" in out
+    assert "etcdctl user grant-role alice marind-submitter-alice" in out
+    assert not any("auth enable" in line for line in out)
+    assert main(["auth", "roles", "--submitter", "a.b"]) == 2
+    assert "no '.'" in capsys.readouterr().err
+
+
+@pytest.mark.unit
 def test_user_names_and_owned_ids():
     with pytest.raises(ValueError, match="no '.'"):
         A.plan("/m", submitters=["a.b"])
