@@ -39,7 +39,7 @@ from torchx.schedulers.api import (
 from torchx.specs import NONE, AppDef, AppDryRunInfo, AppState, CfgVal, ReplicaStatus, Role, RoleStatus, runopts
 
 from marind.control import job_records as J
-from marind.control.config import client_settings, resolve_endpoint
+from marind.control.config import client_settings, resolve_endpoint, sign_key_setting
 from marind.control.jobs_client import JobsClient, local_log_files
 from marind.control.lifecycle import JobState
 from marind.core.errors import NotFound, SpecError
@@ -116,7 +116,7 @@ class MarindScheduler(Scheduler[Mapping[str, CfgVal]]):
     def _jobs(self) -> JobsClient:
         if self._client is None:
             self._client = self._conn.open()
-        return JobsClient(self._client)
+        return JobsClient(self._client, owner=client_settings(self._conn.config)["user"])   # ids USER.* under auth
 
     def close(self) -> None:
         if self._client is not None:
@@ -160,7 +160,8 @@ class MarindScheduler(Scheduler[Mapping[str, CfgVal]]):
         self._use(submission.connection)
         req = submission.request
         try:
-            job = self._jobs().submit(req.spec, req.spec["job"]["name"], req.job_id)
+            job = self._jobs().submit(req.spec, req.spec["job"]["name"], req.job_id,
+                                      sign_key=sign_key_setting(None, self._conn.config))   # signed jobs (§2)
         except ValueError as exc:
             raise SpecError(str(exc)) from exc
         log.info("torchx_job_submitted", job=job, role=req.role, session=self.session_name)
