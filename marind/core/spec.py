@@ -76,6 +76,8 @@ class CheckpointSpec:
     wait_timeout: float = spec_field(600.0, "duration")
     prepare_timeout: float = spec_field(2.0, "duration")   # under an agent: an async save's storage check; 0 = unbounded
     on_stop: bool = spec_field(True, "bool")      # a stop (SIGTERM: cancel, resize, drain) saves the step reached
+    memory_every: int = spec_field(0, "int")      # memory checkpoints (host memory + a peer's replica) every N steps; 0 = off
+    memory_dir: str = spec_field("/dev/shm/marind-ckpt", "str")   # each host's directory of them (a tmpfs)
 
 
 FAULT_MODES = ("elastic", "torchft")
@@ -332,6 +334,13 @@ def validate_spec(spec: RunSpec) -> None:
     positive(c.keep_last, "checkpoint.keep_last", zero_ok=True)
     positive(c.keep_every, "checkpoint.keep_every", zero_ok=True)
     positive(c.prepare_timeout, "checkpoint.prepare_timeout", zero_ok=True)
+    positive(c.memory_every, "checkpoint.memory_every", zero_ok=True)
+    if c.memory_every and not c.url:
+        raise SpecError("checkpoint.memory_every needs checkpoint.url (the durable store the memory tier sits "
+                        "below); set checkpoint.url or memory_every = 0")
+    if c.memory_every and not os.path.isabs(c.memory_dir):
+        raise SpecError(f"checkpoint.memory_dir = {c.memory_dir!r}: use an absolute path on a tmpfs "
+                        "(e.g. \"/dev/shm/marind-ckpt\")")
     positive(spec.fault.nan_at_step, "fault.nan_at_step", zero_ok=True)
     _validate_fault(spec)
 

@@ -91,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
             from marind.trainer.ft.train import train_ft as train
         result, _, _ = train(spec, device, stop=stop)
         code = STOP_EXIT_CODE if result.stopped else 0
+    except SpecError as exc:      # found only on the hosts (checkpoint.memory_every's memory): refused
+        sys.stderr.write(f"Error: {exc}\n")
+        log.error("train_refused", error=str(exc))
+        return 2
     except Exception as exc:
         log.error("train_failed", error=f"{type(exc).__name__}: {exc}", exc_info=True)
         raise

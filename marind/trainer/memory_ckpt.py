@@ -23,7 +23,15 @@ from typing import Any
 
 import torch
 
-from ckpt_store import CheckpointError, CheckpointSaveFailed, MemoryTier, PendingSave, all_gather_json, memory_fits
+from ckpt_store import (
+    CheckpointError,
+    CheckpointSaveFailed,
+    MemoryTier,
+    PendingSave,
+    all_gather_json,
+    all_ranks_ok,
+    memory_fits,
+)
 from ckpt_store import memory_needed as tier_memory_needed
 from marind.core import workerenv as WE
 from marind.core.errors import SpecError
@@ -209,7 +217,7 @@ class MemoryCheckpointer:
         self._settle()
         try:
             self.pending = self.tier.store.save(step, state, async_=True)
-        except CheckpointSaveFailed as exc:
+        except CheckpointError as exc:    # refused or failed before it started: training goes on
             self.failures += 1
             log.error("checkpoint_memory_failed", step=step, error=str(exc), failures=self.failures)
 
@@ -218,17 +226,19 @@ class MemoryCheckpointer:
         return [(m.step, m.complete, m.reason) for m in self.tier.agreed_restorable()]
 
     def drop_newer(self, step: int, rank: int) -> None:
-        """Rank 0: uncommit every memory step newer than ``step`` (lost parts: never restorable), so
-        a load of the newest memory step loads ``step``."""
-        if rank != 0:
-            return
-        st = self.tier.store
-        for s in st.steps():
-            if s > step:
-                try:
-                    st.storage.delete_prefix(f"step-{s:010d}/manifest.json")
-                except (OSError, CheckpointError) as exc:
-                    log.warning("checkpoint_memory_uncommit_failed", step=s, error=str(exc))
+        """Every rank (collective): rank 0 deletes every memory step newer than ``step`` (lost parts,
+        or steps a rollback or a durable restore went back past, whose numbers the run will save
+        again), then the ranks meet, so a load of the newest memory step loads ``step`` at most."""
+        self._settle()
+        if rank == 0:
+            st = self.tier.store
+            for s in st.steps():
+                if s > step:
+                    try:
+                        st.storage.delete_prefix(f"step-{s:010d}")
+                    except (OSError, CheckpointError) as exc:
+                        log.warning("checkpoint_memory_drop_failed", step=s, error=str(exc))
+        all_ranks_ok(True)
 
     def close(self, clear: bool = False) -> None:
         """Wait for the save in flight, close the tier (``clear``: the run ended, free the host's memory)."""
@@ -239,3 +249,53 @@ class MemoryCheckpointer:
                 self.tier.close(clear=clear)
             except CheckpointSaveFailed as exc:
                 log.error("checkpoint_memory_failed", error=str(exc))
+
+
+def open_memory(spec: Any, model: torch.nn.Module, optimizer: Any,
+                prepare_timeout_s: float | None) -> MemoryCheckpointer | None:
+    """The run's memory checkpoints (collective), or None when ``[checkpoint] memory_every`` is 0
+    or there is no durable store. Raises SpecError when a host lacks the memory (the figures)."""
+    c = spec.checkpoint
+    if not c.memory_every or not c.url:
+        return None
+    job = os.environ.get(WE.JOB_ID) or spec.job.name
+    return MemoryCheckpointer.open(every=c.memory_every, base=c.memory_dir, job=job, url=c.url, optimizer=optimizer,
+                                   state={"params": [p for p in model.parameters()] * 3},
+                                   prepare_timeout_s=prepare_timeout_s)
+
+
+def restore_newest(ckpt: Any, memory: MemoryCheckpointer, rank: int) -> tuple[tuple[int, int] | None, RestorePick]:
+    """Restore the newest step the live hosts' memory holds whole, or the durable store's when
+    that is newer (``pick_restore``); collective. A memory load that fails falls back to the
+    durable store (every rank alike: ``load`` agrees its outcome).
+
+    Args:
+        ckpt: the run's ``Checkpointer`` (its ``restore`` does the loading, from either store).
+        memory: the run's memory checkpoints.
+        rank: this rank.
+
+    Returns:
+        (``ckpt.restore()``'s (step, data position) or None, the pick and its reason).
+    """
+    pick = pick_restore(memory.agreed_steps(), ckpt.latest())
+    if pick.fallback and rank == 0:
+        log.warning("checkpoint_memory_fallback", reason=pick.reason, step=pick.step)
+    memory.drop_newer(pick.step if pick.step is not None else -1, rank)
+    if pick.source != "memory":
+        return (ckpt.restore() if pick.source == "durable" else None), pick
+    durable, ckpt.store = ckpt.store, memory.tier.store
+    try:
+        restored = ckpt.restore()
+    except CheckpointError as exc:
+        pick = RestorePick("durable", ckpt.latest(), f"memory step {pick.step} failed to load ({exc}); "
+                                                     "falling back to the durable store", fallback=True)
+        if rank == 0:
+            log.warning("checkpoint_memory_fallback", reason=pick.reason, step=pick.step)
+        restored = None
+    finally:
+        ckpt.store = durable
+    if restored is None and pick.source == "durable":
+        restored = ckpt.restore()
+    elif rank == 0:
+        log.info("restored_from_memory", step=pick.step, reason=pick.reason)
+    return restored, pick

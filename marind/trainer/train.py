@@ -30,6 +30,7 @@ from marind.trainer.config import TrainerSpec
 from marind.trainer.data.dataset import rank_sample_indices
 from marind.trainer.hf.init_from import init_run_from
 from marind.trainer.loop import Finish, LoopState, Result, StepReport, StopFlag, TrainMode, log_due, run_loop
+from marind.trainer.memory_ckpt import MemoryCheckpointer, open_memory, restore_newest
 from marind.trainer.model.gpt import flops_per_token, param_count
 from marind.trainer.peak_memory import peak_memory
 from marind.trainer.schedule import peak_flops_per_device
@@ -61,6 +62,7 @@ class ElasticMode(TrainMode):
         self.peak = 1.0
         self.tb: Any = None
         self.setup_peak = 0.0            # peak memory before the first step (model built, no optimizer state)
+        self.memory: MemoryCheckpointer | None = None   # ``[checkpoint] memory_every`` (marind.trainer.memory_ckpt)
 
     def start(self, run: Run, state: LoopState) -> None:
         """train_start; restore the latest checkpoint (step and data position), else ``[model] init_from``."""
@@ -75,7 +77,9 @@ class ElasticMode(TrainMode):
         restored = None
         if ckpt.enabled:
             run.progress.update(phase="restoring")
-            restored = ckpt.restore()
+            self.memory = open_memory(spec, run.model, run.optimizer,
+                                      ckpt.store.prepare_timeout_s if ckpt.store is not None else None)
+            restored = restore_newest(ckpt, self.memory, run.rank)[0] if self.memory else ckpt.restore()
             if restored:
                 state.step, state.position = restored
                 if run.rank == 0:
@@ -139,6 +143,12 @@ class ElasticMode(TrainMode):
             state.step = _rollback(run, state)
             state.rollbacks += 1
             self.bad = 0
+            if self.memory is not None:
+                self.memory.drop_newer(state.step, run.rank)   # the steps rolled back past are not reused
+        if self.memory is not None:
+            self.memory.poll()
+            if self.memory.due(state.step) and state.step < run.spec.train.steps:
+                self.memory.save(state.step, run.ckpt.build_state(state.step, state.position))
 
     def save_due(self, run: Run, state: LoopState, committed: bool, time_due: bool) -> bool:
         """Every ``checkpoint.every_steps`` steps, or when ``checkpoint.every_seconds`` passed."""
@@ -162,6 +172,8 @@ class ElasticMode(TrainMode):
             run.log.error("checkpoint_wait_timeout", error=str(exc))
         if self.tb:
             self.tb.close()
+        if self.memory is not None:    # a run that is done frees its hosts' memory; a stopped one keeps it
+            self.memory.close(clear=not state.stopped)
         return Finish(log_fields={"last_checkpoint_step": run.ckpt.last_step},
                       record_fields={"metrics": _final_metrics(run, self.setup_peak)})
 
