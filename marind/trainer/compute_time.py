@@ -10,7 +10,12 @@ pipeline's sends) are counted as compute: the figure is a bound, equal on health
 
 On a GPU the timer synchronises the device at each edge (the all-reduce that follows would wait
 for the kernels anyway). Test hook: ``MARIND_TEST_COMPUTE_SLEEP=S`` adds S seconds of "compute" to
-every step of the ranks that have it (a slow rank, for the straggler tests).
+every step of the ranks that have it (a slow rank, for the straggler tests), slept at the end of the
+forward/backward pass: the peers wait for it in the next collective, which is not timed.
+
+Under FSDP (elastic mode) the all-gathers and reduce-scatters inside forward and backward are
+timed with them: a rank slow *inside* forward/backward makes its peers wait there too, which
+narrows the gap the agents see (a slow optimizer step or data path, and the hook, stand out whole).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class ComputeTimer:
         self.sleep_s = _sleep_hook()
         self.total = 0.0
         self._t0 = 0.0
+        self._slept = False
 
     def _sync(self) -> None:
         if self.cuda:
@@ -59,13 +65,13 @@ class ComputeTimer:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        if self.sleep_s and not self._slept:       # the test hook: once per step, inside the timed part
+            self._slept = True
+            time.sleep(self.sleep_s)
         self._sync()
         self.total += time.perf_counter() - self._t0
 
     def take(self) -> float:
-        """The step's compute seconds (with the test hook's sleep), and start the next step at 0."""
-        if self.sleep_s:
-            time.sleep(self.sleep_s)
-            self.total += self.sleep_s
-        total, self.total = self.total, 0.0
+        """The step's compute seconds, and start the next step at 0."""
+        total, self.total, self._slept = self.total, 0.0, False
         return round(total, 6)
