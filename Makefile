@@ -15,7 +15,7 @@ $(VENV)/.setup-stamp: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@# torch first, pinned: the project's range (torch>=2.6) then pulls nothing more
 	$(PIP) install -q --disable-pip-version-check "torch==$(TORCH_VERSION)"
-	$(PIP) install -q --disable-pip-version-check -e '.[test,torchft,torchx]'
+	$(PIP) install -q --disable-pip-version-check -e '.[test,torchft,torchx,curves]'
 	@{ command -v etcd && command -v etcdctl; } >/dev/null 2>&1 || { \
 	  echo "installing etcd-server and etcd-client (Debian packages)"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client; }
@@ -35,6 +35,11 @@ $(VENV)/.setup-stamp: pyproject.toml
 	  && command -v sbatch >/dev/null 2>&1; } || { \
 	  echo "installing slurmctld slurmd slurm-client munge (Debian packages)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge; }
+	@# chromium: the job page's browser test (tests/agent/test_job_page.py, headless); only as root, like the
+	@# bed's packages (elsewhere the test skips, saying why)
+	@[ "$$(id -u)" != 0 ] || command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing chromium (Debian package)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 	@etcd --version | head -1
 	@$(VENV)/bin/weed version
 	@touch $@

@@ -15,6 +15,10 @@ Modules, one concept each:
   ``hang_kill`` (a hung round's stacks dumped, then its workers killed) and ``node_losses``
   (acting on another node's loss);
 * ``worker_errors``: why workers failed (torchrun's log, torchelastic's error file);
+  ``failure_watch``: each failed round's cause, the first failed rank's own (its words from
+  ``marind.control.failure_causes``); ``oom_watch``: the OOM killer told from another SIGKILL;
+* ``run_history``: rank 0's reports as curves (``tb_events``: TensorBoard files; ``wandb_sink``:
+  the W&B helper process), non-finite losses and rollbacks as events;
 * ``doctor_probe``: this node's part in `marind doctor --cluster`;
 * ``outbox``: what the agent writes to etcd, in order, surviving an outage;
 * ``job_trust``: which jobs the agent agrees to run (only signed ones, when its config says so);
@@ -23,7 +27,8 @@ Modules, one concept each:
 * ``torchrun_args``: what a torchrun runs with (run dir, run.toml, command line, environment);
 * ``hang``: pure stall detection; ``progress``: workers' progress records;
 * ``registry``: node registration under a lease; ``membership``: lost nodes, reported once;
-* ``metrics``: the Prometheus endpoint; ``sdnotify``: systemd's readiness and watchdog.
+* ``metrics``: the Prometheus endpoint; ``sdnotify``: systemd's readiness and watchdog;
+* ``job_journal``: where global rank 0 runs, the job's progress, curves and goodput ledger in etcd.
 
 Packages:
 
@@ -31,4 +36,5 @@ Packages:
   and fencing a node whose lease lapsed;
 * ``ft/``: torchft jobs: the replica-group slot and lighthouse, jobs waiting for one, group ends;
 * ``warm_start/``: the per-job zygote that forks workers with torch imported.
+* ``page/``: the job page on the metrics port (the cluster, one job's curves, events and ledger).
 """

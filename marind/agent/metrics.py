@@ -21,7 +21,7 @@ from marind import __version__
 
 #: The per-job series, labelled ``job`` only; ``remove_job`` drops them.
 JOB_SERIES = ("marind_job_step", "marind_job_loss", "marind_job_tokens_per_second", "marind_job_restarts_total",
-              "marind_job_last_checkpoint_step", "marind_checkpoint_duration_seconds")
+              "marind_job_last_checkpoint_step", "marind_checkpoint_duration_seconds", "marind_job_seconds_total")
 
 _BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, float("inf"))
 
@@ -62,6 +62,8 @@ class Metrics:
             "marind_job_last_checkpoint_step": ("gauge", "the job's last committed checkpoint step"),
             "marind_job_compute_seconds": ("gauge", "median compute seconds per step of this node's ranks"),
             "marind_job_stragglers": ("gauge", "the job's ranks named stragglers now (on the agent that runs rank 0)"),
+            "marind_job_seconds_total": (
+                "counter", "the job's wall time by cause (goodput ledger, settled time; where global rank 0 runs)"),
         }
         self._values: dict[tuple[str, tuple], float] = {}
         self._hist: dict[tuple[str, tuple], list] = {}
@@ -121,12 +123,15 @@ class Metrics:
 
 
 class MetricsServer:
-    """``/metrics`` and ``/healthz`` on ``host:port`` (port 0: any free port) in a thread."""
+    """``/metrics`` and ``/healthz`` on ``host:port`` (port 0: any free port) in a thread; the job
+    page's routes too when ``pages`` is given."""
 
     def __init__(self, metrics: Metrics, host: str = "127.0.0.1", port: int = 9465,
-                 healthy: Callable[[], tuple[bool, str]] = lambda: (True, "ok")):
+                 healthy: Callable[[], tuple[bool, str]] = lambda: (True, "ok"),
+                 pages: Callable[[str, dict[str, str]], tuple[int, str, str, dict[str, str]] | None] | None = None):
         self.metrics = metrics
         self.healthy = healthy
+        self.pages = pages        # the job page's routes (``marind.agent.page.server.JobPages``)
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -136,13 +141,17 @@ class MetricsServer:
                 elif self.path.split("?")[0] == "/healthz":
                     ok, text = server.healthy()
                     self._send(200 if ok else 503, text + "\n", "text/plain; charset=utf-8")
+                elif server.pages is not None and (page := server.pages(self.path, dict(self.headers))):
+                    self._send(*page)
                 else:
-                    self._send(404, "not found: try /metrics or /healthz\n", "text/plain")
+                    self._send(404, "not found: try /metrics, /healthz or / (the job page)\n", "text/plain")
 
-            def _send(self, code, body, ctype):
+            def _send(self, code, body, ctype, headers=None):
                 data = body.encode()
                 self.send_response(code)
                 self.send_header("Content-Type", ctype)
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)

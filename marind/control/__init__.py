@@ -10,8 +10,11 @@ The agent (``marind.agent``) builds on this package; the CLI (``marind.commands`
   events / cancel / logs / nodes / rm``;
 * ``job_records``: a job's keys, read and written the one way; ``lifecycle``: the job states and
   the one transition function; ``events``: the bounded event ring;
+* ``failure_causes``: why a rank failed, in words a user acts on (pure: kinds, lines, fixes);
 * ``change_watch``: when to read the jobs again (a change, or a slow resync);
 * ``nodes``: the registered nodes; ``ft_status``: a torchft job's keys and its status;
+* ``goodput_ledger``: where a job's wall time went (a pure fold over its events and rank 0's
+  records); ``job_series``: its bounded curves; ``job_history``: both as readers see them;
 * ``auth_roles``: the etcd roles (viewer, submitter, agent) and the owner prefix of job ids;
   ``job_signing``: signed job specs (canonical form, Ed25519 sign and verify, key files);
 * ``local_etcd``: a single-member etcd server as a child process (the agent's ``--embedded``
