@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -98,11 +99,11 @@ def _ints(text: str, what: str) -> list[int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nodes", default=None, help="node counts, comma-separated (default 64,256,1024,2048)")
+    ap.add_argument("--nodes", default=None, help="node counts, comma-separated (default 64,256,1024,2048; empty: the commit only)")
     ap.add_argument("--quick", action="store_true", help="16 nodes, commit at 16 and 64 ranks (checks the shape)")
     ap.add_argument("--commit-ranks", default=None, help="simulated ranks of the commit, comma-separated "
                     "(default 1024,4096; empty: none)")
-    ap.add_argument("--workers", type=int, default=None, help="worker processes (default: one per 128 nodes)")
+    ap.add_argument("--workers", type=int, default=None, help="worker processes (default: one per 32 nodes, at most 64)")
     ap.add_argument("--no-c10d", action="store_true", help="skip torch's c10d round")
     ap.add_argument("--no-s3", action="store_true", help="commit on the local disk only")
     ap.add_argument("--no-loss", action="store_true", help="skip the silent-loss rounds")
@@ -113,9 +114,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steady-intervals", type=int, default=None,
                     help="report intervals the steady state is counted over (default 5; quick 3)")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))    # the servers started here stop (finally)
     from bench import scale_cluster, scale_commit
 
-    sizes = [16] if args.quick else (_ints(args.nodes, "--nodes") if args.nodes else SWEEP)
+    sizes = [16] if args.quick else (_ints(args.nodes, "--nodes") if args.nodes is not None else SWEEP)
     if args.commit_ranks is not None:
         ranks = _ints(args.commit_ranks, "--commit-ranks") if args.commit_ranks else []
     else:

@@ -151,7 +151,7 @@ def wait_round(w: _Workers, names: list[str], rounds_before: dict[str, int], wor
 def measure(n: int, *, workers: int | None = None, steady_intervals: int = 5, report_interval: float = 2.0,
             lease_ttl: int = 10, c10d: bool = True, loss: bool = True, log=print) -> dict:
     """Every figure of one size (module doc); ``log`` gets a line per stage."""
-    workers = workers or max(1, min(16, math.ceil(n / 128)))
+    workers = workers or max(1, min(64, math.ceil(n / 32)))
     tmp = tempfile.TemporaryDirectory(prefix="marind-scale-")
     etcd = LocalEtcd(Path(tmp.name) / "etcd").start()
     endpoint = etcd.endpoint

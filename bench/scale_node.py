@@ -17,8 +17,8 @@ A ``SimNode`` holds what a node's agent and its torchrun hold, made of marind's 
 * the workers: a stub. They "step" on every agent tick while their round runs, unless
   stalled (a peer went silent: a collective with it blocks); ``kill_workers`` fails them.
 
-The agent ticks of every node of a process run on one thread (``tick``), as the agent's loop
-would on each node; each torchrun is a thread of its own.
+The agent ticks of every node of a process run on one thread (``tick``), their outbox flushes
+on another (``flush``); each torchrun is a thread of its own.
 """
 
 from __future__ import annotations
@@ -115,9 +115,15 @@ class SimNode:
             if self.losses is not None:
                 self.losses.act(now, stall_window(self.registry.ttl), workers_running=lambda: self.running,
                                 progress_at=self.progress_at, torchft=False, kill_workers=self.kill_workers)
-            self.outbox.flush()
         except ControlPlaneUnavailable as exc:
             self.errors.append(f"tick: {exc}")
+
+    def flush(self) -> None:
+        """The outbox's writes (events), as the agent's tick ends with; here on a thread of its own,
+        so that one node's event-number contention does not hold the other nodes' ticks (each
+        agent has its own loop)."""
+        if not self.silent:
+            self.outbox.flush()
 
     def _start_run(self, job: str, now: float) -> None:
         self.job = job

@@ -39,18 +39,19 @@ def _rss() -> int:
 
 
 class _Ticker(threading.Thread):
-    """Runs every node's agent tick every ``TICK_S`` (a late pass starts at once, and is counted)."""
+    """Runs every node's agent tick (or, ``flush``, its outbox flush) every ``TICK_S`` (a late pass
+    starts at once, and is counted)."""
 
-    def __init__(self, nodes: list[SimNode]):
-        super().__init__(name="scale-ticker", daemon=True)
-        self.nodes, self.late, self.passes = nodes, 0, 0
+    def __init__(self, nodes: list[SimNode], flush: bool = False):
+        super().__init__(name="scale-flusher" if flush else "scale-ticker", daemon=True)
+        self.nodes, self.flush, self.late, self.passes = nodes, flush, 0, 0
         self.stopped = threading.Event()
 
     def run(self) -> None:
         while not self.stopped.is_set():
             began = time.monotonic()
             for node in list(self.nodes):
-                node.tick(time.time())
+                node.flush() if self.flush else node.tick(time.time())
             self.passes += 1
             left = TICK_S - (time.monotonic() - began)
             if left < 0:
@@ -114,6 +115,7 @@ def serve(conn, go) -> None:
     use_frame_method_names()          # torch's handler names its events without inspect.stack (rendezvous_bench)
     nodes: dict[str, SimNode] = {}
     ticker: _Ticker | None = None
+    flusher: _Ticker | None = None
     tcp = None
     while True:
         cmd, arg = conn.recv()
@@ -124,8 +126,9 @@ def serve(conn, go) -> None:
             for node in made:
                 node.start()
             nodes.update((n.name, n) for n in made)
-            ticker = _Ticker(list(nodes.values()))
+            ticker, flusher = _Ticker(list(nodes.values())), _Ticker(list(nodes.values()), flush=True)
             ticker.start()
+            flusher.start()
             conn.send({"rss_before": before, "rss_after": _rss()})
         elif cmd == "state":
             conn.send({"nodes": {n: {"rounds": list(node.rounds), "errors": node.errors[-3:], "silent": node.silent}
@@ -159,9 +162,10 @@ def serve(conn, go) -> None:
         elif cmd == "handlers":
             _handlers_round(conn, go, *arg)
         elif cmd == "stop":
-            if ticker is not None:
-                ticker.stopped.set()
-                ticker.join(10)
+            for thread in (ticker, flusher):
+                if thread is not None:
+                    thread.stopped.set()
+                    thread.join(10)
             for node in nodes.values():
                 node.stop()
             del tcp

@@ -30,6 +30,9 @@ from marind.core import etcd_txn as tx
 from marind.core.etcd_client import EtcdClient
 from marind.core.rdzv_keys import lost_key, members_key, round_key
 
+#: reports between two full reads of a job's node records (``Membership.report``)
+FULL_READ_EVERY = 15
+
 #: ``Loss.cause`` values.
 LEASE_EXPIRED = "lease_expired"          # its node registration is gone too: silent, powered off, cut off
 AGENT_RESTARTED = "agent_restarted"      # a new incarnation of its agent replaced the record
@@ -79,7 +82,10 @@ class Membership:
         self.client, self.job, self.node, self.incarnation = client, job, node, str(incarnation)
         self.known: dict[str, str] = {}
         self.records: dict[str, dict] = {}
-        self._primed: dict[str, Any] | None = None     # the records the last report read (``report_record``)
+        self._primed: dict[str, Any] | None = None     # the records the last report read (``report``)
+        self._last_read: dict[str, Any] = {}            # the last full read of them, and its revision
+        self._read_rev: int | None = None
+        self._since_full = 0                            # reports since
 
     def _departed_key(self, node: str, incarnation: str) -> str:
         return self.client.key("jobs", self.job, "departed", node, incarnation)
@@ -93,6 +99,39 @@ class Membership:
     def prefix(self) -> str:
         """Where the job's node records are: ``{p}/jobs/{job}/nodes/``."""
         return self.client.key("jobs", self.job, "nodes") + "/"
+
+    def report(self, put: Any) -> None:
+        """One report's transaction: ``put`` (this node's record), and the job's node records for
+        the next ``poll``: read back whole only when a record was created since the last full
+        read (a node joined or came back), when one is gone (the count fell: a second request),
+        and every ``FULL_READ_EVERY`` reports (a record put over another incarnation's without
+        a delete changes neither); otherwise only their count comes back and the poll sees the
+        last full read again. So a steady report costs etcd O(1) bytes, not the job's N records.
+        Raises ControlPlaneUnavailable.
+        """
+        c = self.client
+        if self._read_rev is None or self._since_full >= FULL_READ_EVERY:
+            self._full(c.txn([], [put, tx.values(self.prefix)]), 1)
+            return
+        resp = c.txn([tx.created_before(self.prefix, self._read_rev + 1)],
+                     [put, tx.count(self.prefix, prefix=True)], [put, tx.values(self.prefix)])
+        if not resp.succeeded:
+            self._full(resp, 1)
+        elif tx.count_of(resp, 1) != len(self._last_read):
+            self._full(c.txn([], [tx.values(self.prefix)]), 0)
+        else:
+            self._since_full += 1
+            self._primed = dict(self._last_read)
+
+    def _full(self, resp: Any, index: int) -> None:
+        read: dict[str, Any] = {}
+        for key, raw in tx.values_of(resp, index):
+            try:
+                read[key] = json.loads(raw)
+            except ValueError:
+                continue
+        self._primed, self._last_read = read, dict(read)
+        self._read_rev, self._since_full = int(resp.header.revision), 0
 
     def poll(self, read: dict[str, Any] | None = None) -> list[Loss]:
         """Incarnations gone since the last poll without a clean leave (raises ControlPlaneUnavailable).
@@ -172,9 +211,10 @@ class Membership:
 
 def report_record(client: EtcdClient, job: str, node: str, record: dict, lease: Any,
                   members: Membership | None) -> None:
-    """Write this node's record of ``job`` (under ``lease``) and read the job's node records back,
-    in one transaction: the next ``members.poll()`` uses what it read. One etcd request per report
-    instead of two (docs/perf.md, "A thousand nodes": a node's steady requests).
+    """Write this node's record of ``job`` (under ``lease``) and, with ``members``, learn in the same
+    transaction what the next ``members.poll()`` needs (``Membership.report``): one etcd request
+    per report, and the job's records read back only when one came or went (docs/perf.md, "A
+    thousand nodes").
 
     Args:
         client: the etcd client.
@@ -187,16 +227,9 @@ def report_record(client: EtcdClient, job: str, node: str, record: dict, lease: 
     Raises:
         ControlPlaneUnavailable: etcd is unreachable.
     """
-    ops = [tx.put(client.key("jobs", job, "nodes", node), json.dumps(record, sort_keys=True),
-                  lease.id if lease is not None else 0)]
-    if members is not None:
-        ops.append(tx.values(members.prefix))
-    resp = client.txn([], ops)
-    if members is not None:
-        read: dict[str, Any] = {}
-        for key, raw in tx.values_of(resp, 1):
-            try:
-                read[key] = json.loads(raw)
-            except ValueError:
-                continue
-        members._primed = read
+    put = tx.put(client.key("jobs", job, "nodes", node), json.dumps(record, sort_keys=True),
+                 lease.id if lease is not None else 0)
+    if members is None:
+        client.txn([], [put])
+    else:
+        members.report(put)

@@ -39,6 +39,13 @@ def equals(key: str, value: str | bytes) -> Any:
                            result=etcdrpc.Compare.EQUAL, value=_b(value))
 
 
+def created_before(prefix: str, revision: int) -> Any:
+    """Compare: every key under ``prefix`` was created before ``revision`` (none since; true when
+    there is none). Nothing under ``prefix`` is sent back."""
+    return etcdrpc.Compare(key=_b(prefix), range_end=prefix_end(prefix), target=etcdrpc.Compare.CREATE,
+                           result=etcdrpc.Compare.LESS, create_revision=revision)
+
+
 def put(key: str, value: str | bytes, lease_id: int = 0) -> Any:
     """Op: put ``value`` at ``key`` (under ``lease_id`` when not 0)."""
     return etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=_b(key), value=_b(value), lease=lease_id))

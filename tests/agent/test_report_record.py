@@ -1,31 +1,60 @@
-"""A node's report is one etcd request: its record written and the job's records read back together.
+"""A node's report is one etcd request, and a steady one reads back a count, not the job's records.
 
-Counted by a private etcd's own metrics (``marind.testing.etcd_metrics``), not timed.
+Counted by a private etcd's own metrics (``marind.testing.etcd_metrics``), not timed: the
+report's transaction writes the node's record and, only when a record came or went (or every
+``FULL_READ_EVERY`` reports), reads the job's node records back for the next ``poll``.
 """
 
 from __future__ import annotations
 
-from marind.agent.membership import Membership, report_record
+from marind.agent.membership import FULL_READ_EVERY, Membership, report_record
 from marind.core.etcd_client import EtcdClient
 from marind.testing.etcd_metrics import etcd_counters
 
+PEERS = 40
 
-def test_the_report_writes_and_reads_in_one_request_and_the_poll_uses_it(etcd_private):
+
+def test_a_report_is_one_request_and_reads_the_records_only_when_they_change(etcd_private):
     client = EtcdClient(etcd_private.endpoint, prefix="/rep")
+    ep = etcd_private.endpoint
+    mine = {"node": "a", "incarnation": "1", "workers": [{"rank": 0}]}
     try:
-        lease = client.lease(30)
+        lease = client.lease(60)
         members = Membership(client, "j", "a", "1")
-        client.put_json(client.key("jobs", "j", "nodes", "b"), {"node": "b", "incarnation": "2"})
-        before = etcd_counters(etcd_private.endpoint)["requests"]
-        report_record(client, "j", "a", {"node": "a", "incarnation": "1"}, lease, members)
-        assert members.poll() == []                                  # used what the report read
-        assert etcd_counters(etcd_private.endpoint)["requests"] - before == 1
-        assert client.lease_of(client.key("jobs", "j", "nodes", "a")) == lease.id
-        assert set(members.known) == {"a", "b"}
+        for i in range(PEERS):
+            client.put_json(client.key("jobs", "j", "nodes", f"p{i:02d}"),
+                            {"node": f"p{i:02d}", "incarnation": str(i), "padding": "x" * 200})
 
-        client.delete(client.key("jobs", "j", "nodes", "b"))       # b goes: the next report's read sees it
-        report_record(client, "j", "a", {"node": "a", "incarnation": "1"}, lease, members)
-        assert [loss.node for loss in members.poll()] == ["b"]
-        assert members.poll() == []                                  # a poll without a report reads again
+        def report() -> dict:
+            before = etcd_counters(ep)
+            report_record(client, "j", "a", mine, lease, members)
+            losses = members.poll()
+            after = etcd_counters(ep)
+            return {"requests": after["requests"] - before["requests"],
+                    "bytes_out": after["bytes_out"] - before["bytes_out"], "lost": [x.node for x in losses]}
+
+        first = report()                              # the first: the records read back, with the write
+        assert first == {**first, "requests": 1, "lost": []} and first["bytes_out"] > PEERS * 200
+        assert client.lease_of(client.key("jobs", "j", "nodes", "a")) == lease.id
+        assert len(members.known) == PEERS + 1
+        steady = report()                             # nothing came or went: a count comes back
+        assert steady == {**steady, "requests": 1, "lost": []}
+        assert steady["bytes_out"] * 10 < first["bytes_out"], (steady, first)
+
+        client.delete(client.key("jobs", "j", "nodes", "p07"))     # p07 goes: seen at the next report
+        gone = report()
+        # the report and, the count having fallen, a read of the records; then the loss's own two
+        # reads (its departed claim, its registration)
+        assert gone["lost"] == ["p07"] and gone["requests"] == 2 + 2, gone
+        client.put_json(client.key("jobs", "j", "nodes", "p99"), {"node": "p99", "incarnation": "9"})
+        came = report()                               # a node came: read back in the same request
+        assert came == {**came, "requests": 1, "lost": []} and "p99" in members.known
+
+        client.put_json(client.key("jobs", "j", "nodes", "p03"), {"node": "p03", "incarnation": "33"})
+        seen = []                                     # p03 replaced by another incarnation, no delete:
+        for _ in range(FULL_READ_EVERY + 1):          # seen at the next full read at the latest
+            seen += report()["lost"]
+        assert seen == ["p03"]
+        assert members.poll() == []                   # a poll without a report reads the records itself
     finally:
         client.close()
