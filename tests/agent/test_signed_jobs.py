@@ -4,8 +4,8 @@ A real etcd with auth on (`marind auth setup --enable`), a real `marind agent` l
 agents' etcd user and requiring signed jobs, and a submitter: the job signed with a trusted key
 runs to SUCCEEDED; an unsigned job and one signed with a key the agent does not trust are
 refused (FAILED, ``refused: ...``, one ``job_refused`` event each) and nothing of them is
-started on the node: no run dir (the agent makes it before it starts torchrun), no node
-record, no ``node_joined``. An agent whose trusted key file is missing does not start (exit 2).
+started on the node: no torchrun (the agent's log), no run dir (made before torchrun starts), no
+node record, no ``node_joined``. An agent whose trusted key file is missing does not start (exit 2).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def test_only_jobs_signed_by_a_trusted_key_run(etcd_private, tmp_path, monkeypat
     agent = start_agent(tmp_path, "n1", etcd_private.endpoint, prefix, env={"MARIND_CONFIG": str(config)})
     root = EtcdClient(etcd_private.endpoint, prefix=prefix, user="root", password=PASSWORDS["root"])
     try:
-        wait_for(lambda: root.get(root.key("nodes", "n1"))[0], 60, "the agent to register as etcd user node",
+        wait_for(lambda: root.get(root.key("nodes", "n1"))[0], 120, "the agent to register as etcd user node",
                  diag=lambda: agent_log(tmp_path, "n1"))
         monkeypatch.setenv("MARIND_ETCD_USER", "alice")
         monkeypatch.setenv("MARIND_ETCD_PASSWORD", PASSWORDS["alice"])
@@ -64,11 +64,11 @@ def test_only_jobs_signed_by_a_trusted_key_run(etcd_private, tmp_path, monkeypat
         assert root.get_json(root.key("jobs", signed, "signature"))["alg"] == "ed25519"
         assert root.get(root.key("jobs", unsigned, "signature"))[0] is None
 
-        wait_for(lambda: job_state(root, signed).get("state") == "SUCCEEDED", 120, "the signed job to succeed",
+        wait_for(lambda: job_state(root, signed).get("state") == "SUCCEEDED", 240, "the signed job to succeed",
                  diag=lambda: f"{job_state(root, signed)}\n{agent_log(tmp_path, 'n1')}")
         assert (tmp_path / "state-n1" / "jobs" / signed).is_dir()
         for job, why in ((unsigned, "the job is not signed"), (wrong, "not among this agent's trusted_keys")):
-            state = wait_for(lambda j=job: job_state(root, j).get("state") == "FAILED" and job_state(root, j), 60,
+            state = wait_for(lambda j=job: job_state(root, j).get("state") == "FAILED" and job_state(root, j), 120,
                              f"job {job} to be refused", diag=lambda: agent_log(tmp_path, "n1"))
             assert state["reason"].startswith("refused: ") and why in state["reason"], state
             events = list_events(root, job)
@@ -78,6 +78,10 @@ def test_only_jobs_signed_by_a_trusted_key_run(etcd_private, tmp_path, monkeypat
             assert not any(e["kind"] in ("node_joined", "restart") for e in events), events
             assert not (tmp_path / "state-n1" / "jobs" / job).exists()     # no run dir: no torchrun, no worker
             assert root.get_prefix_keys(root.key("jobs", job, "nodes") + "/") == []
+        started = [line for line in (tmp_path / "agent-n1.log").read_text(errors="replace").splitlines()
+                   if "torchrun_started" in line]
+        assert any(f"/jobs/{signed}/" in line for line in started), started
+        assert not any(f"/jobs/{j}/" in line for line in started for j in (unsigned, wrong)), started
         rc = main(["status", unsigned])
         assert rc == 0 and "refused" in capsys.readouterr().out
     finally:
