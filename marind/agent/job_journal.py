@@ -11,7 +11,8 @@ On every report of the node that runs global rank 0 (``RunMonitor.report``), one
 * the counters ``marind_job_seconds_total{job, cause}`` (the time settled so far).
 
 An agent that takes the bookkeeping over (rank 0 moved to its node) reads the stored ledger
-and series once and goes on from them; one that loses it forgets its copies.
+and series once and goes on from them; one that loses it forgets its copies. In torchft mode
+every replica group has a rank 0; only replica group 0's keeps the series and the ledger.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class JobJournal:
             self._state, self._series = None, None
             return None
         client.put_json(client.key("jobs", self.job, "progress"), summary)
+        if rank0.replica_group not in (None, 0):     # torchft: one writer, replica group 0's rank 0
+            return summary
         self._ledger(client, rank0, now)
         self._curves(client, rank0, now)
         return summary
