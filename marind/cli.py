@@ -19,7 +19,7 @@ import traceback
 from ckpt_store.errors import CheckpointError
 from marind.core.errors import MarindError
 
-COMMAND_MODULES = ("agent", "jobs", "events", "ckpt", "data", "doctor", "slurm", "auth")
+COMMAND_MODULES = ("agent", "jobs", "events", "ckpt", "data", "doctor", "slurm", "auth", "tensorboard")
 
 
 class _Parser(argparse.ArgumentParser):

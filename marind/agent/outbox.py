@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from marind.agent.membership import Membership
 from marind.control.events import append_event
+from marind.control.failure_causes import keep_first
 from marind.control.job_records import update_state
 from marind.control.lifecycle import JobEvent
 from marind.core.errors import ControlPlaneUnavailable
@@ -64,10 +65,16 @@ class Outbox:
 
         Args:
             job: the job's id.
-            record: ``{"line", "node", "at", "source", "restarts", ...}``.
+            record: ``{"line", "node", "at", "source", "restarts", ...}``; one marked ``echo`` (a peer
+                gone) does not replace a cause another node recorded just before it
+                (``failure_causes.keep_first``).
         """
         key = self.client.key("jobs", job, "last_error")
-        self.put(job, lambda: self.client.put_json(key, record))
+
+        def write() -> None:
+            if keep_first(self.client.get_json(key), record):
+                self.client.put_json(key, record)
+        self.put(job, write)
 
     def progress(self, job: str, summary: dict) -> None:
         """Write the job's progress record (``{p}/jobs/{job}/progress``)."""

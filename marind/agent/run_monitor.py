@@ -6,10 +6,8 @@ The agent keeps one ``RunMonitor`` per job it runs and calls
 * tells rendezvous rounds apart (a new set of worker launchers is a new
   round; after the first it is a restart) and moves the job's state
   (``WORKERS_STARTED``, ``RESTART``) through the outbox;
-* follows ``logs/torchrun.log`` (``worker_errors.LogScan``): each round
-  torchrun reports failed is a restart with its reason (the worker's last
-  exception line), counted even when the workers died between two ticks,
-  and the job's ``last_error``;
+* follows ``logs/torchrun.log`` (``failure_watch``): each failed round is a restart with
+  its cause (the first failed rank's, in words: ``failure_causes``) and the ``last_error``;
 * reads the current round's progress records (``run_progress``): the node's
   step, when the round last moved, checkpoint commits (an event with their
   duration, and a metric) and the per-job metrics;
@@ -52,6 +50,7 @@ from marind.agent.decisions import (
     on_terminal_state,
     workers_running,
 )
+from marind.agent.failure_watch import FailureWatch
 from marind.agent.ft.coordinator import FTCoordinator
 from marind.agent.hang_kill import HangKiller, PendingKill
 from marind.agent.membership import Loss, Membership
@@ -59,9 +58,10 @@ from marind.agent.metrics import Metrics
 from marind.agent.node_losses import NodeLosses
 from marind.agent.outbox import Outbox
 from marind.agent.registry import NodeRegistry
+from marind.agent.run_history import RunHistory
 from marind.agent.run_progress import RunProgress
 from marind.agent.supervisor import TorchrunSupervisor
-from marind.agent.worker_errors import Failure, LogScan, LogTail, read_error_file
+from marind.agent.worker_errors import Failure, read_error_file
 from marind.control.lifecycle import JobEvent, JobState
 from marind.core.errors import ControlPlaneUnavailable
 from marind.core.etcd_client import EtcdClient
@@ -105,12 +105,12 @@ class RunMonitor:
         self._terminal_since: float | None = None
         self._started_at = time.time()
         log_path = sup.run_dir / "logs" / "torchrun.log"
-        self._tail = LogTail(log_path, log_offset)
-        self._scan = LogScan()
+        self._fails = FailureWatch(node, sup.run_dir, log_offset)
         self._unmatched_failures = 0         # restarts counted from the log whose round was not seen yet
         self.log = get_logger(__name__, node=node, job=job)
         self._losses = NodeLosses(job, members, outbox, self.log) if members is not None else None
-        self._progress = RunProgress(job, outbox, metrics)
+        self._progress = RunProgress(job, outbox, metrics, RunHistory(job, spec, sup.run_dir, node=node, outbox=outbox,
+                                                                      log=self.log))
         self._hangs = HangKiller(job, sup, hang_timeout=spec.job.hang_timeout, outbox=outbox, metrics=metrics,
                                  log=self.log, log_path=log_path)
 
@@ -217,6 +217,7 @@ class RunMonitor:
         """
         self.scan_log(now)
         workers = self._sup.workers()
+        self._fails.note(workers)
         launched = frozenset(w.launched_by for w in workers)   # stable while a round lives
         verdict, self._gen_pids, _ = classify_workers(launched, self._gen_pids)
         if verdict == Generation.NEW:
@@ -270,9 +271,8 @@ class RunMonitor:
     def scan_log(self, now: float) -> list[Failure]:
         """Read what torchrun.log gained; each failed round is a restart (or the last failure).
 
-        A failure torchrun restarts after (the first ``max_restarts``) counts as a restart at
-        once, with the worker's error line as its reason; every failure becomes the job's
-        ``last_error``.
+        A failure torchrun restarts after (the first ``max_restarts``) counts as a restart at once,
+        its cause (``failure_watch``) its reason; every failure becomes the job's ``last_error``.
 
         Args:
             now: the current time.
@@ -280,17 +280,15 @@ class RunMonitor:
         Returns:
             The failures found.
         """
-        found = self._scan.feed(self._tail.read())
-        for failure in found:
-            self._outbox.last_error(self.job, self._error_record(failure.reason, "log", now,
-                                                                 exitcode=failure.exitcode))
-            restart, _ = failure_restarts(len(self._scan.failures), self.spec.job.max_restarts)
+        found = self._fails.read()
+        for _, cause, facts in found:
+            self._outbox.last_error(self.job, self._error_record(cause.line, "log", now, **facts))
+            restart, _ = failure_restarts(len(self._fails.scan.failures), self.spec.job.max_restarts)
             if restart:
                 self._unmatched_failures += 1
-                self._restarted(failure.reason, {"round": self._generations + self._unmatched_failures,
-                                                 "exitcode": failure.exitcode, "local_rank": failure.local_rank})
+                self._restarted(cause.line, {"round": self._generations + self._unmatched_failures, **facts})
                 self._awaiting_running_since = now
-        return found
+        return [failure for failure, _, _ in found]
 
     def exit_reason(self, now: float) -> str | None:
         """torchrun exited: why its workers failed, if this node knows (error file, else the log).
@@ -308,7 +306,7 @@ class RunMonitor:
         if line is not None:
             self._outbox.last_error(self.job, self._error_record(line, "error_file", now))
             return line
-        return self._scan.failures[-1].reason if self._scan.failures else self._scan.last_error
+        return self._fails.last_reason()
 
     def _error_record(self, line: str, source: str, now: float, **extra) -> dict:
         return {"line": line, "node": self.node, "at": now, "source": source, "restarts": self._restarts, **extra}
@@ -422,8 +420,10 @@ class RunMonitor:
         return self._members.declared_lost(self._sup.pid)
 
     def stop(self, timeout: float) -> None:
-        """Stop torchrun and the workers (SIGTERM, SIGKILL after ``timeout``), reap them, clear ``pids.json``."""
+        """Stop torchrun and the workers (SIGTERM, SIGKILL after ``timeout``), reap them, clear ``pids.json``;
+        the run's curves get their last points."""
         self._sup.stop(timeout)
+        self._progress.close()
 
     def fence(self) -> list[int]:
         """Kill everything of this run now (``TorchrunSupervisor.kill_now``: no SIGTERM, nothing may save),
@@ -434,7 +434,7 @@ class RunMonitor:
         """
         killed = self._sup.kill_now()
         self._hangs.drop_pending()
-        self._sup.stop(1)               # reap and clear pids.json: everything is dead already
+        self.stop(1)                    # reap and clear pids.json (everything is dead already); close the curves
         if self._ft is not None:
             self._ft.stop(release=False)
         return killed

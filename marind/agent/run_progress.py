@@ -14,6 +14,8 @@ records every tick (``observe``). From them it keeps
   ``checkpoint_committed`` event, with its duration (from when rank 0 first showed the
   checkpoint's step to when its record showed the commit) and a metric;
 * the per-job metrics (step, restarts, loss, tokens per second, last checkpoint);
+* global rank 0's curves and what they show (``run_history``: TensorBoard, W&B,
+  non-finite losses and rollbacks);
 * at the run's end (``final``), the last round's step and, where global rank 0 ran,
   the job's final progress.
 
@@ -28,6 +30,7 @@ from typing import Any
 from marind.agent import progress as prog
 from marind.agent.metrics import Metrics
 from marind.agent.outbox import Outbox
+from marind.agent.run_history import RunHistory
 from marind.agent.stragglers import StragglerWatch
 from marind.control.events import REPLICA_DRIFT
 
@@ -39,10 +42,11 @@ class RunProgress:
         job: the job's id (events, metric labels).
         outbox: where ``checkpoint_committed`` events go.
         metrics: the agent's metrics.
+        history: the run's curves and what they show (``run_history``); None: not followed.
     """
 
-    def __init__(self, job: str, outbox: Outbox, metrics: Metrics):
-        self.job, self.outbox, self.metrics = job, outbox, metrics
+    def __init__(self, job: str, outbox: Outbox, metrics: Metrics, history: RunHistory | None = None):
+        self.job, self.outbox, self.metrics, self.history = job, outbox, metrics, history
         self.step = 0                                   # the furthest step this node's workers reached
         self.last_ckpt_step: int | None = None
         self.progress_at: float | None = None          # when the round's stall marker last changed
@@ -78,6 +82,13 @@ class RunProgress:
             self._marker, self.progress_at = marker, now
         self.step = prog.node_step(records) or self.step
         self._job_metrics(records, restarts)
+        if self.history is not None:
+            self.history.poll()
+
+    def close(self) -> None:
+        """The run ended: the curves get their last points and are closed."""
+        if self.history is not None:
+            self.history.close()
 
     def final(self, run_dir: Path, worker_pids: frozenset[int], log: Any) -> dict | None:
         """The run ended: the last round's records, read once more. ``step`` becomes the last step

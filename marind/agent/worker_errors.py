@@ -29,6 +29,9 @@ MAX_READ = 4 << 20
 
 _FAILED_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 _PREFIX_RE = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
+_RANK_RE = re.compile(r"^\[rank(\d+)\]:")          # torch prefixes a rank's traceback once its group is up
+#: The longest exception line kept for telling its cause (a CUDA OOM message runs past ``MAX_LINE``).
+MAX_FULL = 4000
 _EXC_RE = re.compile(r"^[A-Za-z_][\w.]*(?::\s.*)?$")      # `Type: message` or `Type`
 #: Exceptions of torchrun itself, never a worker's reason.
 _TORCHRUN_OWN = ("ChildFailedError", "SignalException")
@@ -89,12 +92,20 @@ def error_file_line(doc: object) -> str | None:
 
 @dataclass(frozen=True)
 class Failure:
-    """One round that ended in a worker failure on this node, as torchrun reported it."""
+    """One round that ended in a worker failure on this node, as torchrun reported it.
+
+    ``rank_errors`` holds, per global rank, the last exception line (up to ``MAX_FULL``) each rank
+    printed in that round under torch's ``[rankN]:`` prefix; ``unranked`` the last one printed
+    without it (before the rank's process group was up). The failed rank's own line is the cause;
+    another rank's is at most its echo.
+    """
 
     exitcode: int
     local_rank: int
     pid: int
     error: str | None        # the last exception line printed in that round, if any
+    rank_errors: tuple[tuple[int, str], ...] = ()
+    unranked: str | None = None
 
     @property
     def reason(self) -> str:
@@ -115,6 +126,9 @@ class LogScan:
     _round_error: str | None = None      # ... since the last failure line
     _in_traceback: bool = False
     _partial: str = ""
+    _tb_rank: int | None = None
+    _rank_errors: dict[int, str] = field(default_factory=dict)
+    _unranked: str | None = None
 
     def feed(self, text: str) -> list[Failure]:
         """Scan more of the log.
@@ -138,18 +152,27 @@ class LogScan:
     def _line(self, raw: str) -> Failure | None:
         m = _FAILED_RE.search(raw)
         if m:
-            failure = Failure(int(m.group(1)), int(m.group(2)), int(m.group(3)), self._round_error)
-            self._round_error, self._in_traceback = None, False
+            failure = Failure(int(m.group(1)), int(m.group(2)), int(m.group(3)), self._round_error,
+                              tuple(sorted(self._rank_errors.items())), self._unranked)
+            self._round_error, self._in_traceback, self._unranked = None, False, None
+            self._rank_errors = {}
             return failure
         line = clean_line(raw)
         if line.startswith("Traceback (most recent call last)"):
             self._in_traceback = True
+            rank = _RANK_RE.match(raw)
+            self._tb_rank = int(rank.group(1)) if rank else None
             return None
         if self._in_traceback and line and not line[0].isspace():
             self._in_traceback = False
             error = exception_line(line)
             if error is not None:
                 self._round_error = self.last_error = error
+                full = line[:MAX_FULL]
+                if self._tb_rank is not None:
+                    self._rank_errors[self._tb_rank] = full
+                else:
+                    self._unranked = full
         return None
 
 

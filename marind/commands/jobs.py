@@ -131,8 +131,7 @@ def submit(args) -> int:
 
     def show(row):
         if not args.json:
-            step = row["step"] if row["step"] is not None else "-"
-            print(f"{time.strftime('%H:%M:%S')} {row['state']:<10} step {step}/{row['target_steps']} "
+            print(f"{time.strftime('%H:%M:%S')} {row['state']:<10} step {step_cell(row['step'], row['target_steps'])} "
                   f"restarts {row['restarts']}", flush=True)
 
     row = jc.wait(job, on_change=show)
@@ -144,6 +143,12 @@ def submit(args) -> int:
     if row["state"] != "SUCCEEDED":
         raise JobFailed(f"job {job} {row['state']}: {row['reason']}")
     return 0
+
+
+def step_cell(step: int | None, target: int | None) -> str:
+    """``100/1000``, or ``100`` for a program that declares no step count (``-`` before any step)."""
+    shown = "-" if step is None else str(step)
+    return f"{shown}/{target}" if target is not None else shown
 
 
 def _fmt(value, digits=None) -> str:
@@ -187,10 +192,25 @@ def status(args) -> int:
     for j in doc["jobs"]:
         if j.get("torchft"):
             _print_replica_groups(j["id"], j["torchft"])
+    for line in fix_lines(doc["jobs"]):
+        print(line)
         for s in j.get("stragglers") or ():
             print(f"{j['id']}: straggler {s['node']} rank {s['rank']}: {_fmt(s.get('compute_s'), 3)}s of compute "
                   "per step, slower than the others (marind events for why)")
     return 0
+
+
+def fix_lines(jobs: list[dict]) -> list[str]:
+    """Below the table, for each RESTARTING or FAILED job whose last failure has a known cause:
+    ``JOB: fix: ...`` (the REASON cell is cut; ``status --json`` has ``last_error`` whole)."""
+    from marind.control.jobs_client import REASON_STATES
+
+    out = []
+    for j in jobs:
+        err = j.get("last_error")
+        if j["state"] in REASON_STATES and isinstance(err, dict) and err.get("fix"):
+            out.append(f"{j['id']}: {err.get('cause', 'cause')}: fix: {err['fix']}")
+    return ["", *out] if out else []
 
 
 def _reason_cell(job: dict) -> str:

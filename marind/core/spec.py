@@ -63,6 +63,8 @@ class JobSpec:
     preload: tuple[str, ...] = spec_field((), "strs")         # modules the zygote imports (besides torch)
     warm_start: bool = spec_field(True, "bool")       # fork workers from a zygote with torch loaded (marind/agent/warm_start/zygote.py)
     env: tuple[tuple[str, str], ...] = spec_field((), "env")
+    tensorboard_dir: str = spec_field("", "str")  # the agent's TensorBoard files; "" = {run dir}/tensorboard
+    wandb: tuple[tuple[str, str], ...] = spec_field((), "env")  # { project = "..." }: a W&B run (() = none)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,6 +166,22 @@ class RunSpec:
 
     def replace(self, **sections) -> RunSpec:
         return dataclasses.replace(self, **sections)
+
+
+#: Keys of ``[job] wandb`` (strings; ``project`` required) and its modes (``auto``: online with an API key).
+WANDB_KEYS = ("project", "entity", "name", "group", "mode")
+WANDB_MODES = ("auto", "online", "offline")
+
+
+def tensorboard_dir(spec: RunSpec, run_dir: str | os.PathLike | None) -> str:
+    """Where the agent writes the job's TensorBoard files: ``[job] tensorboard_dir``, else the
+    reference trainer's older name for it (``train.tensorboard_dir``), else ``{run_dir}/tensorboard``
+    ("" when ``run_dir`` is None). A relative path is taken from ``[job] working_dir``."""
+    path = spec.job.tensorboard_dir or spec.section("train").get("tensorboard_dir") or ""
+    if not isinstance(path, str) or not path:
+        return str(Path(run_dir) / "tensorboard") if run_dir is not None else ""
+    path = os.path.expanduser(path)
+    return path if os.path.isabs(path) or not spec.job.working_dir else str(Path(spec.job.working_dir) / path)
 
 
 def section_table(section: Any) -> dict[str, Any]:
@@ -328,6 +346,7 @@ def validate_spec(spec: RunSpec) -> None:
     for module in j.preload:
         if not _MODULE_RE.fullmatch(module):
             raise SpecError(f"job.preload: {module!r} is not a python module name like \"pkg.module\"")
+    _validate_wandb(dict(j.wandb))
     positive(c.every_steps, "checkpoint.every_steps", zero_ok=True)
     if c.every_seconds is not None:
         positive(c.every_seconds, "checkpoint.every_seconds")
@@ -343,6 +362,19 @@ def validate_spec(spec: RunSpec) -> None:
                         "(e.g. \"/dev/shm/marind-ckpt\")")
     positive(spec.fault.nan_at_step, "fault.nan_at_step", zero_ok=True)
     _validate_fault(spec)
+
+
+def _validate_wandb(table: dict[str, str]) -> None:
+    if not table:
+        return
+    for key in table:
+        if key not in WANDB_KEYS:
+            raise SpecError(f"unknown key 'job.wandb.{key}'{did_you_mean(key, WANDB_KEYS)}; remove or rename it")
+    if not table.get("project"):
+        raise SpecError("job.wandb needs a project: wandb = { project = \"my-project\" }")
+    mode = table.get("mode", "auto")
+    if mode not in WANDB_MODES:
+        raise SpecError(f"job.wandb.mode = {mode!r}{did_you_mean(mode, WANDB_MODES)}")
 
 
 def _validate_fault(spec: RunSpec) -> None:

@@ -132,7 +132,7 @@ class TrainSpec:
     seed: int = spec_field(1234, "int")
     log_every: int = spec_field(1, "int")
     max_bad_steps: int = spec_field(3, "int")     # non-finite steps in a row before a rollback
-    tensorboard_dir: str = spec_field("", "str")  # "" = off (also off when tensorboard is missing)
+    tensorboard_dir: str = spec_field("", "str")  # an older name for [job] tensorboard_dir (the agent writes there)
 
 
 #: The trainer's own sections of run.toml.

@@ -23,7 +23,6 @@ from typing import Any
 import psutil
 import torch
 
-from marind.core.log import get_logger
 from marind.core.workerenv import WorkerEnv
 from marind.trainer.build import Run, setup_run
 from marind.trainer.config import TrainerSpec
@@ -53,14 +52,15 @@ def _memory_bytes(device: torch.device) -> int:
 
 
 class ElasticMode(TrainMode):
-    """The elastic loop's hooks: own step count, non-finite steps skipped, rollback, MFU and tensorboard."""
+    """The elastic loop's hooks: own step count, non-finite steps skipped, rollback, MFU; rank 0's grad norm and
+    learning rate in its reports (the agent turns them into TensorBoard/W&B curves: ``marind.agent.run_history``)."""
 
     def __init__(self) -> None:
         self.bad = 0                      # non-finite steps in a row
         self.nan_steps: set[int] = set()
         self.flops_tok = 0.0
         self.peak = 1.0
-        self.tb: Any = None
+        self.metrics: dict[str, float] | None = None    # rank 0's last grad norm and lr, for its report
         self.setup_peak = 0.0            # peak memory before the first step (model built, no optimizer state)
         self.memory: MemoryCheckpointer | None = None   # ``[checkpoint] memory_every`` (marind.trainer.memory_ckpt)
 
@@ -88,7 +88,6 @@ class ElasticMode(TrainMode):
             init_run_from(run)   # [model] init_from: only a run with no checkpoint starts from it
         run.progress.update(phase="training", step=state.step, last_checkpoint_step=ckpt.last_step)
         self.nan_steps = nan_steps(spec, run.env)
-        self.tb = _tensorboard(spec, run.rank)
 
     def next_step(self, run: Run, state: LoopState) -> bool:
         """Until ``train.steps``."""
@@ -124,18 +123,22 @@ class ElasticMode(TrainMode):
         state.position += run.spec.data.global_batch
 
     def report_step(self, run: Run, state: LoopState, report: StepReport) -> None:
-        """Rank 0: the ``step`` line (tokens/s, MFU, memory) every ``train.log_every`` steps, and tensorboard."""
-        if run.rank != 0 or not log_due(report.step, run.spec):
+        """Rank 0: the ``step`` line (tokens/s, MFU, memory) every ``train.log_every`` steps; the grad norm and
+        learning rate of every step for its report (``progress_fields``)."""
+        if run.rank != 0:
             return
         norm = float(report.grad_norm)
+        self.metrics = {"grad_norm": norm, "lr": float(report.lr)}
+        if not log_due(report.step, run.spec):
+            return
         run.log.info("step", step=report.step, loss=round(report.loss, 6), grad_norm=round(norm, 6), lr=report.lr,
                      tokens_per_s=round(report.tokens_per_s, 1),
                      mfu=round(self.flops_tok * report.tokens_per_s / self.peak, 6),
                      memory_bytes=_memory_bytes(run.device), step_s=round(report.step_s, 4), **report.router)
-        if self.tb:
-            for k, v in (("loss", report.loss), ("grad_norm", norm), ("lr", report.lr),
-                         ("tokens_per_s", report.tokens_per_s)):
-                self.tb.add_scalar(k, v, report.step)
+
+    def progress_fields(self) -> dict[str, Any]:
+        """Rank 0's report carries the step's grad norm and learning rate as its metrics."""
+        return {"metrics": self.metrics} if self.metrics is not None else {}
 
     def after_step(self, run: Run, state: LoopState) -> None:
         """After ``train.max_bad_steps`` non-finite steps in a row: back to the latest checkpoint."""
@@ -164,14 +167,12 @@ class ElasticMode(TrainMode):
         return run.spec.checkpoint.on_stop
 
     def finish(self, run: Run, state: LoopState) -> Finish:
-        """Wait for the save in flight (a timeout is logged), close tensorboard; the final record's metrics:
+        """Wait for the save in flight (a timeout is logged); the final record's metrics:
         peak memory (and pipeline stage timing when ``MARIND_BENCH_PP_TIMING`` asked for it)."""
         try:
             run.ckpt.wait()
         except TimeoutError as exc:
             run.log.error("checkpoint_wait_timeout", error=str(exc))
-        if self.tb:
-            self.tb.close()
         if self.memory is not None:    # a run that is done frees its hosts' memory; a stopped one keeps it
             self.memory.close(clear=not state.stopped)
         return Finish(log_fields={"last_checkpoint_step": run.ckpt.last_step},
@@ -223,13 +224,3 @@ def _rollback(run: Run, state: LoopState) -> int:
     run.log.warning("rolled_back", from_step=state.step, to_step=restored[0], data_position=state.position)
     return restored[0]
 
-
-def _tensorboard(spec: TrainerSpec, rank: int) -> Any:
-    if rank != 0 or not spec.train.tensorboard_dir:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        get_logger("trainer").info("tensorboard_unavailable", hint="pip install tensorboard")
-        return None
-    return SummaryWriter(spec.train.tensorboard_dir)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from marind.core import workerenv as WE
+from marind.core.history import HistoryWriter, history_line, history_path
 from marind.core.progress import ProgressRecord, ProgressWriter
 
 
@@ -83,6 +84,8 @@ class Reporter(ProgressWriter):
         super().__init__(rank, local_rank, world_size, run_dir)
         self._clock = clock
         self._mark = clock()
+        # global rank 0 keeps every report too: the agent's curves (marind.core.history)
+        self._history = HistoryWriter(history_path(run_dir)) if run_dir and rank == 0 else None
 
     def mark(self) -> None:
         """Start the rate's clock now (e.g. after a restore, so it is not counted as training time)."""
@@ -94,7 +97,8 @@ class Reporter(ProgressWriter):
 
         Args:
             step: optimizer steps completed.
-            loss: the step's loss (a 0-dim tensor converts; NaN is kept as None).
+            loss: the step's loss (a 0-dim tensor converts; NaN is kept as None, and in rank 0's history
+                as non-finite: ``marind.core.history``).
             tokens: tokens the whole job processed since the previous report.
             metrics: extra numbers (the record's ``metrics``; None leaves the last ones).
             fields: other record fields (``last_checkpoint_step``, the trainer's torchft fields).
@@ -109,13 +113,15 @@ class Reporter(ProgressWriter):
         now = self._clock()
         rate = tokens_per_s(tokens, now - self._mark)
         self._mark = now
-        value = None if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
-        if value is not None and not math.isfinite(value):
-            value = None
+        raw = None if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        value = raw if raw is not None and math.isfinite(raw) else None
         if metrics is not None:
             fields["metrics"] = check_metrics(metrics)
         fields.setdefault("phase", "training")
         self.update(step=int(step), loss=value, tokens_per_s=rate, **fields)
+        if self._history is not None:
+            self._history.append(history_line(step, loss=raw, tokens_per_s=rate, at=self.record.updated_at,
+                                              metrics=fields.get("metrics"), pid=self.record.pid))
         return self.record
 
 

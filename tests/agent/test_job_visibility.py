@@ -58,18 +58,20 @@ def test_a_crash_loop_and_a_good_job_are_visible(tmp_path, etcd, etcd_client, et
     assert events_f.wait(60) == 4 and logs_f.wait(60) == 4
     lines = [json.loads(line) for line in open(events_out.name) if line.startswith("{")]
     restarts = [e["detail"] for e in lines if e["kind"] == "restart"]
-    assert [r["restarts"] for r in restarts] == [1, 2] and all(r["reason"] == MISSING for r in restarts)
-    assert lines[-1]["kind"] == "failed" and lines[-1]["detail"]["reason"] == MISSING
+    assert [r["restarts"] for r in restarts] == [1, 2] and all(MISSING in r["reason"] for r in restarts)
+    assert all(r["cause"] == "data_missing" and r["reason"].startswith("rank 0 (local 0) on v: ") for r in restarts)
+    assert lines[-1]["kind"] == "failed" and MISSING in lines[-1]["detail"]["reason"]
     assert MISSING in open(logs_out.name).read()
     doc = json.loads(_marind(env, "status", "crash-1", "--json").stdout)
     row = doc["jobs"][0]
-    assert (row["state"], row["restarts"], row["reason"]) == ("FAILED", 2, MISSING)
+    assert (row["state"], row["restarts"]) == ("FAILED", 2) and MISSING in row["reason"]
+    assert row["last_error"]["cause"] == "data_missing" and "working_dir" in row["last_error"]["fix"]
     table = _marind(env, "status").stdout.splitlines()
     header = next(line for line in table if line.startswith("JOB"))
     crash = next(line for line in table if line.startswith("crash-1"))
-    assert "REASON" in header and crash.split()[8] == "2" and crash.endswith(MISSING)
+    assert "REASON" in header and crash.split()[8] == "2" and "FileNotFoundError" in crash
     out = _marind(env, "events", "crash-1")
-    assert out.returncode == 0 and any(" restart " in line and "restarts=2 " in line and line.endswith(f"reason={MISSING}")
+    assert out.returncode == 0 and any(" restart " in line and "restarts=2 " in line and MISSING in line.split("reason=", 1)[-1]
                                        for line in out.stdout.splitlines()), out.stdout
     assert _marind(env, "events", "crash-1", "-f").returncode == 4       # terminal already: ends at once
 

@@ -10,6 +10,7 @@ import pytest
 from marind.agent.metrics import Metrics
 from marind.agent.run_monitor import RunMonitor
 from marind.agent.supervisor import WorkerProc
+from marind.control.failure_causes import CAUSES
 from marind.control.lifecycle import JobEvent
 from marind.core.spec import load_spec
 from tests.agent.test_run_monitor import SPEC, FakeOutbox, FakeTorchrun
@@ -51,17 +52,19 @@ def test_rounds_that_died_between_ticks_are_counted_from_the_log(tmp_path):
     run.supervise(1.0)                                         # two rounds failed; the tick saw neither
     assert run.restarts == 2
     restarts = [d for k, d in outbox.events if k == "restart"]
-    assert [(d["restarts"], d["reason"], d["round"]) for d in restarts] == [(1, MISSING, 2), (2, MISSING, 3)]
-    assert outbox.states[-1] == (JobEvent.RESTART, f"workers restarted on n1: {MISSING}")
+    because = f"rank 0 (local 0) on n1: {MISSING}; fix: {CAUSES['data_missing']}"   # rank 0: the one torchrun named
+    assert [(d["restarts"], d["reason"], d["round"]) for d in restarts] == [(1, because, 2), (2, because, 3)]
+    assert [(d["cause"], d["rank"], d["exitcode"]) for d in restarts] == [("data_missing", 0, 1)] * 2
+    assert outbox.states[-1] == (JobEvent.RESTART, f"workers restarted on n1: {because}")
     errors = [d for k, d in outbox.events if k == "last_error"]
-    assert errors[-1]["line"] == MISSING and errors[-1]["node"] == "n1" and errors[-1]["source"] == "log"
+    assert errors[-1]["line"] == because and errors[-1]["node"] == "n1" and errors[-1]["source"] == "log"
     sup._workers = [WorkerProc(401, 0, 0), WorkerProc(402, 1, 1)]
     run.supervise(2.0)                                         # the round after them: no third restart
     assert run.restarts == 2 and run.generations == 2
     _log(tmp_path, TRACEBACK + FAILED.format(code=1, pid=401))
     run.supervise(3.0)                                         # max_restarts used up: torchrun gives up
     assert run.restarts == 2 and len([k for k, _ in outbox.events if k == "restart"]) == 2
-    assert run.exit_reason(4.0) == MISSING
+    assert run.exit_reason(4.0) == because
     assert metrics.value("marind_job_restarts_total", job="j") == 2
 
 

@@ -22,3 +22,22 @@ def stop_together(signal_rank: int, signal_at: int, steps: int) -> dict:
         if mw.should_stop():
             break
     return {"rank": rank, "stopped_at": step, "again": mw.should_stop()}
+
+
+def collective_timeout_text(timeout_s: float, silent_rank: int) -> dict:
+    """Rank ``silent_rank`` stops answering; the others' gloo all-reduce times out: their error's text."""
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
+    if dist.get_rank() == silent_rank:
+        time.sleep(timeout_s * 4)
+        return {"rank": silent_rank, "error": None}
+    try:
+        dist.all_reduce(torch.ones(4), group=group)
+    except RuntimeError as exc:
+        return {"rank": dist.get_rank(), "error": f"{type(exc).__name__}: {exc}"}
+    return {"rank": dist.get_rank(), "error": None}

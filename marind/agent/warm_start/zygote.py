@@ -54,7 +54,6 @@ import signal
 import socket
 import sys
 import threading
-import traceback
 from pathlib import Path
 
 from marind.core.workerenv import WORKING_DIR
@@ -198,8 +197,8 @@ def _run_worker(request: dict, fds: list[int]) -> None:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, (int, type(None))):
             sys.stderr.write(f"{exc.code}\n")
-    except BaseException:  # noqa: BLE001 - the worker's own failure: print it like python would
-        traceback.print_exc()
+    except BaseException:  # noqa: BLE001 - the worker's own failure: print it like python would,
+        sys.excepthook(*sys.exc_info())   # through sys.excepthook (torch's prefixes it with [rankN]:)
         code = 1
     finally:
         for stream in (sys.stdout, sys.stderr):

@@ -1,0 +1,211 @@
+"""A run's curves: global rank 0's reports to TensorBoard and W&B, non-finite losses and rollbacks to events.
+
+Where global rank 0 runs, its reporter appends every report to its history file
+(``marind.core.history``). Every tick the ``RunProgress`` of the run hands :class:`RunHistory`
+a look (``poll``); it reads the new lines and
+
+* writes them as TensorBoard scalars (``loss``, ``tokens_per_s``, each of the program's own
+  metrics by name) at the report's step into ``[job] tensorboard_dir`` (default:
+  ``{run_dir}/tensorboard``; ``marind tensorboard JOB`` prints it), through
+  ``marind.agent.tb_events`` (no TensorFlow, no thread);
+* when the spec asks (``[job] wandb = { project = "..." }``), feeds them to a W&B run made by a
+  helper process (``python -m marind.agent.wandb_sink``, started once the history file
+  appears: W&B's client and its service stay out of the agent), offline when no API key is
+  configured (``wandb sync`` uploads it later);
+* finds what the curves say went wrong (:func:`findings`, pure): a loss that became NaN/inf
+  (a ``nonfinite_loss`` event, and the job's ``last_error``) and a step that went back within
+  one worker generation (a ``rollback`` event naming the non-finite step that caused it).
+
+A failure to write the curves is logged once and the curves are dropped; it never stops the run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from marind.agent.outbox import Outbox
+from marind.control.failure_causes import nonfinite_cause
+from marind.core.history import HistoryTail, history_path
+from marind.core.spec import RunSpec, tensorboard_dir
+
+
+@dataclass
+class Watch:
+    """What :func:`findings` remembers between lines."""
+
+    pid: int | None = None
+    top: int | None = None               # the highest step this worker generation reported
+    nonfinite_at: int | None = None      # the step of the last non-finite loss not yet rolled back
+    in_streak: bool = False              # the previous line's loss was non-finite
+
+
+@dataclass
+class Finding:
+    """An event the history calls for: ``kind`` (``nonfinite_loss`` or ``rollback``) and its detail."""
+
+    kind: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def findings(watch: Watch, line: dict[str, Any]) -> list[Finding]:
+    """What one history line says went wrong (updates ``watch``).
+
+    * the first non-finite loss of a streak: ``nonfinite_loss`` ``{step, value}``;
+    * a step lower than this worker generation's highest (same pid): ``rollback``
+      ``{from_step, to_step, cause}``, the cause naming the non-finite loss before it if any.
+      A new generation (another pid) starting lower is a restart's restore, not a rollback.
+
+    Args:
+        watch: the state kept between lines.
+        line: one history line.
+
+    Returns:
+        The findings, in order.
+    """
+    out = []
+    step, pid = int(line["step"]), line.get("pid")
+    if pid != watch.pid:
+        watch.pid, watch.top, watch.in_streak = pid, None, False
+    if watch.top is not None and step < watch.top:
+        cause = (f"non-finite loss at step {watch.nonfinite_at}" if watch.nonfinite_at is not None
+                 else "the program went back to an earlier step")
+        out.append(Finding("rollback", {"from_step": watch.top, "to_step": step, "cause": cause}))
+        watch.nonfinite_at, watch.top = None, step
+    value = line.get("loss_nonfinite")
+    if value is not None:
+        if not watch.in_streak:
+            out.append(Finding("nonfinite_loss", {"step": step, "value": str(value)}))
+            watch.nonfinite_at = step
+        watch.in_streak = True
+    else:
+        watch.in_streak = False
+    watch.top = step if watch.top is None else max(watch.top, step)
+    return out
+
+
+def scalars(line: dict[str, Any]) -> dict[str, float]:
+    """The TensorBoard/W&B scalars of one history line: ``loss``, ``tokens_per_s``, the program's metrics."""
+    out = {}
+    for key in ("loss", "tokens_per_s"):
+        if isinstance(line.get(key), (int, float)):
+            out[key] = float(line[key])
+    metrics = line.get("metrics")
+    if isinstance(metrics, dict):
+        for name, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and name not in out:
+                out[str(name)] = float(value)
+    return out
+
+
+class RunHistory:
+    """One run's history on this node: curves out, findings to events.
+
+    Args:
+        job: the job's id.
+        spec: its spec (``[job] tensorboard_dir``, ``[job] wandb``).
+        run_dir: its run dir on this node.
+        node: this node's name.
+        outbox: where findings go.
+        log: the run's logger.
+    """
+
+    def __init__(self, job: str, spec: RunSpec, run_dir: Path, *, node: str, outbox: Outbox, log: Any):
+        self.job, self.spec, self.run_dir, self.node, self.outbox, self.log = job, spec, run_dir, node, outbox, log
+        self.tail = HistoryTail(history_path(run_dir))
+        self.tb_dir = Path(tensorboard_dir(spec, run_dir))
+        self._tb: Any = None
+        self._tb_off = False
+        self._watch = Watch()
+        self._wandb: subprocess.Popen | None = None
+        self._wandb_tried = False
+
+    def poll(self) -> int:
+        """Read the new history lines; write the curves; record the findings.
+
+        Returns:
+            The lines read.
+        """
+        try:
+            lines = self.tail.read()
+        except OSError as exc:          # the file went away between two looks: next tick
+            self.log.debug("history_unreadable", error=str(exc))
+            return 0
+        if not lines:
+            return 0
+        self._start_wandb()
+        for line in lines:
+            for f in findings(self._watch, line):
+                self._record(f)
+            self._write_tb(line)
+        if self._tb is not None:
+            self._tb.flush()
+        return len(lines)
+
+    def close(self) -> None:
+        """The run ended: the last lines, the event file closed, the W&B run finished (its helper
+        reads the rest and ends within ``wandb_wait`` seconds, else it is killed)."""
+        self.poll()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        proc, self._wandb = self._wandb, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()            # the helper reads what is left, then finishes the run
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+    def _record(self, f: Finding) -> None:
+        self.log.warning(f.kind, **f.detail)
+        self.outbox.event(self.job, f.kind, dict(f.detail))
+        if f.kind == "nonfinite_loss":
+            cause = nonfinite_cause(f.detail["step"], f.detail["value"], self.node)
+            self.outbox.last_error(self.job, {"line": cause.line, "node": self.node, "at": time.time(),
+                                              "source": "history", "step": f.detail["step"], **cause.to_dict()})
+
+    def _write_tb(self, line: dict[str, Any]) -> None:
+        if self._tb_off:
+            return
+        if self._tb is None:
+            try:
+                from marind.agent.tb_events import EventWriter
+                self._tb = EventWriter(self.tb_dir)
+            except (ImportError, OSError) as exc:
+                self._tb_off = True
+                self.log.warning("tensorboard_off", dir=str(self.tb_dir), error=str(exc),
+                                 hint="pip install tensorboard; check that the directory is writable")
+                return
+        try:
+            for name, value in scalars(line).items():
+                self._tb.scalar(name, value, int(line["step"]), float(line.get("at") or 0.0))
+        except OSError as exc:
+            self._tb_off = True
+            self.log.warning("tensorboard_off", dir=str(self.tb_dir), error=str(exc))
+
+    def _start_wandb(self) -> None:
+        table = dict(self.spec.job.wandb)
+        if not table or self._wandb_tried:
+            return
+        self._wandb_tried = True
+        cmd = [sys.executable, "-m", "marind.agent.wandb_sink", "--history", str(self.tail.path),
+               "--dir", str(self.run_dir), "--job", self.job]
+        for key, value in sorted(table.items()):
+            cmd += [f"--{key}", value]
+        out = open(self.run_dir / "logs" / "wandb.log", "ab")
+        try:
+            self._wandb = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        except OSError as exc:
+            self.log.warning("wandb_off", error=str(exc))
+            self._wandb = None
+        finally:
+            out.close()
+        self.log.info("wandb_started", pid=self._wandb and self._wandb.pid, project=table.get("project"))
