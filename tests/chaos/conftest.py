@@ -32,7 +32,7 @@ def pytest_addoption(parser):
 
 def pytest_generate_tests(metafunc):
     repeat = metafunc.config.getoption("repeat", 1)
-    scenarios = ("test_scenarios", "test_host_scenarios", "test_host_torchft")
+    scenarios = ("test_scenarios", "test_host_scenarios", "test_host_halfnet_scenarios", "test_host_torchft")
     if repeat > 1 and metafunc.module.__name__.endswith(scenarios):
         metafunc.fixturenames.append("chaos_repetition")
         metafunc.parametrize("chaos_repetition", range(repeat), ids=lambda i: f"rep{i}")
