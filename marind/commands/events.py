@@ -16,7 +16,7 @@ _LAST = ("reason", "stack_dump", "log")
 
 
 def format_detail(detail: object) -> str:
-    """An event's detail as ``key=value`` pairs, the reason last.
+    """An event's detail as ``key=value`` pairs, the reason last (a ``fix`` the reason ends with is not repeated).
 
     Args:
         detail: the event's ``detail`` (a dict, a string, or anything JSON).
@@ -30,6 +30,8 @@ def format_detail(detail: object) -> str:
     parts = []
     for key in keys:
         value = detail[key]
+        if key == "fix" and isinstance(value, str) and str(detail.get("reason", "")).endswith(value):
+            continue            # a cause's reason ends with its fix (marind.control.failure_causes)
         text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
         parts.append(f"{key}={text}")
     return " ".join(parts).replace("\n", " ")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from marind.commands.events import format_detail
 from marind.commands.jobs import fix_lines, step_cell
 
 pytestmark = pytest.mark.unit
@@ -22,3 +23,11 @@ def test_fix_lines_for_failing_jobs_with_a_known_cause():
             {"id": "d", "state": "RESTARTING", "last_error": None}]
     assert fix_lines(jobs) == ["", "a: oom_killed: fix: give it more memory"]
     assert fix_lines(jobs[1:]) == []
+
+
+def test_an_events_line_does_not_repeat_the_fix_its_reason_ends_with():
+    detail = {"cause": "killed", "rank": 1, "fix": "find the sender",
+              "reason": "rank 1 (local 1) on a was killed by SIGKILL; fix: find the sender"}
+    assert format_detail(detail) == ("cause=killed rank=1 "
+                                     "reason=rank 1 (local 1) on a was killed by SIGKILL; fix: find the sender")
+    assert format_detail({"fix": "other", "reason": "x"}) == "fix=other reason=x"
