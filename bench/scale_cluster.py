@@ -114,7 +114,7 @@ def handlers_round(w: _Workers, kind: str, endpoint: str, n: int, prefix: str, t
     began = time.time()
     w.go.set()
     try:
-        done = [w._recv(pipe, timeout + 60) for pipe in w.pipes]
+        done = [w._recv(pipe, 400) for pipe in w.pipes]     # each worker answers once its handlers end (<= 330 s)
     finally:
         w.go.clear()
     failed = sum(d["failed"] for d in done)
@@ -128,6 +128,26 @@ def _states(w: _Workers) -> dict:
     for answer in w.ask("state", [None] * len(w.pipes)):
         out.update(answer["nodes"])
     return out
+
+
+def wait_first(w: _Workers, names: list[str], since: float, timeout: float) -> tuple[float | None, list[str], str]:
+    """The job's first round: seconds from ``since`` until every participant holds its rank, and
+    the participants. A round may close short of all N (``min`` joined and torch's
+    ``last_call_timeout`` passed before the rest had joined: a busy machine's late ticks); its
+    nodes are then the ones measured on, and the reason says how many were left out."""
+    deadline = time.time() + timeout
+    while True:
+        states = _states(w)
+        got = {n: states[n]["rounds"][0] for n in names if states[n]["rounds"]}
+        world = next(iter(got.values()))["world"] if got else None
+        if world is not None and len(got) >= world:
+            members = sorted(n for n, r in got.items() if r["world"] == world)
+            why = "" if world == len(names) else (f"the first round closed with {world} of {len(names)} nodes "
+                                                  "(last_call_timeout passed before the rest joined)")
+            return max(got[n]["at"] for n in members) - since, members, why
+        if time.time() > deadline:
+            return None, [], f"{len(got)} of {len(names)} nodes held a rank after {timeout:.0f}s (world {world})"
+        time.sleep(0.25)
 
 
 def wait_round(w: _Workers, names: list[str], rounds_before: dict[str, int], world: int, since: float,
@@ -173,7 +193,7 @@ def measure(n: int, *, workers: int | None = None, steady_intervals: int = 5, re
             log(f"{n} nodes: c10d bare round {out['c10d_rendezvous_s']} {why}")
             if why:
                 out["notes"].append(why)
-        names = [f"node{i:05d}" for i in range(n)]
+        names = [f"node{i:05d}" for i in range(n)]     # the same spelling as ``alive`` below
         conf = {"endpoint": endpoint, "prefix": prefix, "lease_ttl": lease_ttl, "report_interval": report_interval,
                 "nodes_min": max(1, n - 2 - math.ceil(n / 100)), "nodes_max": n}
         parts = _split(names, workers)
@@ -183,11 +203,12 @@ def measure(n: int, *, workers: int | None = None, steady_intervals: int = 5, re
         spec.write_text(SPEC.format(lo=conf["nodes_min"], hi=n))
         w.pipes[0].send(("submit", (endpoint, prefix, load_spec(spec).to_dict())))
         job, submitted = w._recv(w.pipes[0], 60)
-        zero = dict.fromkeys(names, 0)
-        out["rendezvous_s"], why = wait_round(w, names, zero, n, submitted, round_timeout)
-        log(f"{n} nodes: first round from the submit {out['rendezvous_s']} {why}")
+        out["rendezvous_s"], names, why = wait_first(w, names, submitted, round_timeout)
+        out["first_round_world"] = len(names)
+        log(f"{n} nodes: first round from the submit {out['rendezvous_s']} (world {len(names)}) {why}")
         if why:
             out["notes"].append(why)
+        if not names:
             return out
         time.sleep(2 * report_interval)                     # every node has reported at least once
         window = steady_intervals * report_interval
@@ -202,12 +223,16 @@ def measure(n: int, *, workers: int | None = None, steady_intervals: int = 5, re
                                        / n / 2**20, 3)
         out["mem_per_node_at_start_mb"] = round(rss_growth / n / 2**20, 3)
         log(f"{n} nodes: steady {out['etcd_requests_per_node_s']} req/s/node, {out['etcd_bytes_per_node_s']} B/s/node")
+        w.pipes[0].send(("get", ("jobs", job, "event_seq")))     # events numbered: each node's node_joined, if none
+        out["events_written"] = int(w._recv(w.pipes[0], 60) or 0)  # was dropped after 50 lost compare-and-swaps
         out["silent_loss_round_s"] = out["loss_1pct_round_s"] = None
         if loss:
-            alive = list(names)
+            # victims from the first round's nodes; every node still alive (one the first round left
+            # out too: it waits in the next) must hold a rank in the round that forms without them
+            pool, alive = list(names), [f"node{i:05d}" for i in range(n)]
             for key, count in (("silent_loss_round_s", 1), ("loss_1pct_round_s", max(1, math.ceil(len(names) / 100)))):
-                victims = alive[-count:]
-                alive = alive[:-count]
+                victims, pool = pool[-count:], pool[:-count]
+                alive = [x for x in alive if x not in victims]
                 counts = {nm: len(s["rounds"]) for nm, s in _states(w).items()}
                 at = min(x for x in w.ask("silence", [[v for v in part if v in victims] for part in parts]))
                 w.ask("stall", [None] * workers)

@@ -6,7 +6,8 @@ The parent talks to each worker over a pipe, one command and one answer at a tim
 * ``("start", (conf, names))``: make a ``SimNode`` per name, register each, and start the
   thread that runs every node's agent tick every ``TICK_S``; answers the process's RSS
   before and after;
-* ``("state", None)``: each node's rounds and errors; ``("silence", names)``, ``("stall",
+* ``("state", None)``: each node's rounds and errors; ``("get", parts)``: the value of
+  ``{p}/parts...``; ``("silence", names)``, ``("stall",
   None)``: the bench's faults (``SimNode.silence``/``stall``); ``("rss", None)``;
 * ``("handlers", (kind, endpoint, run_id, n_total, count))``: ``count`` bare handlers of
   one rendezvous (``etcd3``: marind's, ``c10d``: torch's on a TCPStore at ``endpoint``), each
@@ -144,6 +145,9 @@ def serve(conn, go) -> None:
             conn.send(None)
         elif cmd == "rss":
             conn.send(_rss())
+        elif cmd == "get":                    # a key's value (its parts under marind's prefix), by a node's client
+            client = next(iter(nodes.values())).client
+            conn.send(client.get(client.key(*arg))[0])
         elif cmd == "tcpstore":               # torch's c10d store, hosted here (the parent stays free of threads)
             import torch.distributed as dist
 
