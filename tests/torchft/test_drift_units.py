@@ -79,3 +79,48 @@ def test_drift_findings_become_one_event_when_found_and_one_when_healed():
     healed = {**found, "healed": True}
     assert [e["healed"] for e in drift_findings([rec(0, healed), rec(1, healed)], seen)] == [True]
     assert drift_findings([rec(0, healed)], seen) == []
+
+
+@pytest.mark.parametrize(("kw", "wait"), [
+    ({"participants": 1, "previous": 2, "frozen_s": 9.0, "agent_file": True}, True),
+    ({"participants": 2, "previous": 2, "frozen_s": 9.0, "agent_file": True}, False),    # not alone
+    ({"participants": 1, "previous": 1, "frozen_s": 9.0, "agent_file": True}, False),    # alone before too
+    ({"participants": 1, "previous": None, "frozen_s": 9.0, "agent_file": True}, False),  # first quorum
+    ({"participants": 1, "previous": 3, "frozen_s": None, "agent_file": True}, False),   # the others left
+    ({"participants": 1, "previous": 3, "frozen_s": 1.0, "agent_file": True}, False),    # a short hiccup
+    ({"participants": 1, "previous": 2, "frozen_s": 9.0, "agent_file": False}, False),   # nothing to wait on
+])
+def test_decide_alone(kw, wait):
+    from marind.trainer.ft.stale_lighthouse import decide_alone
+    d = decide_alone(heartbeat_timeout=2.0, **kw)
+    assert d.wait is wait and d.reason
+
+
+def test_a_late_step_whose_peer_went_silent_at_the_lighthouse_is_not_committed():
+    from marind.trainer.ft.abort import decide_late
+    d = decide_late(7, 7, 9.0, heartbeat_timeout=2.0, silent="job_rg0:x")
+    assert d.abort and "job_rg0:x silent" in d.reason
+    assert not decide_late(7, 7, 1.0, heartbeat_timeout=2.0, silent="job_rg0:x").abort   # quick: never checked
+
+
+def test_freeze_watch_sees_the_process_stand_still():
+    import sys
+    import time
+
+    from marind.trainer.ft.stale_lighthouse import FreezeWatch
+    watch = FreezeWatch(0.5)
+    time.sleep(0.6)
+    since = time.monotonic()
+    assert watch.frozen_since(since) is None
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(5.0)          # the watch thread gets no GIL while this thread spins
+    try:
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            pass
+    finally:
+        sys.setswitchinterval(old)
+    time.sleep(0.6)
+    frozen = watch.frozen_since(since)
+    assert frozen is not None and frozen > 0.5
+    assert watch.frozen_since(time.monotonic()) is None

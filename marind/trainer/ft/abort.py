@@ -134,7 +134,8 @@ def decide_abort(members: tuple[str, ...] | None, heartbeats: Mapping[str, float
     return AbortDecision(False, "every member heartbeats")
 
 
-def decide_late(latest_quorum: int | None, quorum_id: int, pending_s: float, heartbeat_timeout: float) -> AbortDecision:
+def decide_late(latest_quorum: int | None, quorum_id: int, pending_s: float, heartbeat_timeout: float,
+                silent: str | None = None) -> AbortDecision:
     """Decide whether a step whose collective did complete, but late, must still not be committed.
 
     A group frozen before or in the middle of a collective (its host stopped, then resumed) can complete it
@@ -148,10 +149,18 @@ def decide_late(latest_quorum: int | None, quorum_id: int, pending_s: float, hea
         quorum_id: this rank's quorum id.
         pending_s: how long the step took, from its quorum to the collective's end.
         heartbeat_timeout: ``fault.heartbeat_timeout``: only a step longer than this is checked.
+        silent: another member of this quorum that the lighthouse has not heard from for longer than
+            ``heartbeat_timeout`` (None: none). A lighthouse frozen with this group (the same host
+            powered off and back) shows no newer quorum, but its peers' heartbeats stopped: they went
+            on elsewhere, on a lighthouse elected meanwhile.
 
     Returns:
-        Abort (do not commit) when a newer quorum formed while the collective was pending.
+        Abort (do not commit) when a newer quorum formed while the collective was pending, or when
+        another member went silent at the lighthouse.
     """
+    if pending_s > heartbeat_timeout and silent is not None:
+        return AbortDecision(True, f"replica {silent} silent at this lighthouse after this group's {pending_s:.1f}s "
+                                   f"step (quorum {quorum_id}): the others went on elsewhere")
     if pending_s <= heartbeat_timeout or latest_quorum is None or latest_quorum <= quorum_id:
         return AbortDecision(False, "completed")
     return AbortDecision(True, f"quorum {latest_quorum} formed without this group during its {pending_s:.1f}s step "
@@ -178,12 +187,13 @@ class SilentPeerWatch:
         quorum_id: reads the Manager's quorum id.
         read: reads the lighthouse (``read_status``; a test passes its own).
         clock: monotonic seconds (a test passes its own).
+        own: this group's replica id prefix (``{job}_rg{group}:``): its own heartbeat is not a peer's.
     """
 
     def __init__(self, address: str, heartbeat_timeout: float, epoch: int, epoch_now: Callable[[], int],
                  quorum_id: Callable[[], int], read: Callable[[str], LighthouseView | None] = read_status,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.address, self.heartbeat_timeout, self.epoch = address, heartbeat_timeout, epoch
+                 clock: Callable[[], float] = time.monotonic, own: str = "\0") -> None:
+        self.address, self.heartbeat_timeout, self.epoch, self.own = address, heartbeat_timeout, epoch, own
         self.epoch_now, self.quorum_id, self.read, self.clock = epoch_now, quorum_id, read, clock
         self.members: dict[int, tuple[str, ...]] = {}   # quorum id -> members, as last seen
         self.aborts = 0
@@ -243,8 +253,14 @@ class SilentPeerWatch:
         if pending <= self.heartbeat_timeout:
             return AbortDecision(False, "completed")
         view = self.read(self.address)
-        late = decide_late(view.quorum_id if view is not None else None, self.quorum_id(), pending,
-                           self.heartbeat_timeout)
+        qid = self.quorum_id()
+        silent = None
+        if view is not None:
+            members = self.members.get(qid) or (view.members if view.quorum_id == qid else ())
+            ages = {m: view.heartbeats[m] for m in members if m in view.heartbeats and not m.startswith(self.own)}
+            silent = max(ages, key=lambda m: ages[m]) if ages and max(ages.values()) > self.heartbeat_timeout else None
+        late = decide_late(view.quorum_id if view is not None else None, qid, pending, self.heartbeat_timeout,
+                           silent)
         if late.abort:
             self.aborts += 1
             get_logger("trainer").warning("ft_collective_abandoned", reason=late.reason, pending_s=round(pending, 2))

@@ -29,6 +29,7 @@ from marind.core.log import get_logger
 from marind.core.workerenv import WorkerEnv
 from marind.trainer.config import TrainerSpec
 from marind.trainer.ft.abort import Abandoned, PeerSilent, SilentPeerWatch, wait_slice
+from marind.trainer.ft.stale_lighthouse import FreezeWatch, decide_alone
 from marind.trainer.loop import StopFlag
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ MOVED_GRACE_S = 2.0          # a quorum waiting this long is abandoned if the li
 LIGHTHOUSE_WAIT_S = 30.0     # after a failed quorum: wait this long for a new lighthouse address
 BUILD_RETRY_S = 120.0        # rank 0 retries a Manager whose lighthouse is unreachable (< the group PG timeout)
 MAX_QUORUM_FAILURES = 20     # in a row, then the worker fails (torchrun restarts the group)
+FREEZE_MIN_S = 5.0           # this process standing still this long (or 2 x heartbeat_timeout) is a freeze
 
 
 class LighthouseMoved(RuntimeError):
@@ -179,6 +181,9 @@ class FTGroup:
         self._manager: Manager | None = None
         self.epoch = -1
         self.rebuilds = 0
+        # a freeze that matters outlasts the lighthouse's election (a lease TTL); a loaded machine's
+        # scheduling hiccups do not
+        self.freeze = FreezeWatch(max(2 * spec.fault.heartbeat_timeout, FREEZE_MIN_S))
         self.build()
 
     @property
@@ -234,7 +239,7 @@ class FTGroup:
         self.pg.epoch = self.epoch
         manager = self._manager
         self.watch = SilentPeerWatch(str(box[0]), self.spec.fault.heartbeat_timeout, self.epoch, self.lighthouse.epoch,
-                                     lambda: int(manager._quorum_id))
+                                     lambda: int(manager._quorum_id), own=f"{self.job}_rg{self.group}:")
 
     def rebuild(self, log: Any, why: str) -> None:
         """Shut the Manager down, wait (bounded) for a new lighthouse epoch, build a new one (collective).
@@ -295,6 +300,33 @@ class FTGroup:
         if "error" in box:
             raise box["error"]
         self.quorum_at = time.monotonic()
+
+    def check_alone(self, previous: int | None, since: float | None, log: Any) -> None:
+        """After a quorum: alone right after this process stood still, wait for the agent's lighthouse
+        file to move (``stale_lighthouse``), up to ``LIGHTHOUSE_WAIT_S``.
+
+        Args:
+            previous: the previous quorum's participants.
+            since: when the previous quorum formed (monotonic).
+            log: the logger.
+
+        Raises:
+            LighthouseMoved: the file moved: this quorum is on a stale lighthouse.
+            StopRequested: the worker was asked to stop meanwhile.
+        """
+        d = decide_alone(participants=self.manager.num_participants(), previous=previous,
+                         frozen_s=self.freeze.frozen_since(since), heartbeat_timeout=self.spec.fault.heartbeat_timeout,
+                         agent_file=self.epoch > 0)
+        if not d.wait:
+            return
+        log.warning("ft_alone_after_freeze", reason=d.reason, wait_s=LIGHTHOUSE_WAIT_S)
+        deadline = time.monotonic() + LIGHTHOUSE_WAIT_S
+        while time.monotonic() < deadline:
+            if self.lighthouse.epoch() not in (self.epoch, -1):
+                raise LighthouseMoved(f"lighthouse epoch {self.epoch} -> {self.lighthouse.epoch()}: the quorum of this "
+                                      "group alone was on a stale lighthouse")
+            self._sleep(0.2)
+        log.warning("ft_training_alone", reason=f"the lighthouse file did not move in {LIGHTHOUSE_WAIT_S:g}s")
 
     def await_collective(self, work: Any) -> bool:
         """Wait for a cross-group collective of the Manager; give it up if a quorum member goes silent.

@@ -156,7 +156,9 @@ class TorchftMode(TrainMode):
     def _quorum(self, run: Run) -> bool:
         """One quorum attempt; False after a failure (the Manager is rebuilt), True when it formed."""
         try:
+            previous, since = self.ft.manager.num_participants(), self.ft.quorum_at
             self.ft.start_quorum()          # synchronous: a healing group holds the peer's state now
+            self.ft.check_alone(previous if since is not None else None, since, run.log)
             return True
         except StopRequested:
             raise
