@@ -194,7 +194,7 @@ def run_job(root: Path, etcd: LocalEtcd | None, data: str, *, name: str, nodes: 
             "goodput": round(kept_s / (end - t0), 4),
             "goodput_steady": round(kept_s / max(1e-9, end - first), 4),
             "failures": [f.to_json() for f in failures],
-            "ledger": ledger, "ledger_check": ledger_check(ledger, round(kept_s / (end - t0), 4))}
+            "ledger": ledger, "ledger_check": ledger_check(ledger, round(kept_s / (end - t0), 4), end - t0)}
 
 
 def summarize(run: dict) -> dict:

@@ -163,10 +163,15 @@ def job_ledger(endpoint: str, prefix: str, job: str) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def ledger_check(ledger: dict, outside_goodput: float) -> dict:
-    """How the ledger compares with the outside figure: the parts' sum against its wall time, the goodputs."""
+def ledger_check(ledger: dict, outside_goodput: float, outside_wall_s: float | None = None) -> dict:
+    """How the ledger compares with the outside figure: the parts' sum against its wall time, the goodputs,
+    and the walls (the ledger runs from the submission to the cancel's event, the bench's window from
+    the submission to the cancel's call)."""
     if "seconds" not in ledger or ledger.get("goodput") is None:
         return {"readable": False}
     parts = sum(ledger["seconds"].values())
-    return {"readable": True, "parts_minus_wall_s": round(parts - ledger["wall_s"], 3),
-            "goodput_minus_outside": round(ledger["goodput"] - outside_goodput, 4)}
+    out = {"readable": True, "parts_minus_wall_s": round(parts - ledger["wall_s"], 3),
+           "goodput_minus_outside": round(ledger["goodput"] - outside_goodput, 4)}
+    if outside_wall_s is not None:
+        out["wall_minus_outside_s"] = round(ledger["wall_s"] - outside_wall_s, 3)
+    return out

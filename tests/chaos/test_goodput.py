@@ -68,6 +68,7 @@ def test_ledger_check_compares_the_parts_and_the_goodputs():
     ledger = {"wall_s": 10.0, "seconds": {"training": 8.0, "detection": 2.0}, "goodput": 0.8}
     assert ledger_check(ledger, 0.75) == {"readable": True, "parts_minus_wall_s": 0.0, "goodput_minus_outside": 0.05}
     assert ledger_check({"error": "x"}, 0.5) == {"readable": False}
+    assert ledger_check(ledger, 0.8, 9.5)["wall_minus_outside_s"] == 0.5
 
 
 @pytest.mark.unit
