@@ -7,14 +7,17 @@ one all-reduce of a digest and a flag, before anything is written); a load lists
 (``rank0_steps``: one broadcast) and agrees on each step's outcome
 (``agree_outcome``: the worst over the ranks wins), so every rank takes the
 same branch and none is left waiting in a collective; each rank of a load reads
-1/W of a step's object lists and they all-gather them (``part_share``). ``layout_difference``,
-which names what the ranks disagree on, is a pure function.
+1/W of a step's object lists and they all-gather them (``part_share``); before a save, the
+ranks agree on the outcome of the save in flight (``agree_settled``: rounds of one all-reduce
+until ``settle_decision`` decides; a failure on one rank is a failure on all). ``layout_difference``
+and ``settle_decision`` are pure functions.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -107,6 +110,59 @@ def agree_layout(step: int, tensors: dict, ready: bool = True) -> bool:
     raise CheckpointError(f"checkpoint step {step}: the ranks disagree on what they save "
                           f"({layout_difference(all_gather_json(rows))}); every rank must call save() "
                           "with the same step and the same arrays (shapes, dtypes, placements)")
+
+
+#: how often the ranks of a ``settle`` compare their save in flight (one all-reduce each time)
+SETTLE_POLL_S = 0.05
+#: ``agree_settled``'s outcomes
+SETTLED, SETTLE_FAILED, SETTLE_BUSY, SETTLE_TIMEOUT = "settled", "failed", "busy", "timeout"
+
+
+def settle_decision(failed: bool, running: bool, busy_late: bool, timeout_late: bool) -> str | None:
+    """What the ranks do about the save in flight, from flags taken over every rank (pure).
+
+    Args:
+        failed: it failed on some rank.
+        running: it is still running on some rank.
+        busy_late: some rank waited past the point where it gives up waiting (the caller skips).
+        timeout_late: some rank waited past its timeout (an error).
+
+    Returns:
+        ``SETTLE_FAILED`` (it failed somewhere: it failed everywhere; the ranks still in it stop),
+        ``SETTLED`` (over everywhere, and committed), ``SETTLE_TIMEOUT``, ``SETTLE_BUSY``, or None: wait
+        and compare again. A failure wins over everything: no rank waits for a commit that will not come.
+    """
+    if failed:
+        return SETTLE_FAILED
+    if not running:
+        return SETTLED
+    if timeout_late:
+        return SETTLE_TIMEOUT
+    if busy_late:
+        return SETTLE_BUSY
+    return None
+
+
+def agree_settled(local: Callable[[], tuple[bool, bool, bool, bool]], poll_s: float = SETTLE_POLL_S) -> str:
+    """Wait, with every rank, until ``settle_decision`` over all ranks decides (foreground, default group).
+
+    Each round calls ``local()`` for this rank's ``(failed, running, busy_late, timeout_late)`` and
+    runs one all-reduce (MAX) of them, so every rank decides the same in the same round and leaves
+    the loop together: no collective is left unmatched, whichever rank saw a failure.
+
+    Returns:
+        The decision (``SETTLED``, ``SETTLE_FAILED``, ``SETTLE_BUSY``, ``SETTLE_TIMEOUT``).
+    """
+    while True:
+        flags = [int(f) for f in local()]
+        if distributed():
+            t = torch.tensor(flags, dtype=torch.int32, device=_collective_device())
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flags = [int(v) for v in t.tolist()]
+        decision = settle_decision(*(bool(f) for f in flags))
+        if decision is not None:
+            return decision
+        time.sleep(poll_s)
 
 
 def all_ranks_ok(ok: bool) -> bool:

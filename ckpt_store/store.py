@@ -32,7 +32,6 @@ from ckpt_store.errors import (
     CheckpointError,
     CheckpointFormatUnsupported,
     CheckpointSaveFailed,
-    CheckpointStorageUnavailable,
 )
 from ckpt_store.format.manifest import FORMAT, read_manifest
 from ckpt_store.format.plan import flatten, plan_array
@@ -40,8 +39,7 @@ from ckpt_store.format.steps import (
     apply_retention,
     committed_steps,
     parse_step_dir,
-    prepare_step_dir,
-    prepare_step_dir_within,
+    prepare_step,
     retention_count,
     step_dir,
     step_number,
@@ -54,6 +52,7 @@ from ckpt_store.save import snapshot
 from ckpt_store.save.gather import SMALL_ARRAY_BYTES, gather_small
 from ckpt_store.save.pending import PendingSave
 from ckpt_store.save.save_job import SaveJob, writer_kind
+from ckpt_store.save.settle import agree_previous, not_ready, settle_pending
 from ckpt_store.save.snapshot_copy import copy_snapshot, cuda_event, tensor_versions
 from ckpt_store.save.thread_writer import ThreadWriter
 from ckpt_store.save.writer_client import ProcessWriter
@@ -135,6 +134,7 @@ class CheckpointStore:
         self._arena: snapshot.HostArena | None = None
         self._writer: ProcessWriter | ThreadWriter | None = None
         self._pending: PendingSave | None = None
+        self._settled: tuple[str | None] | None = None   # settle()'s outcome of the last save: save() need not again
         self._protected = False
         self.last_load_stats: dict = {}
 
@@ -186,41 +186,17 @@ class CheckpointStore:
             ValueError, TypeError: a bad step number, a value that is not JSON.
         """
         step = step_number(step)
-        prev = self._pending
-        if prev is not None:
-            prev.settle()     # its snapshot thread is out of the arena too
-            error = prev.unreported_error()
-            if error is not None:
-                raise CheckpointSaveFailed(f"previous checkpoint step {prev.step} did not commit: "
-                                           f"{error}") from error
         rank, world = agreement.rank_world()
+        agree_previous(self._pending, self._writer, world, self._settled)   # raises its unseen failure
+        self._settled = None
         t0 = time.perf_counter()
         tensors, values = flatten(state)
-        bounded = async_ and self.prepare_timeout_s is not None
-        stale = self._stale_prepare
-        failure: BaseException | None = None
-        ready = True
-        if bounded:
-            assert self.prepare_timeout_s is not None
-            if stale is not None and stale.is_alive():       # an earlier prepare still waits on the storage
-                ready = False
-            else:
-                self._stale_prepare, failure = prepare_step_dir_within(self.storage, self.url, step, rank,
-                                                                     self.prepare_timeout_s)
-                ready = self._stale_prepare is None and failure is None
-        else:
-            if stale is not None:
-                stale.join()      # a timed-out prepare ends before this one clears or marks any step
-                self._stale_prepare = None
-            prepare_step_dir(self.storage, self.url, step, rank)   # then the agreement: the barrier after it
-        # one all-reduce: every rank ready (the bounded prepare) and saving the same arrays
+        limit = self.prepare_timeout_s if async_ else None
+        self._stale_prepare, failure = prepare_step(self.storage, self.url, step, rank, limit, self._stale_prepare)
+        ready = failure is None and self._stale_prepare is None
+        # one all-reduce: every rank ready (its prepare done, in time) and saving the same arrays
         if not (agreement.agree_layout(step, tensors, ready) if world > 1 else ready):
-            if isinstance(failure, CheckpointError) and not isinstance(failure, CheckpointStorageUnavailable):
-                raise failure                               # e.g. the step is committed already
-            bound = f"within {self.prepare_timeout_s:g}s " if self.prepare_timeout_s is not None else ""
-            raise CheckpointSaveFailed(f"checkpoint step {step} not saved: the storage did not answer {bound}"
-                                       f"or failed (on rank {rank} or another)"
-                                       + (f": {type(failure).__name__}: {failure}" if failure else "")) from failure
+            raise not_ready(step, failure, world, limit) from failure     # on every rank, with the first cause
         plans = [plan_array(name, tensors[name], rank, world, salt=i, inner_bytes=self.inner_chunk_bytes)
                  for i, name in enumerate(sorted(tensors))]
         plans = gather_small(plans, tensors, rank, world, self.gather_small_bytes, self.inner_chunk_bytes)
@@ -260,8 +236,31 @@ class CheckpointStore:
             raise
         pending.timings["blocked_s"] = time.perf_counter() - t0
         if not async_:
+            agreed = self.settle() if world > 1 else None     # its outcome, the same on every rank
+            if agreed is not None:
+                pending.mark_observed()
+                raise CheckpointSaveFailed(f"checkpoint step {step} did not commit: {agreed}")
             pending.wait()
         return pending
+
+    def settle(self, timeout_s: float | None = None, give_up_s: float | None = None) -> str | None:
+        """Wait until the save in flight is over on every rank, and agree on its outcome.
+
+        Collective with more than one rank (every rank calls it, with a save in flight or not).
+        A save that failed on any rank fails on every rank: the ranks still in it stop (rank 0
+        never commits it), and each learns the first failing rank's error (``save.settle``).
+        Its failure still counts as unseen (``wait()``, the next ``save()``).
+
+        Args:
+            timeout_s: raise ``TimeoutError`` (on every rank) once some rank waited this long.
+            give_up_s: return ``"busy"`` (on every rank) once some rank waited this long.
+
+        Returns:
+            None: committed everywhere, or no save; ``"busy"``; else the agreed failure in words.
+        """
+        outcome = settle_pending(self._pending, self._writer, timeout_s, give_up_s)
+        self._settled = None if outcome == agreement.SETTLE_BUSY else (outcome,)
+        return outcome
 
     def _copy_in_background(self, plans: list, job: SaveJob, pending: PendingSave, writer, arena,
                             versions: list) -> None:
@@ -287,12 +286,13 @@ class CheckpointStore:
         """The writer process's pid (None before the first save, or with a thread writer)."""
         return getattr(self._writer, "pid", None)
 
-    def wait(self) -> None:
-        """Wait for the save in flight, if any.
+    @property
+    def pending_step(self) -> int | None:
+        """The step of the last save this store started (in flight or over); None before any."""
+        return self._pending.step if self._pending is not None else None
 
-        Raises:
-            CheckpointSaveFailed: it did not commit.
-        """
+    def wait(self) -> None:
+        """Wait for the save in flight, if any; raises ``CheckpointSaveFailed`` if it did not commit."""
         if self._pending is not None:
             self._pending.wait()
 

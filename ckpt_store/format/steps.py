@@ -177,3 +177,32 @@ def prepare_step_dir_within(st: Storage, url: str, step: int, rank: int,
     if not outcome:
         return thread, None
     return None, outcome[0]
+
+
+def prepare_step(st: Storage, url: str, step: int, rank: int, bound: float | None,
+                 stale: threading.Thread | None) -> tuple[threading.Thread | None, BaseException | None]:
+    """A save's ``prepare_step_dir`` in the caller's thread, never raising: the ranks agree on
+    every rank's readiness next (``agreement.agree_layout``), so that one rank's failure (a full
+    disk refusing the begin marker, a storage error) fails the save on every rank alike.
+
+    Args:
+        st, url, step, rank: as ``prepare_step_dir``.
+        bound: wait at most this long (``prepare_step_dir_within``), None: as long as it takes.
+        stale: an earlier bounded prepare still waiting on the storage, or None. A bounded
+            prepare is not tried while it waits; an unbounded one waits for it first.
+
+    Returns:
+        ``(thread, error)``: ``thread``, a prepare still waiting on the storage (not ready), or None;
+        ``error``, what the prepare raised, or None.
+    """
+    if bound is not None:
+        if stale is not None and stale.is_alive():
+            return stale, None
+        return prepare_step_dir_within(st, url, step, rank, bound)
+    if stale is not None:
+        stale.join()      # a timed-out prepare ends before this one clears or marks any step
+    try:
+        prepare_step_dir(st, url, step, rank)
+    except Exception as exc:  # noqa: BLE001 - handed to the agreement, then raised on every rank
+        return None, exc
+    return None, None

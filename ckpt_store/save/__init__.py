@@ -12,6 +12,7 @@ Modules:
 * ``pending``: PendingSave: the handle of one save, shared by the caller, its snapshot copy and its writer.
 * ``rank_part``: One rank's background part of a save: its chunk objects, its values, its object list, its done marker.
 * ``save_job``: SaveJob: what ``CheckpointStore.save`` hands its writer, and the writer's interface.
+* ``settle``: the ranks agree on the outcome of the save in flight: a failure on one rank is a failure on all.
 * ``snapshot``: the snapshot: copy the chunks this rank writes into reused host memory.
 * ``snapshot_copy``: the caller's side of a save's snapshot: hand the job to the writer, then copy, then check.
 * ``thread_writer``: the in-process writer: a save's background part on a thread (``writer="thread"``).

@@ -37,6 +37,8 @@ POLL_S = 0.05             # polling object stores (each poll is a request)
 POLL_BACKGROUND_S = 0.2   # the other ranks of an async save, polling an object store for the commit
 POLL_LOCAL_S = 0.01       # polling a local disk (each poll is a stat)
 ABORT_EVERY = 5           # the other ranks look for rank 0's abort marker every this many polls
+#: why to stop waiting (the ranks agreed the save failed: ``agreement.agree_settled``), or None
+Stop = Callable[[], str | None] | None
 
 
 def marker_key(d: str, kind: str, rank: int) -> str:
@@ -75,11 +77,13 @@ def write_abort_marker(st: Storage, d: str, error: str) -> None:
 
 
 def commit(st: Storage, d: str, step: int, world: int, specs: list[ArraySpec], layouts: dict,
-           saved_layout: dict, timeout_s: float, fmt: int, fence: tuple[str, float] | None = None) -> dict:
+           saved_layout: dict, timeout_s: float, fmt: int, fence: tuple[str, float] | None = None,
+           stop: Stop = None) -> dict:
     """Rank 0: wait for every rank's marker, write the group (and any missing array) metadata,
-    then manifest.json (only while ``fence`` allows: ``fence.check_fence``)."""
+    then manifest.json (only while ``fence`` allows: ``fence.check_fence``). ``stop``: polled
+    while waiting; the text it returns (the ranks agreed the save failed) fails the save."""
     try:
-        part_lists, wrote_meta = _collect(st, d, world, timeout_s)
+        part_lists, wrote_meta = _collect(st, d, world, timeout_s, stop)
         objects: dict[str, dict] = {}
         meta: dict[str, dict] = {}
         groups = {""}
@@ -144,7 +148,7 @@ def _check_present(st: Storage, d: str, world: int, parts: list[dict]) -> None:
             "was the step deleted under the save, e.g. by another job saving to the same URL?")
 
 
-def _collect(st: Storage, d: str, world: int, timeout_s: float) -> tuple[list[dict], set[str]]:
+def _collect(st: Storage, d: str, world: int, timeout_s: float, stop: Stop = None) -> tuple[list[dict], set[str]]:
     """Wait for every rank's done marker; one listing of the marker dir per poll. A storage
     error while polling is retried until the deadline (a blip must not fail the save).
     Returns each rank's object list entry (by rank) and the arrays whose metadata they wrote."""
@@ -170,19 +174,22 @@ def _collect(st: Storage, d: str, world: int, timeout_s: float) -> tuple[list[di
 
     _poll_until(done, timeout_s, _poll(st),
                 lambda: f"ranks {sorted(waiting)} did not finish their part within {timeout_s}s",
-                "crashed or storage unreachable")
+                "crashed or storage unreachable", stop)
     return [parts[r] for r in range(world)], wrote_meta
 
 
 def _poll_until(done: Callable[[int], bool], timeout_s: float, interval: float,
-                timed_out: Callable[[], str], cause: str) -> None:
+                timed_out: Callable[[], str], cause: str, stop: Stop = None) -> None:
     """Call ``done(polls so far)`` every ``interval`` seconds until it returns True. It raises
     CheckpointSaveFailed to stop at once; any other error (a storage blip) is retried until
     ``timeout_s``, and the timeout's error, ``timed_out()``, then names the last one (or,
-    without one, the likely ``cause``)."""
+    without one, the likely ``cause``). ``stop()`` returning text also ends it (raised)."""
     deadline = time.monotonic() + timeout_s
     polls, last_error = 0, None
     while True:
+        reason = stop() if stop is not None else None
+        if reason:
+            raise CheckpointSaveFailed(reason)
         try:
             if done(polls):
                 return
@@ -203,11 +210,11 @@ def _poll(st: Storage, background: bool = False) -> float:
     return POLL_BACKGROUND_S if background else POLL_S
 
 
-def wait_for_commit(st: Storage, d: str, timeout_s: float, background: bool = False) -> None:
+def wait_for_commit(st: Storage, d: str, timeout_s: float, background: bool = False, stop: Stop = None) -> None:
     """The other ranks: wait for rank 0's manifest (or its abort marker, looked at every
     ``ABORT_EVERY`` polls). ``background``: an async save, where nobody waits on the
     answer's latency, so an object store is asked less often. A storage error while
-    polling is retried until the deadline."""
+    polling is retried until the deadline; ``stop`` as for ``commit``."""
     def done(polls: int) -> bool:
         if st.exists(f"{d}/manifest.json"):
             return True
@@ -217,4 +224,4 @@ def wait_for_commit(st: Storage, d: str, timeout_s: float, background: bool = Fa
         return False
 
     _poll_until(done, timeout_s, _poll(st, background), lambda: f"no commit within {timeout_s}s",
-                "rank 0 crashed or storage down")
+                "rank 0 crashed or storage down", stop)

@@ -24,6 +24,7 @@ class SnapshotHandoff:
         self.copied = 0
         self.complete = False
         self.error: str | None = None
+        self.cancelled = False
 
     def advance(self, copied: int, complete: bool = False) -> None:
         """The first ``copied`` slots hold their data; ``complete``: the copy is whole and sound."""
@@ -37,6 +38,12 @@ class SnapshotHandoff:
             self.error = error
             self._cv.notify_all()
 
+    def cancel(self, error: str) -> None:
+        """The ranks agreed the save failed (``CheckpointStore.settle``): stop, failing with ``error``."""
+        with self._cv:
+            self.error, self.cancelled = error, True
+            self._cv.notify_all()
+
     def wait_slot(self, index: int, timeout_s: float) -> None:
         self._wait(lambda: self.copied > index, timeout_s, f"slot {index}")
 
@@ -48,4 +55,4 @@ class SnapshotHandoff:
             if not self._cv.wait_for(lambda: ready() or self.error is not None, timeout_s):
                 raise CheckpointSaveFailed(f"the snapshot copy did not reach {what} within {timeout_s}s")
             if self.error is not None:
-                raise CheckpointSaveFailed(f"the snapshot copy failed: {self.error}")
+                raise CheckpointSaveFailed(self.error if self.cancelled else f"the snapshot copy failed: {self.error}")

@@ -102,6 +102,14 @@ class PendingSave:
         """The caller has seen this save's outcome (raised to it another way)."""
         self.observed = True
 
+    def failed(self) -> bool:
+        """Is the save done, and did it fail? (Does not count as seeing its outcome.)"""
+        return self._done.is_set() and self._error is not None
+
+    def error_text(self) -> str | None:
+        """The failed save's error in words, None while running or when it committed."""
+        return f"{self._error}" if self.failed() else None
+
     def unreported_error(self) -> BaseException | None:
         """The save's error if nobody has seen it yet (and from now on it counts as seen)."""
         if self._error is None or self.observed:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import crc32c
 
+from ckpt_store.errors import DISK_FULL, failure_kind
 from ckpt_store.format.manifest import part_key
 from ckpt_store.format.steps import apply_retention
 from ckpt_store.format.zarr_format import ArraySpec, array_metadata, chunk_key, encode_chunk
@@ -57,17 +58,22 @@ def run_save(st: Storage, job: SaveJob, arena: memoryview, on_commit, handoff: S
         mode = write_rank_part(st, d, rank, chunks, job.values, meta, nice=job.background_nice,
                                handoff=handoff, timeout_s=job.commit_timeout_s, background=job.background)
     except BaseException as exc:
+        if failure_kind(str(exc)) == DISK_FULL:   # make room for the marker that tells the others
+            _drop_own_objects(st, job)
         # the others stop waiting for a part (rank 0: a commit) that will not come; rank 0
         # names the failing rank in its error (``_collect``), the others in theirs
         fail_part(st, job, str(exc))
         raise
     del chunks
     timings = {"write_s": time.perf_counter() - t0, **mode}
+
+    def stop() -> str | None:      # the ranks agreed that this save failed (``CheckpointStore.settle``)
+        return handoff.error
     if rank == 0:
         commit(st, d, job.step, job.world, list(specs.values()), job.layouts(), job.saved_layout,
-               timeout_s=job.commit_timeout_s, fmt=job.fmt, fence=job.fence)
+               timeout_s=job.commit_timeout_s, fmt=job.fmt, fence=job.fence, stop=stop)
     else:
-        wait_for_commit(st, d, timeout_s=job.commit_timeout_s, background=job.background)
+        wait_for_commit(st, d, timeout_s=job.commit_timeout_s, background=job.background, stop=stop)
     timings["commit_s"] = time.perf_counter() - t0
     log.info("ckpt_committed", step=job.step, rank=rank, seconds=round(timings["commit_s"], 3))
     trash: list[str] = []
@@ -83,6 +89,17 @@ def run_save(st: Storage, job: SaveJob, arena: memoryview, on_commit, handoff: S
             st.delete_prefix(key)
         except Exception as exc:  # noqa: BLE001
             log.warning("ckpt_trash_delete_failed", key=key, error=str(exc))
+
+
+def _drop_own_objects(st: Storage, job: SaveJob) -> None:
+    """A part that failed on a full disk: delete what this rank wrote of the step (best effort),
+    so that its error marker (or rank 0's abort marker) fits and the others learn at once."""
+    keys = [f"{job.dir}/{s.key}" for s in job.slots] + [values_key(job.dir, job.rank), f"{job.dir}/{part_key(job.rank)}"]
+    for key in keys:
+        try:
+            st.delete_prefix(key)
+        except Exception:  # noqa: BLE001 - best effort: the agreement at the next save tells the others anyway
+            pass
 
 
 def write_rank_part(st: Storage, d: str, rank: int, chunks: list, values: dict, meta: Sequence[tuple[str, bytes]] = (),

@@ -127,6 +127,11 @@ class SaveWriter(Protocol):
         """The latest job's copy failed: its part fails (never commits)."""
         ...
 
+    def cancel(self, step: int, error: str) -> None:
+        """The ranks agreed that the save of ``step`` (the latest job) failed: its part stops
+        (writing, or waiting for a commit that will not come) and fails with ``error``."""
+        ...
+
     def close(self) -> None:
         """Finish the queued jobs and stop."""
         ...

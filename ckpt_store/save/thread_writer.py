@@ -34,6 +34,7 @@ class ThreadWriter:
         self._jobs: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._handoff: SnapshotHandoff | None = None    # the latest job's
+        self._step: int | None = None                   # the latest job's step
         self.pid: int | None = None
 
     def submit(self, job: SaveJob, pending: PendingSave) -> None:
@@ -41,7 +42,7 @@ class ThreadWriter:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="ckpt-writer", daemon=True)
             self._thread.start()
-        self._handoff = SnapshotHandoff()
+        self._handoff, self._step = SnapshotHandoff(), job.step
         self._jobs.put((job, pending, self._handoff))
 
     def copied(self, slots: int, complete: bool = False) -> None:
@@ -53,6 +54,11 @@ class ThreadWriter:
         """The latest job's copy failed: its part fails."""
         if self._handoff is not None:
             self._handoff.fail(error)
+
+    def cancel(self, step: int, error: str) -> None:
+        """The ranks agreed the save of ``step`` failed: the latest job stops, failed."""
+        if self._handoff is not None and self._step == step:
+            self._handoff.cancel(error)
 
     def _loop(self) -> None:
         while True:

@@ -223,6 +223,11 @@ class ProcessWriter:
         if self._child is not None:
             self._child.send({"op": "copy_failed", "error": error})
 
+    def cancel(self, step: int, error: str) -> None:
+        """The ranks agreed the save of ``step`` failed: the latest job stops, failed."""
+        if self._child is not None:
+            self._child.send({"op": "cancel", "step": step, "error": error})
+
     def close(self) -> None:
         """Let the process finish its queued jobs and exit."""
         if self._child is not None and not self._child.dead:

@@ -6,7 +6,9 @@ ckpt_store.save.writer_process``. It imports no torch. Protocol (JSON lines):
 * stdin, first line: config ``{parent, arena_fd, reply_fd, url, storage_options,
   io_threads, rate_limit, nice, direct_io}``; then ``{"op": "save", "job": {...}}`` per save (``SaveJob.to_json``),
   then ``{"op": "copied", "slots": n, "complete": bool}`` as the
-  caller's snapshot copy goes on (or ``{"op": "copy_failed", "error"}``), and
+  caller's snapshot copy goes on (or ``{"op": "copy_failed", "error"}``),
+  ``{"op": "cancel", "step", "error"}`` when the ranks agreed that the latest save failed
+  (its part stops writing or waiting for the commit, and fails), and
   ``{"op": "exit"}`` to finish the queued saves and exit;
 * the reply fd: ``{"step", "ok": true, "timings"}`` once a save committed, or
   ``{"step", "ok": false, "error"}``.
@@ -85,6 +87,7 @@ def main() -> int:
     worker = threading.Thread(target=_work, args=(st, cfg["arena_fd"], jobs, reply), daemon=True)
     worker.start()
     handoff: SnapshotHandoff | None = None   # the latest job's
+    step: int | None = None                  # and its step
     for line in sys.stdin:
         msg = json.loads(line)
         if msg["op"] == "exit":
@@ -98,8 +101,11 @@ def main() -> int:
         elif msg["op"] == "copy_failed":
             if handoff is not None:
                 handoff.fail(msg["error"])
+        elif msg["op"] == "cancel":
+            if handoff is not None and step == msg["step"]:
+                handoff.cancel(msg["error"])
         else:
-            handoff = SnapshotHandoff()
+            handoff, step = SnapshotHandoff(), msg["job"]["step"]
             jobs.put((SaveJob.from_json(msg["job"]), handoff))
     os._exit(1)  # stdin closed: the trainer is gone; never finish (never commit) its save
 

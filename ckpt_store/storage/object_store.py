@@ -5,6 +5,17 @@ server refuses a body that differs from what was checksummed, and S3 stores
 default to unsigned payloads (``s3_defaults``). Range reads are batched
 (s3fs runs them concurrently). Listings and sizes drop fsspec's directory
 cache first: other processes write the same store.
+
+Retries (an S3 that pushes back: 503 SlowDown, 500, resets, timeouts) are botocore's and
+s3fs's, configured here, never a third loop of our own: botocore's "standard" mode
+(``S3_RETRIES``: up to ``total_max_attempts`` attempts per request, exponential backoff with
+full jitter capped at 20 s, and its retry quota, which stops retrying once a client's retries
+keep failing, so a storm is not amplified), and s3fs's own loop (which alone retries a body
+cut short on reading, and SlowDown once more) at ``S3FS_RETRIES`` tries instead of its 5, which
+would multiply botocore's budget. One request's budget is then at most ``S3FS_RETRIES`` x
+(``total_max_attempts`` - 1) backoffs (about 70 s expected, 140 s at worst); a save whose
+requests run out of it fails alone (the ranks agree, training goes on), and the commit's own
+polls retry until ``commit_timeout_s``.
 """
 
 from __future__ import annotations
@@ -15,6 +26,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ckpt_store.storage.base import StorageBase, json_bytes, run_all
+
+#: botocore's retry settings for S3 stores (the caller's ``config_kwargs["retries"]`` wins)
+S3_RETRIES = {"mode": "standard", "total_max_attempts": 8}
+#: s3fs's own tries around each botocore call (its default, 5, multiplies botocore's budget)
+S3FS_RETRIES = 2
 
 
 def s3_defaults(url: str, storage_options: dict | None) -> dict:
@@ -42,6 +58,7 @@ def s3_defaults(url: str, storage_options: dict | None) -> dict:
     s3 = dict(config.get("s3") or {})
     s3.setdefault("payload_signing_enabled", False)
     config["s3"] = s3
+    config.setdefault("retries", dict(S3_RETRIES))     # backoff with jitter, bounded: see the module docstring
     opts["config_kwargs"] = config
     return opts
 
@@ -50,6 +67,11 @@ class FsspecStorage(StorageBase):
     """A store root on an fsspec filesystem that is not local (see ``storage.Storage``)."""
 
     local = False
+
+    def __init__(self, url: str, fs: Any, root: str, io_threads: int = 4, rate_limit: float | None = None):
+        super().__init__(url, fs, root, io_threads, rate_limit)
+        if self.s3:
+            fs.retries = S3FS_RETRIES       # s3fs's loop around botocore's (see the module docstring)
 
     # -- writes --------------------------------------------------------------------------
     def write(self, key: str, pieces: list, crc: int | None = None) -> None:

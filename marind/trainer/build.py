@@ -163,6 +163,7 @@ def setup_run(spec: TrainerSpec, device: torch.device, env: WorkerEnv, mode: Mod
     ckpt = Checkpointer(spec, b.model, b.optimizer, rank=b.rank, world_size=b.world, layout=b.layout.as_dict(),
                         model_config=dataclasses.asdict(b.cfg),
                         stage_arrays=StageArrays(device.type) if b.pipeline is not None else None)
+    ckpt.on_error = lambda reason: progress.update(checkpoint_error=reason)   # status and events say why
     return Run(spec=spec, device=device, env=env, model=b.model, optimizer=b.optimizer, cfg=b.cfg,
                layout=b.layout, sampler=b.sampler, rank=b.rank, world=b.world, local_rank=local_rank, log=log,
                progress=progress, ckpt=ckpt, accum=grad_accum_steps(spec, b.layout.dp_size),

@@ -20,12 +20,14 @@ from __future__ import annotations
 import base64
 import os
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ckpt_store import CheckpointSaveFailed, CheckpointStore, PendingSave, all_ranks_ok
+from ckpt_store.errors import DISK_FULL, failure_reason
 from marind.core import workerenv as WE
 from marind.core.lease_file import lease_path, read_lease_doc, save_held
 from marind.core.log import get_logger
@@ -112,18 +114,25 @@ class Checkpointer:
         c = spec.checkpoint
         self.store: CheckpointStore | None = None
         self.run_dir = os.environ.get(WE.RUN_DIR)   # under an agent: never commit for a replaced world
+        # how long a save due while the previous one still runs waits for it (then it is skipped)
+        self.overlap_wait: float | None = _prepare_bound(c.prepare_timeout, self.run_dir)
         if c.url:
             run_dir = self.run_dir
             self.store = CheckpointStore(checkpoint_url(c.url), keep_last=c.keep_last or None,
                                          keep_every=c.keep_every or None,
                                          fence_file=str(lease_path(run_dir)) if run_dir else None,
-                                         prepare_timeout_s=_prepare_bound(c.prepare_timeout, run_dir))
+                                         prepare_timeout_s=self.overlap_wait)
             if hasattr(optimizer, "register_step_pre_hook"):
                 self.store.protect(optimizer)   # async snapshots overlap the next forward/backward
         self.pending: PendingSave | None = None
         self.started_step: int | None = None   # last save started (maybe still in flight)
         self.last_step: int | None = None      # last save known committed (or restored)
         self.failures = 0
+        self.last_error: str | None = None     # why the latest save failed (cleared by a commit): status shows it
+        #: told ``last_error`` as it changes (the progress record's ``checkpoint_error``: status, events)
+        self.on_error: Callable[[str | None], None] | None = None
+        self._failed_step: int | None = None   # the failed save last logged (each is logged once)
+        self._busy_step: int | None = None     # a save in flight that a due save already waited for, then skipped
         self.last_saved_at = time.monotonic()
         # (step, held on some rank, this rank's reason): the loop's agreement (``held_here``/``agree_held``)
         self._held: tuple[int, bool, str | None] | None = None
@@ -182,19 +191,65 @@ class Checkpointer:
         return self.last_step
 
     def _settle(self, timeout: float) -> None:
+        """This rank's view of the save in flight once it is done (no collective)."""
         pending, self.pending = self.pending, None
         if pending is None:
             return
         try:
             pending.wait(timeout)
         except CheckpointSaveFailed as exc:
-            self.failures += 1
-            log.error("checkpoint_failed", step=pending.step, error=str(exc), failures=self.failures)
+            self._failed(pending.step, str(exc.__cause__ or exc))
             return
         except TimeoutError:
             self.pending = pending
             raise
         self.last_step = pending.step
+        self._set_error(None)
+
+    def _set_error(self, reason: str | None) -> None:
+        if reason != self.last_error and self.on_error is not None:
+            self.on_error(reason)
+        self.last_error = reason
+
+    def _failed(self, step: int, error: str) -> str:
+        """Log a failed save of ``step`` once (``checkpoint_failed`` with its kind and reason); returns its kind."""
+        kind, reason = failure_reason(step, error, self.url)
+        if self._failed_step != step:
+            self._failed_step = step
+            self.failures += 1
+            log.error("checkpoint_failed", step=step, kind=kind, error=reason, failures=self.failures,
+                      last_committed=self.last_step)
+        self._set_error(reason)
+        return kind
+
+    def _agree_previous(self, step: int, wait: bool) -> bool:
+        """Every rank: the save in flight is over everywhere, its outcome the same on every rank
+        (``CheckpointStore.settle``: a rank still waiting for a commit that will not come stops,
+        so no rank is left in a collective alone). A save due while it still runs waits at most
+        ``overlap_wait`` (under an agent: ``checkpoint.prepare_timeout``) unless ``wait``; then it
+        is skipped on every rank (``checkpoint_skipped``) and training goes on; the saves due after it
+        while that same save still runs skip without waiting. Returns False then."""
+        assert self.store is not None
+        give_up = None if wait or self.overlap_wait is None else (
+            0.0 if self._busy_step == self.store.pending_step else self.overlap_wait)   # waited once: enough
+        outcome = self.store.settle(self.spec.checkpoint.wait_timeout, give_up)
+        if outcome == "busy":
+            self._busy_step = self.store.pending_step      # the same on every rank
+            self.failures += 1
+            log.error("checkpoint_skipped", step=step, failures=self.failures,
+                      reason=f"the save of step {self.store.pending_step} is still in flight on some rank "
+                             f"after {self.overlap_wait:g}s (a slow storage): training goes on")
+            return False
+        self._observe(outcome)
+        return True
+
+    def _observe(self, outcome: str | None) -> None:
+        """The agreed outcome of the last save started (``CheckpointStore.settle``), on this rank."""
+        if self.pending is not None:
+            self._settle(0)
+        step = self.store.pending_step if self.store is not None else None
+        if outcome is not None and step is not None:   # failed, maybe on another rank only
+            self._failed(step, outcome)
 
     def save(self, step: int, data_position: int, *, wait: bool = False) -> None:
         """Start a save of ``step`` (async unless ``wait`` or ``[checkpoint] async = false``); no-op when off.
@@ -213,18 +268,17 @@ class Checkpointer:
         if self.started_step != step:
             if not wait and self._skip_while_cut_off(step):
                 return
-            if self.pending is not None:
-                self._settle(self.spec.checkpoint.wait_timeout)
+            if not self._agree_previous(step, wait):
+                return
             state = self.build_state(step, data_position)
             async_ = self.spec.checkpoint.async_ and not wait
             try:
                 self.pending = self.store.save(step, state, async_=async_)
-            except CheckpointSaveFailed as exc:
-                if not async_:
+            except CheckpointSaveFailed as exc:      # on every rank alike
+                kind = self._failed(step, str(exc))
+                if not async_ and kind != DISK_FULL:
                     raise
-                self.failures += 1      # the storage did not answer in time: training goes on
-                log.error("checkpoint_failed", step=step, error=str(exc), failures=self.failures)
-                return
+                return      # async: training goes on; a final save on a full disk: a restart would not help
             self.started_step = step
             self.last_saved_at = time.monotonic()
             log.debug("checkpoint_started", step=step, async_=async_,
@@ -280,7 +334,8 @@ class Checkpointer:
         return True
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait (bounded) for the save in flight; failures are logged.
+        """Wait (bounded) for the save in flight; failures are logged. Every rank calls it: the
+        ranks agree on the save's outcome (``CheckpointStore.settle``).
 
         Args:
             timeout: seconds; ``checkpoint.wait_timeout`` when None.
@@ -288,8 +343,8 @@ class Checkpointer:
         Raises:
             TimeoutError: the save is still running after ``timeout`` (it stays pending).
         """
-        if self.pending is not None:
-            self._settle(timeout if timeout is not None else self.spec.checkpoint.wait_timeout)
+        if self.store is not None:
+            self._observe(self.store.settle(timeout if timeout is not None else self.spec.checkpoint.wait_timeout))
 
     def latest(self) -> int | None:
         """The latest committed step in the store; None when there is none or checkpoints are off."""
