@@ -18,7 +18,8 @@ a quorum; ``param_digest`` in its final record; ``drift`` once a replica-drift c
 group's state differing. ``compute_s`` (any mode, where the program measures it: the reference
 trainer does) is this rank's compute time of its last step, time waiting in collectives left out;
 the agents compare it across the job (stragglers). ``checkpoint_error`` (any mode) is there
-while the latest checkpoint save failed (its reason). :class:`ProgressRecord` documents each field.
+while the latest checkpoint save failed (its reason). ``restore`` (elastic mode with memory
+checkpoints) says where the run restored from once it did. :class:`ProgressRecord` documents each field.
 ``metrics`` (an object of name -> number: a program's own metrics, ``marind.worker.report``'s
 keyword arguments) comes last when set and is absent otherwise.
 
@@ -103,6 +104,9 @@ class ProgressRecord:
         checkpoint_error: why the latest checkpoint save failed, in words (the kind, e.g. a full
             checkpoint volume, and the fix: ``ckpt_store.errors.failure_reason``); None once a
             later save committed, or while none failed.
+        restore: global rank 0, with memory checkpoints (``[checkpoint] memory_every``): where the run
+            restored from, ``{"source": "memory"|"durable"|"none", "step", "reason", "fallback"}``
+            (``marind.trainer.memory_ckpt.pick_restore``); ``fallback``: a newer memory step was lost.
         metrics: the program's own metrics of its last report (name -> number), None if it
             gave none (``marind.worker.report(step, lr=..., grad_norm=...)``). A reader that
             predates the field ignores it; a malformed entry is dropped on reading.
@@ -128,6 +132,7 @@ class ProgressRecord:
     compute_s: float | None = None
     drift: dict[str, Any] | None = field(default=None, hash=False)
     checkpoint_error: str | None = None
+    restore: dict[str, Any] | None = field(default=None, hash=False)
     metrics: dict[str, float] | None = field(default=None, hash=False)   # records stay hashable
 
     def to_dict(self) -> dict[str, Any]:
@@ -144,7 +149,7 @@ class ProgressRecord:
                 del out[key]
         if self.param_digest is None:
             del out["param_digest"]
-        for key in ("compute_s", "drift", "checkpoint_error"):
+        for key in ("compute_s", "drift", "checkpoint_error", "restore"):
             if out[key] is None:
                 del out[key]
         if self.metrics is None:
@@ -181,6 +186,7 @@ class ProgressRecord:
                    compute_s=_opt_float(d.get("compute_s")),
                    drift=d["drift"] if isinstance(d.get("drift"), dict) else None,
                    checkpoint_error=None if d.get("checkpoint_error") is None else str(d["checkpoint_error"]),
+                   restore=d["restore"] if isinstance(d.get("restore"), dict) else None,
                    metrics=_metrics(d.get("metrics")))
 
 

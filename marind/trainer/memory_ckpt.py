@@ -52,6 +52,12 @@ class RestorePick:
     step: int | None
     reason: str
     fallback: bool = False
+    lost_step: int | None = None
+
+    def record(self) -> dict[str, Any]:
+        """The progress record's ``restore`` field (the agent's ``checkpoint_memory_fallback`` event)."""
+        return {"source": self.source, "step": self.step, "reason": self.reason, "fallback": self.fallback,
+                "lost_step": self.lost_step}
 
 
 def pick_restore(memory: list[tuple[int, bool, str]], durable: int | None) -> RestorePick:
@@ -79,7 +85,7 @@ def pick_restore(memory: list[tuple[int, bool, str]], durable: int | None) -> Re
         s, why = lost[0]
         where = f"durable step {durable}" if durable is not None else "no checkpoint"
         return RestorePick(source, step, f"memory step {s} cannot be restored ({why}); falling back to {where}",
-                           fallback=True)
+                           fallback=True, lost_step=s)
     why = f"durable step {durable} is the newest" if durable is not None else "no checkpoint"
     return RestorePick(source, step, why)
 
@@ -288,7 +294,8 @@ def restore_newest(ckpt: Any, memory: MemoryCheckpointer, rank: int) -> tuple[tu
         restored = ckpt.restore()
     except CheckpointError as exc:
         pick = RestorePick("durable", ckpt.latest(), f"memory step {pick.step} failed to load ({exc}); "
-                                                     "falling back to the durable store", fallback=True)
+                                                     "falling back to the durable store", fallback=True,
+                           lost_step=pick.step)
         if rank == 0:
             log.warning("checkpoint_memory_fallback", reason=pick.reason, step=pick.step)
         restored = None

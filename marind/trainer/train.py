@@ -79,7 +79,11 @@ class ElasticMode(TrainMode):
             run.progress.update(phase="restoring")
             self.memory = open_memory(spec, run.model, run.optimizer,
                                       ckpt.store.prepare_timeout_s if ckpt.store is not None else None)
-            restored = restore_newest(ckpt, self.memory, run.rank)[0] if self.memory else ckpt.restore()
+            if self.memory is not None:
+                restored, pick = restore_newest(ckpt, self.memory, run.rank)
+                run.progress.update(restore=pick.record())   # a fallback: the agent's checkpoint_memory_fallback
+            else:
+                restored = ckpt.restore()
             if restored:
                 state.step, state.position = restored
                 if run.rank == 0:

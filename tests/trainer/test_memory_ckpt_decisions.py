@@ -25,6 +25,7 @@ def test_a_lost_newer_memory_step_falls_back_to_the_durable_one_and_says_why():
     assert (pick.source, pick.step, pick.fallback) == ("durable", 5, True)
     assert "memory step 9 cannot be restored (3 objects on no live node)" in pick.reason
     assert "falling back to durable step 5" in pick.reason
+    assert pick.lost_step == 9 and pick.record()["fallback"] is True
 
 
 def test_a_lost_memory_step_older_than_the_durable_one_is_no_fallback():
