@@ -12,6 +12,9 @@ a look (``poll``); it reads the new lines and
   helper process (``python -m marind.agent.wandb_sink``, started once the history file
   appears: W&B's client and its service stay out of the agent), offline when no API key is
   configured (``wandb sync`` uploads it later);
+* writes the goodput ledger's parts (``marind.control.goodput_ledger``, as the agent keeps it in
+  etcd) as scalars ``goodput/{cause}_s`` and ``goodput/fraction`` every ``LEDGER_EVERY_S``
+  and at the run's end;
 * finds what the curves say went wrong (:func:`findings`, pure): a loss that became NaN/inf
   (a ``nonfinite_loss`` event, and the job's ``last_error``) and a step that went back within
   one worker generation (a ``rollback`` event naming the non-finite step that caused it).
@@ -31,8 +34,13 @@ from typing import Any
 
 from marind.agent.outbox import Outbox
 from marind.control.failure_causes import nonfinite_cause
+from marind.control.job_history import ledger_key
+from marind.core.errors import ControlPlaneUnavailable
 from marind.core.history import HistoryTail, history_path
 from marind.core.spec import RunSpec, tensorboard_dir
+
+#: How often the goodput ledger's parts are written as scalars (and once more at the run's end).
+LEDGER_EVERY_S = 10.0
 
 
 @dataclass
@@ -124,6 +132,8 @@ class RunHistory:
         self._watch = Watch()
         self._wandb: subprocess.Popen | None = None
         self._wandb_tried = False
+        self._ledger_at = 0.0
+        self._last_step: int | None = None
 
     def poll(self) -> int:
         """Read the new history lines; write the curves; record the findings.
@@ -143,6 +153,8 @@ class RunHistory:
             for f in findings(self._watch, line):
                 self._record(f)
             self._write_tb(line)
+        self._last_step = int(lines[-1]["step"])
+        self._write_ledger(force=False)
         if self._tb is not None:
             self._tb.flush()
         return len(lines)
@@ -152,6 +164,7 @@ class RunHistory:
         reads the rest and ends within ``wandb_wait`` seconds, else it is killed)."""
         self.poll()
         if self._tb is not None:
+            self._write_ledger(force=True)
             self._tb.close()
             self._tb = None
         proc, self._wandb = self._wandb, None
@@ -189,6 +202,31 @@ class RunHistory:
         except OSError as exc:
             self._tb_off = True
             self.log.warning("tensorboard_off", dir=str(self.tb_dir), error=str(exc))
+
+    def _write_ledger(self, *, force: bool) -> None:
+        """The goodput ledger's parts (``{p}/jobs/{job}/ledger``, kept by this node's agent where rank 0
+        runs) as scalars at the last step: ``goodput/{cause}_s`` and ``goodput/fraction``."""
+        now = time.time()
+        client = getattr(self.outbox, "client", None)
+        if self._tb is None or self._last_step is None or client is None or (
+                not force and now - self._ledger_at < LEDGER_EVERY_S):
+            return
+        self._ledger_at = now
+        try:
+            doc = client.get_json(ledger_key(client, self.job))
+        except ControlPlaneUnavailable:
+            return                       # the next look, or the run's end
+        ledger = doc.get("ledger") if isinstance(doc, dict) else None
+        if not isinstance(ledger, dict) or not isinstance(ledger.get("seconds"), dict):
+            return
+        parts = {f"goodput/{cause}_s": v for cause, v in ledger["seconds"].items() if isinstance(v, (int, float))}
+        if isinstance(ledger.get("goodput"), (int, float)):
+            parts["goodput/fraction"] = ledger["goodput"]
+        try:
+            for tag, value in parts.items():
+                self._tb.scalar(tag, float(value), self._last_step, now)
+        except OSError as exc:
+            self.log.warning("tensorboard_ledger_failed", error=str(exc))
 
     def _start_wandb(self) -> None:
         table = dict(self.spec.job.wandb)

@@ -16,7 +16,8 @@ its steps it meets, once each (CI: the NaN and the OOM kill in 20 steps; ``make 
   names the timeout and rank 1 as the one that stopped answering.
 
 The job then SUCCEEDs. TensorBoard's own reader (``EventAccumulator``) reads the loss curve the
-agent wrote: steps 1..30 with the losses the script reported last for each step; the W&B
+agent wrote: steps 1..30 with the losses the script reported last for each step, and the goodput
+ledger's parts; the W&B
 offline run (read back with W&B's record protos) holds every reported loss in order.
 """
 
@@ -169,7 +170,9 @@ def test_own_script_failures_are_named_and_its_curves_reach_tensorboard_and_wand
     want = expected_curve(lines)
     assert sorted(loss) == list(range(1, steps + 1)) == sorted(want)
     assert loss == pytest.approx(want, rel=1e-6)                          # float32 in the event file
-    assert {"tokens_per_s", "lr"} <= set(acc.Tags()["scalars"])
+    assert {"tokens_per_s", "lr", "goodput/training_s", "goodput/restart_s", "goodput/fraction"} <= set(
+        acc.Tags()["scalars"])
+    assert acc.Scalars("goodput/training_s")[-1].value > 0 and 0 < acc.Scalars("goodput/fraction")[-1].value <= 1
 
     wandb_log = run_dir / "logs" / "wandb.log"
     wait_for(lambda: wandb_log.exists() and "offline run kept" in wandb_log.read_text(), 90, "the W&B run finished",
