@@ -10,6 +10,8 @@ records every tick (``observe``). From them it keeps
 * torchft: each replica-drift finding of this node's group (``replica_drift``, when found and
   when healed);
 * its ranks' compute times, for the job's straggler watch (``stragglers``);
+* where rank 0's run restored from: a ``checkpoint_memory_fallback`` event when it fell back
+  from a lost memory checkpoint to the durable store;
 * rank 0's checkpoint commits: each one after the run's restore is a
   ``checkpoint_committed`` event, with its duration (from when rank 0 first showed the
   checkpoint's step to when its record showed the commit) and a metric;
@@ -32,7 +34,7 @@ from marind.agent.metrics import Metrics
 from marind.agent.outbox import Outbox
 from marind.agent.run_history import RunHistory
 from marind.agent.stragglers import StragglerWatch
-from marind.control.events import REPLICA_DRIFT
+from marind.control.events import CHECKPOINT_MEMORY_FALLBACK, REPLICA_DRIFT
 
 
 class RunProgress:
@@ -54,6 +56,7 @@ class RunProgress:
         self._ckpt_baseline = False          # the first training record's checkpoint step is a restore
         self._step_seen_at: dict[int, float] = {}   # rank 0's steps: when its record first showed them
         self._marker: object = None
+        self._fallback_seen: int | None = None   # rank 0's pid whose memory fallback was told
         self._drift_seen: dict[tuple[int, int], bool] = {}
         self.stragglers = StragglerWatch(job, outbox, metrics)
 
@@ -118,6 +121,7 @@ class RunProgress:
         rank0 = next((r for r in records if r.rank == 0), None)
         if rank0 is None or rank0.phase in ("starting", "restoring"):
             return
+        self._watch_restore(rank0)
         self._step_seen_at.setdefault(rank0.step, rank0.updated_at)
         step = rank0.last_checkpoint_step
         if not self._ckpt_baseline:          # what the run restored, not a commit
@@ -133,6 +137,17 @@ class RunProgress:
         self.outbox.event(self.job, "checkpoint_committed", detail)
         self.last_ckpt_step = step
         self._step_seen_at = {s: t for s, t in self._step_seen_at.items() if s > step}
+
+    def _watch_restore(self, rank0: prog.ProgressRecord) -> None:
+        """A ``checkpoint_memory_fallback`` event for a restore that fell back from memory (once per
+        worker process of global rank 0: each restart restores once)."""
+        restore = rank0.restore
+        if not restore or not restore.get("fallback") or self._fallback_seen == rank0.pid:
+            return
+        self._fallback_seen = rank0.pid
+        self.outbox.event(self.job, CHECKPOINT_MEMORY_FALLBACK,
+                          {"step": restore.get("step"), "lost_step": restore.get("lost_step"),
+                           "reason": restore.get("reason")})
 
     def _job_metrics(self, records: list[prog.ProgressRecord], restarts: int) -> None:
         rank0 = next((r for r in records if r.rank == 0), None)

@@ -28,6 +28,12 @@ STRAGGLER_CLEARED = "straggler_cleared"
 #: (``marind.agent.job_trust``, docs/design.md §2).
 JOB_REFUSED = "job_refused"
 
+#: Memory checkpoints (``[checkpoint] memory_every``): a restart could not restore the newest memory
+#: step (its host and the host of its replica lost together, or its load failed) and fell back to
+#: the durable store: ``{step (restored, or null), lost_step, reason}`` (global rank 0's record;
+#: ``marind.trainer.memory_ckpt``). Once per restore.
+CHECKPOINT_MEMORY_FALLBACK = "checkpoint_memory_fallback"
+
 
 def event_key(client: EtcdClient, job: str, seq: int) -> str:
     return client.key("jobs", job, "events", f"{seq:012d}")
