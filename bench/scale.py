@@ -17,8 +17,8 @@ What is real and what is simulated:
 * simulated: the workers (a stub that steps on every agent tick, stalls when a peer of its
   round goes silent, fails when the agent restarts it); a node's processes (each node's
   agent and torchrun are threads in one of a few worker processes, ``bench/scale_worker.py``,
-  and one thread per process runs every node's agent tick; each node still has its own two
-  etcd connections); a silent node (its keep-alives, reports and workers stop at once, its
+  and one thread per process runs every node's agent tick, another their outbox flushes; each
+  node still has its own two etcd connections); a silent node (its keep-alives, reports and workers stop at once, its
   connections stay open); a rank's checkpoint part (metadata only: its values, its object
   list and its done marker, no chunk data);
 * not here: torchrun's processes and workers, the data network's probes (``liveness``),
@@ -107,6 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-c10d", action="store_true", help="skip torch's c10d round")
     ap.add_argument("--no-s3", action="store_true", help="commit on the local disk only")
     ap.add_argument("--no-loss", action="store_true", help="skip the silent-loss rounds")
+    ap.add_argument("--bare-only", action="store_true", help="only the bare handlers' rounds (etcd3, c10d)")
     ap.add_argument("--lease-ttl", type=int, default=None, help="the node lease's TTL (default 10, the agent's; "
                     "quick 4)")
     ap.add_argument("--report-interval", type=float, default=None, help="the agent's report interval (default 2.0, "
@@ -133,7 +134,8 @@ def main(argv=None) -> int:
         _log(f"scale: {n} nodes")
         try:
             row = scale_cluster.measure(n, workers=args.workers, steady_intervals=intervals, report_interval=report,
-                                        lease_ttl=ttl, c10d=not args.no_c10d, loss=not args.no_loss, log=_log)
+                                        lease_ttl=ttl, c10d=not args.no_c10d, loss=not args.no_loss,
+                                        bare_only=args.bare_only, log=_log)
         except Exception as exc:  # noqa: BLE001 - a size that breaks is reported, the sweep goes on
             row = {"nodes": n, "error": f"{type(exc).__name__}: {exc}"}
         result["nodes"][str(n)] = row

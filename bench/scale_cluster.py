@@ -146,7 +146,11 @@ def wait_first(w: _Workers, names: list[str], since: float, timeout: float) -> t
                                                   "(last_call_timeout passed before the rest joined)")
             return max(got[n]["at"] for n in members) - since, members, why
         if time.time() > deadline:
-            return None, [], f"{len(got)} of {len(names)} nodes held a rank after {timeout:.0f}s (world {world})"
+            errors = [e for n in names for e in states[n]["errors"]][:2]
+            started = sum(states[n]["started"] for n in names)
+            handlers = sum(states[n]["handler"] for n in names)
+            return None, [], (f"{len(got)} of {len(names)} nodes held a rank after {timeout:.0f}s (world {world}; "
+                              f"{started} saw the job, {handlers} made their handler); errors: {errors}")
         time.sleep(0.25)
 
 
@@ -169,7 +173,7 @@ def wait_round(w: _Workers, names: list[str], rounds_before: dict[str, int], wor
 
 
 def measure(n: int, *, workers: int | None = None, steady_intervals: int = 5, report_interval: float = 2.0,
-            lease_ttl: int = 10, c10d: bool = True, loss: bool = True, log=print) -> dict:
+            lease_ttl: int = 10, c10d: bool = True, loss: bool = True, bare_only: bool = False, log=print) -> dict:
     """Every figure of one size (module doc); ``log`` gets a line per stage."""
     workers = workers or max(1, min(64, math.ceil(n / 32)))
     tmp = tempfile.TemporaryDirectory(prefix="marind-scale-")
@@ -193,6 +197,8 @@ def measure(n: int, *, workers: int | None = None, steady_intervals: int = 5, re
             log(f"{n} nodes: c10d bare round {out['c10d_rendezvous_s']} {why}")
             if why:
                 out["notes"].append(why)
+        if bare_only:
+            return out
         names = [f"node{i:05d}" for i in range(n)]     # the same spelling as ``alive`` below
         conf = {"endpoint": endpoint, "prefix": prefix, "lease_ttl": lease_ttl, "report_interval": report_interval,
                 "nodes_min": max(1, n - 2 - math.ceil(n / 100)), "nodes_max": n}

@@ -132,7 +132,8 @@ def serve(conn, go) -> None:
             flusher.start()
             conn.send({"rss_before": before, "rss_after": _rss()})
         elif cmd == "state":
-            conn.send({"nodes": {n: {"rounds": list(node.rounds), "errors": node.errors[-3:], "silent": node.silent}
+            conn.send({"nodes": {n: {"rounds": list(node.rounds), "errors": node.errors[-3:], "silent": node.silent,
+                                     "started": node.job is not None, "handler": node.handler is not None}
                                  for n, node in nodes.items()},
                        "late_ticks": ticker.late if ticker else 0, "ticks": ticker.passes if ticker else 0})
         elif cmd == "silence":
