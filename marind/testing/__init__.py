@@ -8,6 +8,9 @@ imports ``tests``):
   ``kill_group``, ``kill_all``) and ``run_torch_workers``, which runs a
   function on N gloo ranks in real processes;
 * ``marind.testing.s3_server``: a real S3 server (SeaweedFS) on loopback;
+* ``marind.testing.s3_faults``: an S3 that pushes back: a proxy in front of it answering 503
+  SlowDown / 500, resetting or delaying requests, by rate and for a window;
+* ``marind.testing.small_fs``: a filesystem that fills: a size-limited tmpfs and ballast;
 * ``marind.control.local_etcd.LocalEtcd``: a real etcd server (it lives beside the
   agent, which embeds it);
 * ``marind.testing.cluster``: ``marind agent``s as subprocesses, submit, a
