@@ -34,7 +34,7 @@ from marind.agent.metrics import Metrics
 from marind.agent.outbox import Outbox
 from marind.agent.run_history import RunHistory
 from marind.agent.stragglers import StragglerWatch
-from marind.control.events import CHECKPOINT_MEMORY_FALLBACK, REPLICA_DRIFT
+from marind.control.events import CHECKPOINT_FAILED, CHECKPOINT_MEMORY_FALLBACK, REPLICA_DRIFT
 
 
 class RunProgress:
@@ -57,6 +57,7 @@ class RunProgress:
         self._step_seen_at: dict[int, float] = {}   # rank 0's steps: when its record first showed them
         self._marker: object = None
         self._fallback_seen: int | None = None   # rank 0's pid whose memory fallback was told
+        self._ckpt_error: str | None = None   # rank 0's last checkpoint_error (a checkpoint_failed event each)
         self._drift_seen: dict[tuple[int, int], bool] = {}
         self.stragglers = StragglerWatch(job, outbox, metrics)
 
@@ -123,6 +124,9 @@ class RunProgress:
             return
         self._watch_restore(rank0)
         self._step_seen_at.setdefault(rank0.step, rank0.updated_at)
+        if rank0.checkpoint_error and rank0.checkpoint_error != self._ckpt_error:   # each failed save once
+            self.outbox.event(self.job, CHECKPOINT_FAILED, {"step": rank0.step, "reason": rank0.checkpoint_error})
+        self._ckpt_error = rank0.checkpoint_error
         step = rank0.last_checkpoint_step
         if not self._ckpt_baseline:          # what the run restored, not a commit
             self._ckpt_baseline, self.last_ckpt_step = True, step

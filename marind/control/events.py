@@ -35,6 +35,12 @@ JOB_REFUSED = "job_refused"
 CHECKPOINT_MEMORY_FALLBACK = "checkpoint_memory_fallback"
 
 
+#: A checkpoint save of the job failed (global rank 0's record said why): ``{step, reason}``, the
+#: reason naming the kind (a full checkpoint volume, an object store past its retry budget) and the
+#: fix (``ckpt_store.errors.failure_reason``); training goes on. Once per failed save.
+CHECKPOINT_FAILED = "checkpoint_failed"
+
+
 def event_key(client: EtcdClient, job: str, seq: int) -> str:
     return client.key("jobs", job, "events", f"{seq:012d}")
 
