@@ -159,7 +159,8 @@ class JobsClient:
                 "last_checkpoint_step", "restarts", "reason", "updated_at")
         return {"schema_version": SCHEMA_VERSION, "nodes": self.nodes(),
                 "jobs": [{k: j[k] for k in keys} | ({"torchft": j["torchft"]} if j["torchft"] else {})
-                         | ({"stragglers": j["stragglers"]} if j["stragglers"] else {}) for j in jobs]}
+                         | ({"stragglers": j["stragglers"]} if j["stragglers"] else {})
+                         | ({"last_error": j["last_error"]} if j["last_error"] else {}) for j in jobs]}
 
     def cancel(self, job: str, by: str) -> str:
         """Ask the agents to stop a job and move it to CANCELLED.
