@@ -17,7 +17,7 @@ What is real and what is simulated:
 * simulated: the workers (a stub that steps on every agent tick, stalls when a peer of its
   round goes silent, fails when the agent restarts it); a node's processes (each node's
   agent and torchrun are threads in one of a few worker processes, ``bench/scale_worker.py``,
-  and one thread per process runs every node's agent tick, another their outbox flushes; each
+  and a thread per 4 nodes runs their agent ticks, another their outbox flushes; each
   node still has its own two etcd connections); a silent node (its keep-alives, reports and workers stop at once, its
   connections stay open); a rank's checkpoint part (metadata only: its values, its object
   list and its done marker, no chunk data);
@@ -108,6 +108,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-s3", action="store_true", help="commit on the local disk only")
     ap.add_argument("--no-loss", action="store_true", help="skip the silent-loss rounds")
     ap.add_argument("--bare-only", action="store_true", help="only the bare handlers' rounds (etcd3, c10d)")
+    ap.add_argument("--no-join-events", action="store_true",
+                    help="a diagnostic: the nodes write no node_joined event (the agents do)")
     ap.add_argument("--lease-ttl", type=int, default=None, help="the node lease's TTL (default 10, the agent's; "
                     "quick 4)")
     ap.add_argument("--report-interval", type=float, default=None, help="the agent's report interval (default 2.0, "
@@ -135,7 +137,7 @@ def main(argv=None) -> int:
         try:
             row = scale_cluster.measure(n, workers=args.workers, steady_intervals=intervals, report_interval=report,
                                         lease_ttl=ttl, c10d=not args.no_c10d, loss=not args.no_loss,
-                                        bare_only=args.bare_only, log=_log)
+                                        bare_only=args.bare_only, join_events=not args.no_join_events, log=_log)
         except Exception as exc:  # noqa: BLE001 - a size that breaks is reported, the sweep goes on
             row = {"nodes": n, "error": f"{type(exc).__name__}: {exc}"}
         result["nodes"][str(n)] = row

@@ -173,7 +173,8 @@ def wait_round(w: _Workers, names: list[str], rounds_before: dict[str, int], wor
 
 
 def measure(n: int, *, workers: int | None = None, steady_intervals: int = 5, report_interval: float = 2.0,
-            lease_ttl: int = 10, c10d: bool = True, loss: bool = True, bare_only: bool = False, log=print) -> dict:
+            lease_ttl: int = 10, c10d: bool = True, loss: bool = True, bare_only: bool = False,
+            join_events: bool = True, log=print) -> dict:
     """Every figure of one size (module doc); ``log`` gets a line per stage."""
     workers = workers or max(1, min(64, math.ceil(n / 32)))
     tmp = tempfile.TemporaryDirectory(prefix="marind-scale-")
@@ -201,7 +202,7 @@ def measure(n: int, *, workers: int | None = None, steady_intervals: int = 5, re
             return out
         names = [f"node{i:05d}" for i in range(n)]     # the same spelling as ``alive`` below
         conf = {"endpoint": endpoint, "prefix": prefix, "lease_ttl": lease_ttl, "report_interval": report_interval,
-                "nodes_min": max(1, n - 2 - math.ceil(n / 100)), "nodes_max": n}
+                "nodes_min": max(1, n - 2 - math.ceil(n / 100)), "nodes_max": n, "join_events": join_events}
         parts = _split(names, workers)
         started = w.ask("start", [(conf, part) for part in parts], timeout=120 + n)
         rss_growth = sum(s["rss_after"] - s["rss_before"] for s in started)

@@ -17,8 +17,8 @@ A ``SimNode`` holds what a node's agent and its torchrun hold, made of marind's 
 * the workers: a stub. They "step" on every agent tick while their round runs, unless
   stalled (a peer went silent: a collective with it blocks); ``kill_workers`` fails them.
 
-The agent ticks of every node of a process run on one thread (``tick``), their outbox flushes
-on another (``flush``); each torchrun is a thread of its own.
+The agent ticks of a few nodes run on one thread in turn (``tick``), their outbox flushes on
+another (``flush``); each torchrun is a thread of its own.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class SimConf:
     rdzv_conf: tuple[tuple[str, str], ...] = ()
     nodes_min: int = 1
     nodes_max: int = 1
+    join_events: bool = True          # each node's ``node_joined`` (False: a diagnostic, not the agent)
 
 
 class SimNode:
@@ -129,7 +130,8 @@ class SimNode:
         self.job = job
         self.losses = NodeLosses(job, Membership(self.client, job, self.name, self.incarnation), self.outbox,
                                  self.log)
-        self.outbox.event(job, "node_joined", {"torchrun_pid": os.getpid(), "slots": GPUS})
+        if self.conf.join_events:
+            self.outbox.event(job, "node_joined", {"torchrun_pid": os.getpid(), "slots": GPUS})
         self._torchrun = threading.Thread(target=self._run_torchrun, name=f"torchrun-{self.name}", daemon=True)
         self._torchrun.start()
         self.report(now)

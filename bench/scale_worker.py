@@ -4,8 +4,8 @@ The parent talks to each worker over a pipe, one command and one answer at a tim
 (``serve``):
 
 * ``("start", (conf, names))``: make a ``SimNode`` per name, register each, and start the
-  thread that runs every node's agent tick every ``TICK_S``; answers the process's RSS
-  before and after;
+  threads that run their agent ticks every ``TICK_S`` (``NODES_PER_TICKER`` nodes a thread)
+  and their outbox flushes; answers the process's RSS before and after;
 * ``("state", None)``: each node's rounds and errors; ``("get", parts)``: the value of
   ``{p}/parts...``; ``("silence", names)``, ``("stall",
   None)``: the bench's faults (``SimNode.silence``/``stall``); ``("rss", None)``;
@@ -33,6 +33,9 @@ from marind.core.log import configure_logging
 
 #: the agent's tick (``marind.agent.daemon.TICK_S``)
 TICK_S = 0.5
+#: nodes whose ticks (and, on another thread, outbox flushes) one thread runs in turn: each agent
+#: has a loop of its own, so a slow etcd must not make one node's tick wait for many others'
+NODES_PER_TICKER = 4
 
 
 def _rss() -> int:
@@ -115,8 +118,7 @@ def serve(conn, go) -> None:
     from marind.rendezvous.state_handler import use_frame_method_names
     use_frame_method_names()          # torch's handler names its events without inspect.stack (rendezvous_bench)
     nodes: dict[str, SimNode] = {}
-    ticker: _Ticker | None = None
-    flusher: _Ticker | None = None
+    tickers: list[_Ticker] = []
     tcp = None
     while True:
         cmd, arg = conn.recv()
@@ -127,15 +129,18 @@ def serve(conn, go) -> None:
             for node in made:
                 node.start()
             nodes.update((n.name, n) for n in made)
-            ticker, flusher = _Ticker(list(nodes.values())), _Ticker(list(nodes.values()), flush=True)
-            ticker.start()
-            flusher.start()
+            every = list(nodes.values())
+            groups = [every[i:i + NODES_PER_TICKER] for i in range(0, len(every), NODES_PER_TICKER)]
+            tickers = [_Ticker(g) for g in groups] + [_Ticker(g, flush=True) for g in groups]
+            for thread in tickers:
+                thread.start()
             conn.send({"rss_before": before, "rss_after": _rss()})
         elif cmd == "state":
             conn.send({"nodes": {n: {"rounds": list(node.rounds), "errors": node.errors[-3:], "silent": node.silent,
                                      "started": node.job is not None, "handler": node.handler is not None}
                                  for n, node in nodes.items()},
-                       "late_ticks": ticker.late if ticker else 0, "ticks": ticker.passes if ticker else 0})
+                       "late_ticks": sum(t.late for t in tickers if not t.flush),
+                       "ticks": sum(t.passes for t in tickers if not t.flush)})
         elif cmd == "silence":
             for name in arg:
                 nodes[name].silence()
@@ -167,10 +172,10 @@ def serve(conn, go) -> None:
         elif cmd == "handlers":
             _handlers_round(conn, go, *arg)
         elif cmd == "stop":
-            for thread in (ticker, flusher):
-                if thread is not None:
-                    thread.stopped.set()
-                    thread.join(10)
+            for thread in tickers:
+                thread.stopped.set()
+            for thread in tickers:
+                thread.join(10)
             for node in nodes.values():
                 node.stop()
             del tcp
