@@ -2,6 +2,7 @@
 
     python bench/goodput.py [--wall 300] [--every 60] [--seed 7] [--nodes 2] [--nproc 2]
         [--ckpt-every 5] [--fixed] [--quick] [--fault kill|power_off|both] [--back-after 20] [--keep]
+        [--memory-ckpt off|on|both]
 
 The example job (the tiny GPT, nodes x nproc gloo ranks under ``marind
 agent``s on this machine, async checkpoints to a local directory) runs
@@ -35,6 +36,12 @@ again) and the job grows back. ``both``: the baseline, a ``kill`` run and a
 ``power_off`` run on one bed; the JSON then has ``faults: {kind: run}``,
 ``recovery_p50_s`` per kind and the floor ``power_off_recovery_p50_max_s``
 (the kill run's p50 + the lease TTL + 2 s). Needs root and ``ip netns``.
+``--memory-ckpt on`` runs the elastic jobs with memory checkpoints every step
+(``[checkpoint] memory_every = 1`` in /dev/shm, issue 33; durable ones every ``--ckpt-every``
+as before); ``both`` runs each elastic run twice, without and with them, plus a fault-free run
+with them: ``faults_memory``, ``baseline_memory``, and the ratios
+``{kind}_memory_goodput_over_elastic`` and ``memory_step_slowdown`` (mean kept step with
+memory checkpoints over without).
 With ``--mode torchft`` or ``both`` the bed also runs each fault kind in
 torchft mode (``bench/goodput_torchft.py``: one replica group per host; a
 power-off takes a group's host away while the others train on):
@@ -49,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -144,10 +152,11 @@ def current_step(job: Job) -> int:
 
 
 def run_job(root: Path, etcd: LocalEtcd | None, data: str, *, name: str, nodes: int, nproc: int, wall: float,
-            every_steps: int, draws: list, fault: str = "kill", site=None) -> dict:
+            every_steps: int, draws: list, fault: str = "kill", site=None, memory_every: int = 0) -> dict:
     """One run of ``wall`` seconds, with a ``fault`` at each draw; goodput and per-failure figures.
 
     ``site``: where the agents run (``goodput_hosts``); default this machine with ``etcd``.
+    ``memory_every``: ``[checkpoint] memory_every`` (memory checkpoints in /dev/shm; 0: off).
     """
     site = site or LoopbackSite(root, etcd.endpoint if etcd else "")
     prefix = f"/goodput-{name}"
@@ -156,8 +165,12 @@ def run_job(root: Path, etcd: LocalEtcd | None, data: str, *, name: str, nodes: 
     failures: list[Failure] = []
     try:
         spec = site.root / f"{name}.toml"
-        spec.write_text(SPEC.format(name=name, nodes=f"1:{nodes}", nproc=nproc, data=data,
-                                    ckpt=site.root / f"ckpt-{name}", every=every_steps))
+        text = SPEC.format(name=name, nodes=f"1:{nodes}", nproc=nproc, data=data,
+                           ckpt=site.root / f"ckpt-{name}", every=every_steps)
+        if memory_every:
+            text = text.replace("[checkpoint]\n", f"[checkpoint]\nmemory_every = {memory_every}\n"
+                                                  f"memory_dir = \"{memory_dir(name)}\"\n")
+        spec.write_text(text)
         t0 = time.time()
         job = Job(submit(spec, site.endpoint, prefix, wait=False), site.root, node_names, nodes * nproc, t0)
         end = t0 + wall
@@ -186,6 +199,7 @@ def run_job(root: Path, etcd: LocalEtcd | None, data: str, *, name: str, nodes: 
         ledger = job_ledger(site.endpoint, prefix, job.id)
     finally:
         site.stop(agents)
+        shutil.rmtree(memory_dir(name), ignore_errors=True)
     first = min((ln.at - ln.step_s for ln in lines), default=end)
     kept_s, kept_n = kept_step_seconds(lines, t0, end)
     runs = sum(1 for ln in lines if t0 <= ln.at <= end)
@@ -195,6 +209,26 @@ def run_job(root: Path, etcd: LocalEtcd | None, data: str, *, name: str, nodes: 
             "goodput_steady": round(kept_s / max(1e-9, end - first), 4),
             "failures": [f.to_json() for f in failures],
             "ledger": ledger, "ledger_check": ledger_check(ledger, round(kept_s / (end - t0), 4), end - t0)}
+
+
+def memory_dir(name: str) -> str:
+    """A run's ``[checkpoint] memory_dir`` (host memory; removed after the run)."""
+    return f"/dev/shm/marind-goodput-{os.getpid()}-{name}"
+
+
+def memory_fields(baseline: dict, baseline_mem: dict | None, runs: dict[str, dict],
+                  runs_mem: dict[str, dict]) -> dict:
+    """``--memory-ckpt both``: each fault kind's run with memory checkpoints every step against the
+    one without, and the step slowdown memory checkpoints cost (mean kept step, fault-free runs)."""
+    out: dict = {"faults_memory": runs_mem, "ratios": {}}
+    for kind, run in runs_mem.items():
+        if kind in runs:
+            out["ratios"][f"{kind}_memory_goodput_over_elastic"] = round(run["goodput"] / max(1e-9, runs[kind]["goodput"]), 4)
+    if baseline_mem is not None and baseline["steps_kept"] and baseline_mem["steps_kept"]:
+        step, step_mem = (b["kept_step_s"] / b["steps_kept"] for b in (baseline, baseline_mem))
+        out["baseline_memory"] = baseline_mem
+        out["ratios"]["memory_step_slowdown"] = round(step_mem / max(1e-9, step), 4)
+    return out
 
 
 def summarize(run: dict) -> dict:
@@ -228,6 +262,10 @@ def main() -> int:
                              "multi-host bed (needs root and ip netns); both: each in its own run on the bed")
     parser.add_argument("--back-after", type=float, default=20.0,
                         help="power_off: seconds until the host reboots and its agent is back (default 20)")
+    parser.add_argument("--memory-ckpt", choices=("off", "on", "both"), default="off",
+                        help="elastic runs with memory checkpoints every step ([checkpoint] memory_every = 1, "
+                             "issue 33): on, off (default), or both (each elastic run twice, plus a fault-free "
+                             "run with them: faults_memory, memory_step_slowdown)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the run's directory (agents' and workers' logs, checkpoints) for a post-mortem; "
                              "its path goes to stderr (default: removed at the end)")
@@ -255,8 +293,13 @@ def run_here(args: argparse.Namespace, draws: list, root: Path) -> int:
     try:
         data = make_data(root)
         kw = dict(nodes=args.nodes, nproc=args.nproc, wall=args.wall, every_steps=args.ckpt_every)
+        mem = 1 if args.memory_ckpt == "on" else 0
         baseline = run_job(root, etcd, data, name="baseline", draws=[], **kw)
-        elastic = run_job(root, etcd, data, name="elastic", draws=draws, **kw) if args.mode != "torchft" else None
+        elastic = run_job(root, etcd, data, name="elastic", draws=draws, memory_every=mem, **kw) \
+            if args.mode != "torchft" else None
+        both = args.memory_ckpt == "both" and elastic is not None
+        baseline_mem = run_job(root, etcd, data, name="baseline-mem", draws=[], memory_every=1, **kw) if both else None
+        elastic_mem = run_job(root, etcd, data, name="elastic-mem", draws=draws, memory_every=1, **kw) if both else None
         torchft = None
         if args.mode != "elastic":
             from goodput_torchft import run_torchft, summarize_torchft
@@ -283,6 +326,12 @@ def run_here(args: argparse.Namespace, draws: list, root: Path) -> int:
                    "goodput_steady_met": elastic["goodput_steady"] >= FLOORS["goodput_min"],
                    "recovery_p50_met": p50 is not None and p50 <= FLOORS["recovery_p50_max_s"]},
     }
+    result["config"]["memory_ckpt"] = args.memory_ckpt
+    if elastic_mem is not None:
+        elastic_mem["summary"] = summarize(elastic_mem)
+        extra = memory_fields(baseline, baseline_mem, {"kill": elastic}, {"kill": elastic_mem})
+        result["ratios"].update(extra.pop("ratios"))
+        result.update(extra)
     if torchft is not None:
         result["torchft"] = torchft
         result["ratios"]["torchft_goodput_over_elastic"] = round(torchft["goodput"] / max(1e-9, elastic["goodput"]), 4)
@@ -300,22 +349,37 @@ def run_on_bed(args: argparse.Namespace, draws: list, root: Path) -> int:
         return 2
     kinds = list(FAULTS) if args.fault == "both" else [args.fault]
     runs: dict[str, dict] = {}
+    runs_mem: dict[str, dict] = {}
+    baseline_mem = None
     ft_runs: dict[str, dict] = {}
     with HostBed(root / "bed", [f"host{i + 1}" for i in range(args.nodes)]) as bed:
         site = BedSite(bed, args.back_after)
         data = make_data(root)
         kw = dict(nodes=args.nodes, nproc=args.nproc, wall=args.wall, every_steps=args.ckpt_every, site=site)
         baseline = run_job(root, None, data, name="baseline", draws=[], **kw)
+        both = args.memory_ckpt == "both" and args.mode != "torchft"
+        baseline_mem = run_job(root, None, data, name="baseline-mem", draws=[], memory_every=1, **kw) if both else None
         for kind in kinds:
             if args.mode != "torchft":
-                runs[kind] = run_job(root, None, data, name=kind.replace("_", "-"), draws=draws, fault=kind, **kw)
+                runs[kind] = run_job(root, None, data, name=kind.replace("_", "-"), draws=draws, fault=kind,
+                                     memory_every=1 if args.memory_ckpt == "on" else 0, **kw)
                 runs[kind]["summary"] = summarize(runs[kind])
+            if both:
+                runs_mem[kind] = run_job(root, None, data, name=kind.replace("_", "-") + "-mem", draws=draws,
+                                         fault=kind, memory_every=1, **kw)
+                runs_mem[kind]["summary"] = summarize(runs_mem[kind])
             if args.mode != "elastic":
                 from goodput_torchft import run_torchft, summarize_torchft
                 ft = run_torchft(root, None, data, name=f"ft-{kind.replace('_', '-')}", draws=draws, fault=kind, **kw)
                 ft["summary"] = summarize_torchft(ft)
                 ft_runs[kind] = ft
-    print(json.dumps(bed_result(args, draws, baseline, runs, ft_runs)))
+    result = bed_result(args, draws, baseline, runs, ft_runs)
+    result["config"]["memory_ckpt"] = args.memory_ckpt
+    if runs_mem:
+        extra = memory_fields(baseline, baseline_mem, runs, runs_mem)
+        result["ratios"].update(extra.pop("ratios"))
+        result.update(extra)
+    print(json.dumps(result))
     return 0
 
 
