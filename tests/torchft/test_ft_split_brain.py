@@ -36,6 +36,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 STALE_S = 8.0        # how long B follows the resumed L1 before its agent would point it at L2
 STEPS = 400
+FREEZE_S = 6.0       # at least this long frozen (a real election waits out a lease TTL)
 
 
 def _lines(tmp_path, group: int) -> list[dict]:
@@ -60,12 +61,14 @@ def test_a_group_resumed_with_its_stale_lighthouse_trains_alone_and_the_groups_e
         # host B powers off: its group and L1 freeze together
         signal_group(b, signal.SIGSTOP)
         l1.proc.send_signal(signal.SIGSTOP)
+        frozen_t = time.monotonic()
         frozen_at = progress(tmp_path, 1).get("step", 0)
         l2.start()
         write_lighthouse(run_dir(tmp_path, 0), LighthouseRecord(l2.address, 2, "host-a"))
         wait_for(lambda: (p := progress(tmp_path, 0)).get("lighthouse_epoch") == 2 and p.get("step", 0) > frozen_at + 20,
                  240, "group A training on L2", tmp_path)
-        # host B is back: L1 and B resume; B's file still names L1
+        # host B is back (an election needs the lost lease to expire: the freeze lasts seconds); B's file still names L1
+        time.sleep(max(0.0, FREEZE_S - (time.monotonic() - frozen_t)))
         l1.proc.send_signal(signal.SIGCONT)
         signal_group(b, signal.SIGCONT)
         resumed_at = time.monotonic()

@@ -39,7 +39,6 @@ MOVED_GRACE_S = 2.0          # a quorum waiting this long is abandoned if the li
 LIGHTHOUSE_WAIT_S = 30.0     # after a failed quorum: wait this long for a new lighthouse address
 BUILD_RETRY_S = 120.0        # rank 0 retries a Manager whose lighthouse is unreachable (< the group PG timeout)
 MAX_QUORUM_FAILURES = 20     # in a row, then the worker fails (torchrun restarts the group)
-FREEZE_MIN_S = 5.0           # this process standing still this long (or 2 x heartbeat_timeout) is a freeze
 
 
 class LighthouseMoved(RuntimeError):
@@ -181,9 +180,8 @@ class FTGroup:
         self._manager: Manager | None = None
         self.epoch = -1
         self.rebuilds = 0
-        # a freeze that matters outlasts the lighthouse's election (a lease TTL); a loaded machine's
-        # scheduling hiccups do not
-        self.freeze = FreezeWatch(max(2 * spec.fault.heartbeat_timeout, FREEZE_MIN_S))
+        # standing still longer than heartbeat_timeout: the others may have moved on without this group
+        self.freeze = FreezeWatch(spec.fault.heartbeat_timeout)
         self.build()
 
     @property

@@ -11,8 +11,8 @@ heal from it (their steps of the outage are thrown away). This was reproduced wi
 lighthouse in eight seconds.
 
 So a group that finds itself alone in a new quorum, having been in a larger one, after its own
-process stood still for long since its previous quorum (longer than 2 x ``fault.heartbeat_timeout``
-and 5 s: ``FTGroup``'s threshold)
+process stood still for longer than ``fault.heartbeat_timeout`` since its previous quorum (the
+others may have moved on without it)
 (:class:`FreezeWatch`: a thread that ticks every ``TICK_S`` sees the gap; a slow step is not a
 freeze), and that follows its agent's lighthouse file, does not train yet: it waits up to ``LIGHTHOUSE_WAIT_S`` for the file's
 epoch to move (then its quorum is given up and the Manager rebuilt on the new lighthouse) and trains
