@@ -37,6 +37,7 @@ from marind.agent.link import Link
 from marind.agent.liveness.data_watch import DataNetwork
 from marind.agent.liveness.fencing import Fencing
 from marind.agent.metrics import Metrics, MetricsServer
+from marind.agent.page.server import JobPages, page_token
 from marind.agent.run_monitor import RunMonitor
 from marind.agent.sdnotify import Notifier, watchdog_interval
 from marind.agent.supervisor import reap_leftovers
@@ -134,8 +135,10 @@ class Agent:
                              reason="processes of a previous agent; the job restarts them here")
         if self.config.metrics_port:
             port = 0 if self.config.metrics_port < 0 else self.config.metrics_port
+            pages = JobPages(lambda: self.link.client if self.link else None,
+                             page_token(self.config.metrics_host, self.config.state_dir))
             self.metrics_server = MetricsServer(self.metrics, self.config.metrics_host, port,
-                                                healthy=self._health).start()
+                                                healthy=self._health, pages=pages).start()
             (Path(self.config.state_dir) / "metrics.port").write_text(str(self.metrics_server.port))
             self.log.info("metrics_listening", url=f"http://{self.config.metrics_host}:{self.metrics_server.port}/metrics")
         try:

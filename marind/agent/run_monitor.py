@@ -53,6 +53,7 @@ from marind.agent.decisions import (
 from marind.agent.failure_watch import FailureWatch
 from marind.agent.ft.coordinator import FTCoordinator
 from marind.agent.hang_kill import HangKiller, PendingKill
+from marind.agent.job_journal import JobJournal
 from marind.agent.membership import Loss, Membership
 from marind.agent.metrics import Metrics
 from marind.agent.node_losses import NodeLosses
@@ -111,6 +112,7 @@ class RunMonitor:
         self._losses = NodeLosses(job, members, outbox, self.log) if members is not None else None
         self._progress = RunProgress(job, outbox, metrics, RunHistory(job, spec, sup.run_dir, node=node, outbox=outbox,
                                                                       log=self.log))
+        self._journal = JobJournal(job, metrics)
         self._hangs = HangKiller(job, sup, hang_timeout=spec.job.hang_timeout, outbox=outbox, metrics=metrics,
                                  log=self.log, log_path=log_path)
 
@@ -358,9 +360,7 @@ class RunMonitor:
         record = self.node_record(now, str(registry.record["host"]), extra)
         try:
             client.put_json(client.key("jobs", self.job, "nodes", self.node), record, lease=registry.lease)
-            summary = prog.job_summary(records or [])
-            if summary is not None:
-                client.put_json(client.key("jobs", self.job, "progress"), summary)
+            self._journal.report(client, records or [], now)    # progress, series, ledger where rank 0 runs
             if self._losses is not None:
                 self._losses.poll()
         except ControlPlaneUnavailable:
@@ -445,5 +445,6 @@ class RunMonitor:
         Everywhere: ``step`` becomes the last step this node's workers reached.
         """
         summary = self._progress.final(self._sup.run_dir, self._worker_pids, self.log)
+        self._outbox.put(self.job, lambda: self._journal.flush(self._outbox.client))    # the last points
         if summary is not None:
             self._outbox.progress(self.job, summary)

@@ -197,7 +197,17 @@ def status(args) -> int:
         for s in j.get("stragglers") or ():
             print(f"{j['id']}: straggler {s['node']} rank {s['rank']}: {_fmt(s.get('compute_s'), 3)}s of compute "
                   "per step, slower than the others (marind events for why)")
+    if args.job:
+        _print_goodput(args, args.job)
     return 0
+
+
+def _print_goodput(args, job: str) -> None:
+    """`status JOB`: the goodput ledger's figure and its top causes (docs/design.md §11)."""
+    from marind.control.goodput_ledger import summary_line
+    from marind.control.job_history import read_ledger
+
+    print(f"\n{job}: {summary_line(read_ledger(_client(args).client, job))}")
 
 
 def fix_lines(jobs: list[dict]) -> list[str]:

@@ -18,6 +18,7 @@ from marind.control.change_watch import ChangeWatch
 from marind.control.config import client_settings, resolve_endpoint
 from marind.control.events import JOB_REFUSED, append_event, list_events
 from marind.control.ft_status import ft_status, is_torchft
+from marind.control.job_history import start_ledger
 from marind.control.lifecycle import JobEvent, JobState
 from marind.control.nodes import live_nodes
 from marind.core.errors import NotFound, PermissionDenied
@@ -107,6 +108,7 @@ class JobsClient:
                                    f"{exc}") from exc
         if not created:
             raise ValueError(f"job {job} already exists: pick another --id or `marind rm {job}`")
+        start_ledger(self.client, job)      # the goodput ledger counts from here (waiting for nodes)
         return job
 
     def job(self, job: str) -> dict:
