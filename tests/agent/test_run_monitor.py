@@ -55,6 +55,8 @@ class FakeTorchrun:
 
 
 class FakeOutbox:
+    node = "a"                     # the straggler watch names its node in its log lines
+
     def __init__(self):
         self.states: list[tuple[JobEvent, str]] = []
         self.events: list[tuple[str, dict]] = []
