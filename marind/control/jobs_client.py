@@ -50,20 +50,24 @@ def connect(etcd: str | None = None, config_file: str | None = None, state_dir: 
     return client
 
 
-def row_reason(state: str, state_reason: str, last_error: dict | None) -> str:
+def row_reason(state: str, state_reason: str, last_error: dict | None, checkpoint_error: str | None = None) -> str:
     """A job's reason as `status` shows it.
 
     Args:
         state: the job's state.
         state_reason: the reason its state record carries.
         last_error: ``{p}/jobs/{job}/last_error`` (the last worker error line), or None.
+        checkpoint_error: the job's progress's ``checkpoint_error`` (why its latest save failed), or None.
 
     Returns:
         For RESTARTING and FAILED, the last worker error line when one was recorded; else the
-        state's reason.
+        state's reason; for RUNNING and SUCCEEDED, why the latest checkpoint save failed while
+        no later one committed.
     """
     if state in REASON_STATES and isinstance(last_error, dict) and last_error.get("line"):
         return str(last_error["line"])
+    if state in ("RUNNING", "SUCCEEDED") and checkpoint_error:
+        return checkpoint_error
     return state_reason
 
 
@@ -135,7 +139,8 @@ class JobsClient:
         last_error = self.client.get_json(self.client.key("jobs", view.id, "last_error"))
         state = view.state.state.value
         return {"id": view.id, "name": view.name,
-                "state": state, "reason": row_reason(state, view.state.reason, last_error),
+                "state": state, "reason": row_reason(state, view.state.reason, last_error,
+                                                     progress.get("checkpoint_error")),
                 "last_error": last_error,
                 "nodes": sorted(nodes), "world_size": world or 0,
                 "step": _last_step(progress.get("step"), view.state.step), "loss": progress.get("loss"),
