@@ -240,7 +240,7 @@ class Agent:
                 link.watch.begin_read()
                 views = self._read_jobs(link.client)
                 self.etcd_ok = True
-            if now - self._last_nodes_count >= self.config.report_interval:
+            if now - self._last_nodes_count >= max(self.config.report_interval, link.watch.resync_s):
                 self.metrics.set("marind_nodes", link.client.count_prefix(link.client.key("nodes") + "/"))
                 self._last_nodes_count = now
         except ControlPlaneUnavailable as exc:

@@ -54,7 +54,7 @@ from marind.agent.failure_watch import FailureWatch
 from marind.agent.ft.coordinator import FTCoordinator
 from marind.agent.hang_kill import HangKiller, PendingKill
 from marind.agent.job_journal import JobJournal
-from marind.agent.membership import Loss, Membership
+from marind.agent.membership import Loss, Membership, report_record
 from marind.agent.metrics import Metrics
 from marind.agent.node_losses import NodeLosses
 from marind.agent.outbox import Outbox
@@ -359,7 +359,7 @@ class RunMonitor:
         self._last_report = now
         record = self.node_record(now, str(registry.record["host"]), extra)
         try:
-            client.put_json(client.key("jobs", self.job, "nodes", self.node), record, lease=registry.lease)
+            report_record(client, self.job, self.node, record, registry.lease, self._members)   # + the peers' records
             self._journal.report(client, records or [], now)    # progress, series, ledger where rank 0 runs
             if self._losses is not None:
                 self._losses.poll()

@@ -192,11 +192,11 @@ def status(args) -> int:
     for j in doc["jobs"]:
         if j.get("torchft"):
             _print_replica_groups(j["id"], j["torchft"])
-    for line in fix_lines(doc["jobs"]):
-        print(line)
         for s in j.get("stragglers") or ():
             print(f"{j['id']}: straggler {s['node']} rank {s['rank']}: {_fmt(s.get('compute_s'), 3)}s of compute "
                   "per step, slower than the others (marind events for why)")
+    for line in fix_lines(doc["jobs"]):
+        print(line)
     if args.job:
         _print_goodput(args, args.job)
     return 0
