@@ -68,7 +68,7 @@ def row(job: str, parts: dict[str, Any], nodes: list[str], submitted_rev: int = 
     step = reported if state.step is None else (state.step if reported is None else max(int(reported), state.step))
     return {"id": job, "name": _obj(spec.get("job")).get("name"),
             "state": state.state.value,
-            "reason": row_reason(state.state.value, state.reason, parts.get("last_error")),
+            "reason": row_reason(state.state.value, state.reason, parts.get("last_error"), progress.get("checkpoint_error")),
             "nodes": nodes, "world_size": progress.get("world_size") or 0, "step": step,
             "target_steps": steps, "loss": progress.get("loss"), "tokens_per_s": progress.get("tokens_per_s"),
             "last_checkpoint_step": progress.get("last_checkpoint_step"), "restarts": state.restarts,
