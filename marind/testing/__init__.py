@@ -11,6 +11,10 @@ imports ``tests``):
 * ``marind.testing.s3_faults``: an S3 that pushes back: a proxy in front of it answering 503
   SlowDown / 500, resetting or delaying requests, by rate and for a window;
 * ``marind.testing.small_fs``: a filesystem that fills: a size-limited tmpfs and ballast;
+* ``marind.testing.etcd_metrics``: etcd's own counters (requests, writes, WAL and client bytes,
+  database size) from its ``/metrics``: what a test or a bench counts a workload by;
+* ``marind.testing.etcd_cluster``: a real 3- or 5-member etcd cluster (kill, kill the leader, stop and
+  start a member with its data);
 * ``marind.control.local_etcd.LocalEtcd``: a real etcd server (it lives beside the
   agent, which embeds it);
 * ``marind.testing.cluster``: ``marind agent``s as subprocesses, submit, a
