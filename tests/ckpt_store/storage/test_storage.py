@@ -11,7 +11,7 @@ import pytest
 
 from ckpt_store.storage import direct_io
 from ckpt_store.storage.direct_io import DIRECT_ALIGN, DIRECT_BOUNCE, DIRECT_MIN_BYTES, DIRECT_SLACK
-from ckpt_store.storage.object_store import s3_defaults
+from ckpt_store.storage.object_store import S3_RETRIES, s3_defaults
 from ckpt_store.storage.protocol import open_storage
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -133,5 +133,7 @@ def test_s3_defaults_leave_other_options_and_an_explicit_choice_alone():
                                     "s3": {"addressing_style": "path", "payload_signing_enabled": False}}
     assert user["config_kwargs"]["s3"] == {"addressing_style": "path"}, "the caller's dict is not changed"
     signed = {"config_kwargs": {"s3": {"payload_signing_enabled": True}}}
-    assert s3_defaults("s3://b", signed) == signed
+    got = s3_defaults("s3://b", signed)
+    assert got["config_kwargs"]["s3"] == {"payload_signing_enabled": True}, "an explicit choice stays"
+    assert got["config_kwargs"]["retries"] == S3_RETRIES                      # and the retry budget is filled in
     assert s3_defaults("file:///x", None) == {} and s3_defaults("memory://x", {"a": 1}) == {"a": 1}
