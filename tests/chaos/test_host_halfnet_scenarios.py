@@ -121,6 +121,19 @@ def _assert_cut_off_and_back(cluster: BedCluster, job: str, cut: str) -> None:
     assert not cluster.kinds(job, "hang_detected"), events
 
 
+def _rejoins_and_finishes(cluster: BedCluster, job: str, url: str, steps: int, fault_at: float, took: float,
+                          on_rejoin=None) -> None:
+    """After the heal: host2 rejoins (then ``on_rejoin()``), the job finishes with its history intact, host2
+    was the one cut off and back, and training stepped again within the coarse bound."""
+    wait_for(lambda: cluster.kinds(job, "node_rejoined"), 180, "host2 rejoined", diag=cluster.diag)
+    if on_rejoin is not None:
+        on_rejoin()
+    _finish(cluster, job, url, steps)
+    _timeline(cluster, job, fault_at)
+    _assert_cut_off_and_back(cluster, job, "host2")
+    assert took <= COARSE_S, f"training stepped again {took:.1f}s after the fault (floor {RECOVERY_S}s)"
+
+
 # -- (a) one host's packets to another vanish, the other's arrive: two hosts --------------------------
 
 @pytest.mark.parametrize("src,dst", [pytest.param("host1", "host2", id="host1-to-host2"),
@@ -139,11 +152,7 @@ def test_one_way_data_drop_between_two_hosts(nft, bed_cluster, src, dst):  # noq
         took = _steps_again(cluster, job, fault_at, at, 2, f"one-way {src}->{dst}")
     finally:
         cluster.bed.heal()
-    wait_for(lambda: cluster.kinds(job, "node_rejoined"), 180, "host2 rejoined", diag=cluster.diag)
-    _finish(cluster, job, url, steps)
-    _timeline(cluster, job, fault_at)
-    _assert_cut_off_and_back(cluster, job, "host2")
-    assert took <= COARSE_S, f"training stepped again {took:.1f}s after the fault (floor {RECOVERY_S}s)"
+    _rejoins_and_finishes(cluster, job, url, steps, fault_at, took)
 
 
 # -- (b) one-way among three hosts: the two hosts lose each other, both still reach the third ---------
@@ -166,11 +175,7 @@ def test_one_way_data_drop_among_three_hosts(nft, bed_cluster):  # noqa: F811 - 
         assert not cluster.kinds(job, "node_rejoined"), cluster.events(job)
     finally:
         cluster.bed.heal()
-    wait_for(lambda: cluster.kinds(job, "node_rejoined"), 180, "host2 rejoined", diag=cluster.diag)
-    _finish(cluster, job, url, steps)
-    _timeline(cluster, job, fault_at)
-    _assert_cut_off_and_back(cluster, job, "host2")
-    assert took <= COARSE_S, f"training stepped again {took:.1f}s after the fault (floor {RECOVERY_S}s)"
+    _rejoins_and_finishes(cluster, job, url, steps, fault_at, took)
 
 
 # -- (b2) one-way on the control network between two hosts: nothing marind uses crosses it ----------
@@ -219,12 +224,9 @@ def test_lossy_data_link_is_cut_off_until_it_is_steady(nft, bed_cluster):  # noq
     finally:
         cluster.bed.heal()
     healed_at = time.time()
-    wait_for(lambda: cluster.kinds(job, "node_rejoined"), 180, "host2 rejoined", diag=cluster.diag)
-    log.info("halfnet_lossy_rejoined", after_heal_s=round(time.time() - healed_at, 1))
-    _finish(cluster, job, url, steps)
-    _timeline(cluster, job, fault_at)
-    _assert_cut_off_and_back(cluster, job, "host2")
-    assert took <= COARSE_S, f"training stepped again {took:.1f}s after the fault (floor {RECOVERY_S}s)"
+    _rejoins_and_finishes(cluster, job, url, steps, fault_at, took,
+                          on_rejoin=lambda: log.info("halfnet_lossy_rejoined",
+                                                     after_heal_s=round(time.time() - healed_at, 1)))
 
 
 # -- (d) the control network of one host gone past etcd_grace_timeout, its data network working -------
