@@ -33,7 +33,7 @@ from marind.testing.hosts import AGENT_ENV, HostBed
 from marind.testing.procs import REPO_ROOT
 from marind.testing.slurm_bed import SlurmBed, slurm_unavailable
 from tests.agent.helpers import wait_for
-from tests.chaos.test_scenarios import EVERY, Cluster, _check_checkpoints
+from tests.chaos.test_scenarios import EVERY, Cluster, _check_checkpoints, _spec
 from tests.hosts.conftest import require_bed
 
 pytestmark = [pytest.mark.hosts, pytest.mark.timeout(1500)]
@@ -147,45 +147,11 @@ class SlurmRun(Cluster):
             self.etcd.stop()
 
 
-def _spec(tmp: Path, name: str, data: str, url: str, nodes: str, steps: int, global_batch: int) -> Path:
-    path = tmp / f"{name}.toml"
-    path.write_text(f"""
-[job]
-name = "{name}"
-nodes = "{nodes}"
-nproc_per_node = 2
-max_restarts = 10
-hang_timeout = "300s"
-entrypoint = "marind.trainer"
-[job.env]
-OMP_NUM_THREADS = "1"
-[model]
-preset = "tiny"
-[data]
-path = "{data}"
-seq_len = 32
-global_batch = {global_batch}
-micro_batch = 1
-[optim]
-lr = 3e-3
-warmup_steps = 3
-[train]
-steps = {steps}
-seed = 7
-log_every = 1
-[checkpoint]
-url = "{url}"
-every_steps = {EVERY}
-async = true
-keep_last = 0
-""")
-    return path
-
-
 def _start(slurm: SlurmBed, dataset: str, steps: int, env: dict | None = None) -> SlurmRun:
     tmp = slurm.bed.root
     url = f"file://{tmp}/ckpt"
-    spec = _spec(tmp, "slurm-train", dataset, url, "1", steps, global_batch=24 if len(slurm.bed.names) == 3 else 8)
+    spec = Path(_spec(tmp, "slurm-train", dataset, url, None, "1", hang_timeout="300s", steps=steps,
+                      global_batch=24 if len(slurm.bed.names) == 3 else 8))
     run = SlurmRun(slurm, spec, url, env=env)
     log.info("sbatched", slurm_job=run.slurm_job, run=run.job)
     return run

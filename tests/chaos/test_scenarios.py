@@ -41,6 +41,9 @@ def dataset(tmp_path_factory):
 
 def _spec(tmp, name: str, data: str, url: str, s3, nodes: int | str, hang_timeout: str = "60s",
           steps: int = STEPS, every: int = EVERY, global_batch: int = 8) -> str:
+    """The run.toml of the scenarios' trainer job; ``s3`` None: a checkpoint URL that needs no S3 credentials."""
+    s3_env = "" if s3 is None else (f'AWS_ENDPOINT_URL = "{s3.endpoint}"\nAWS_ACCESS_KEY_ID = "{ACCESS_KEY}"\n'
+                                    f'AWS_SECRET_ACCESS_KEY = "{SECRET_KEY}"\nAWS_DEFAULT_REGION = "us-east-1"\n')
     text = f"""
 [job]
 name = "{name}"
@@ -50,11 +53,7 @@ max_restarts = 10
 hang_timeout = "{hang_timeout}"
 entrypoint = "marind.trainer"
 [job.env]
-AWS_ENDPOINT_URL = "{s3.endpoint}"
-AWS_ACCESS_KEY_ID = "{ACCESS_KEY}"
-AWS_SECRET_ACCESS_KEY = "{SECRET_KEY}"
-AWS_DEFAULT_REGION = "us-east-1"
-OMP_NUM_THREADS = "1"
+{s3_env}OMP_NUM_THREADS = "1"
 [model]
 preset = "tiny"
 [data]
