@@ -27,8 +27,10 @@ from typing import Any
 
 from ckpt_store.storage.base import StorageBase, json_bytes, run_all
 
-#: botocore's retry settings for S3 stores (the caller's ``config_kwargs["retries"]`` wins)
+#: botocore's retry settings for S3 stores (the caller's ``config_kwargs["retries"]`` wins, and
+#: so does each one's environment variable, botocore's own: ``AWS_RETRY_MODE``, ``AWS_MAX_ATTEMPTS``)
 S3_RETRIES = {"mode": "standard", "total_max_attempts": 8}
+_RETRY_ENV = {"mode": "AWS_RETRY_MODE", "total_max_attempts": "AWS_MAX_ATTEMPTS"}
 #: s3fs's own tries around each botocore call (its default, 5, multiplies botocore's budget)
 S3FS_RETRIES = 2
 
@@ -58,7 +60,8 @@ def s3_defaults(url: str, storage_options: dict | None) -> dict:
     s3 = dict(config.get("s3") or {})
     s3.setdefault("payload_signing_enabled", False)
     config["s3"] = s3
-    config.setdefault("retries", dict(S3_RETRIES))     # backoff with jitter, bounded: see the module docstring
+    if "retries" not in config:          # backoff with jitter, bounded: see the module docstring
+        config["retries"] = {k: v for k, v in S3_RETRIES.items() if not os.environ.get(_RETRY_ENV[k])}
     opts["config_kwargs"] = config
     return opts
 

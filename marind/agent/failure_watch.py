@@ -40,8 +40,10 @@ class FailureWatch:
         oom: the OOM evidence (a fresh ``OomWatch`` when None).
     """
 
-    def __init__(self, node: str, run_dir: Path, log_offset: int = 0, oom: OomWatch | None = None):
+    def __init__(self, node: str, run_dir: Path, log_offset: int = 0, oom: OomWatch | None = None,
+                 nproc_per_node: int | None = None):
         self.node = node
+        self.nproc_per_node = nproc_per_node
         self.tail = LogTail(run_dir / "logs" / "torchrun.log", log_offset)
         self.scan = LogScan()
         self.oom = oom if oom is not None else OomWatch()
@@ -68,6 +70,7 @@ class FailureWatch:
     def cause(self, failure: Failure) -> tuple[Cause, dict[str, Any]]:
         """Why ``failure``'s round failed (see the module docstring), and the facts to record."""
         errors = dict(failure.rank_errors)
+        self._from_round(failure)
         rank, pid = self._ranks.get(failure.local_rank, (None, None))
         cause = self._rank_cause(failure.local_rank, failure.exitcode, errors, failure.unranked)
         facts: dict[str, Any] = {"exitcode": failure.exitcode, "local_rank": failure.local_rank, "rank": rank}
@@ -87,6 +90,13 @@ class FailureWatch:
                     break
         facts.update(cause.to_dict())
         return cause, facts
+
+    def _from_round(self, failure: Failure) -> None:
+        """A failed worker the process table never showed (it died between two looks): its global
+        rank from the round's group rank, as torchrun assigns it (group rank x nproc + local rank)."""
+        if failure.local_rank in self._ranks or failure.group_rank is None or self.nproc_per_node is None:
+            return
+        self._ranks[failure.local_rank] = (failure.group_rank * self.nproc_per_node + failure.local_rank, failure.pid)
 
     def _rank_cause(self, local_rank: int, exitcode: int, errors: dict[int, str], unranked: str | None) -> Cause:
         rank, pid = self._ranks.get(local_rank, (None, None))

@@ -106,7 +106,7 @@ class RunMonitor:
         self._terminal_since: float | None = None
         self._started_at = time.time()
         log_path = sup.run_dir / "logs" / "torchrun.log"
-        self._fails = FailureWatch(node, sup.run_dir, log_offset)
+        self._fails = FailureWatch(node, sup.run_dir, log_offset, nproc_per_node=spec.job.nproc_per_node)
         self._unmatched_failures = 0         # restarts counted from the log whose round was not seen yet
         self.log = get_logger(__name__, node=node, job=job)
         self._losses = NodeLosses(job, members, outbox, self.log) if members is not None else None

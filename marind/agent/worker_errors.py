@@ -106,6 +106,7 @@ class Failure:
     error: str | None        # the last exception line printed in that round, if any
     rank_errors: tuple[tuple[int, str], ...] = ()
     unranked: str | None = None
+    group_rank: int | None = None   # this node's rank in the round (the rendezvous's ``rdzv_joined``), if logged
 
     @property
     def reason(self) -> str:
@@ -129,6 +130,7 @@ class LogScan:
     _tb_rank: int | None = None
     _rank_errors: dict[int, str] = field(default_factory=dict)
     _unranked: str | None = None
+    _group_rank: int | None = None
 
     def feed(self, text: str) -> list[Failure]:
         """Scan more of the log.
@@ -153,10 +155,13 @@ class LogScan:
         m = _FAILED_RE.search(raw)
         if m:
             failure = Failure(int(m.group(1)), int(m.group(2)), int(m.group(3)), self._round_error,
-                              tuple(sorted(self._rank_errors.items())), self._unranked)
+                              tuple(sorted(self._rank_errors.items())), self._unranked, self._group_rank)
             self._round_error, self._in_traceback, self._unranked = None, False, None
             self._rank_errors = {}
             return failure
+        if '"rdzv_joined"' in raw:
+            self._group_rank = _joined_rank(raw)
+            return None
         line = clean_line(raw)
         if line.startswith("Traceback (most recent call last)"):
             self._in_traceback = True
@@ -174,6 +179,16 @@ class LogScan:
                 else:
                     self._unranked = full
         return None
+
+
+def _joined_rank(raw: str) -> int | None:
+    """The node's group rank from the rendezvous's ``rdzv_joined`` JSON log line, else None."""
+    try:
+        record = json.loads(raw[raw.index("{"):])
+    except ValueError:
+        return None
+    rank = record.get("rank") if isinstance(record, dict) else None
+    return rank if isinstance(rank, int) else None
 
 
 @dataclass

@@ -97,3 +97,30 @@ def test_an_error_before_the_process_group_is_the_failed_ranks_own(tmp_path):
         + FAILED.format(code=1, local=1, pid=602))
     [(_, cause, _)] = w.read()
     assert cause.kind == "data_missing" and cause.what.startswith("rank 1 (local 1) on node-a: FileNotFoundError")
+
+
+JOINED = ('{{"logger": "marind.rendezvous.etcd3_handler", "run_id": "j", "node": "n_1_0", "round": {round}, '
+          '"rank": {group}, "world_size": 2, "event": "rdzv_joined", "level": "info"}}\n')
+
+
+def test_a_worker_that_died_before_the_agent_saw_it_is_named_from_the_rounds_group_rank(tmp_path):
+    """The agent never saw the worker (it failed at once): its global rank is group rank x nproc + local."""
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "torchrun.log").write_text("")
+    w = FailureWatch("node-b", tmp_path, 0, OomWatch(root=tmp_path / "nocg", proc=tmp_path / "proc", kmsg=None),
+                     nproc_per_node=2)
+    log(tmp_path, JOINED.format(round=0, group=1)
+        + traceback(None, "FileNotFoundError: [Errno 2] No such file or directory: 'data/x.idx'")
+        + FAILED.format(code=1, local=1, pid=702))
+    [(failure, cause, facts)] = w.read()
+    assert failure.group_rank == 1 and facts["rank"] == 3
+    assert cause.kind == "data_missing" and cause.what.startswith("rank 3 (local 1) on node-b: FileNotFoundError")
+
+
+def test_without_the_nodes_process_count_an_unseen_worker_stays_a_local_rank(tmp_path):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "torchrun.log").write_text("")
+    w = FailureWatch("node-b", tmp_path, 0, OomWatch(root=tmp_path / "nocg", proc=tmp_path / "proc", kmsg=None))
+    log(tmp_path, JOINED.format(round=0, group=1) + FAILED.format(code=1, local=1, pid=702))
+    [(_, cause, facts)] = w.read()
+    assert facts["rank"] is None and cause.what == "local rank 1 on node-b ended with exit code 1"

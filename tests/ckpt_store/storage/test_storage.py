@@ -126,7 +126,9 @@ def test_s3_checks_each_upload_against_the_writers_crc32c(s3, s3_url):
 
 
 @pytest.mark.unit
-def test_s3_defaults_leave_other_options_and_an_explicit_choice_alone():
+def test_s3_defaults_leave_other_options_and_an_explicit_choice_alone(monkeypatch):
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS", raising=False)
+    monkeypatch.delenv("AWS_RETRY_MODE", raising=False)
     user = {"key": "k", "config_kwargs": {"retries": {"max_attempts": 1}, "s3": {"addressing_style": "path"}}}
     got = s3_defaults("s3://b/p", user)
     assert got["config_kwargs"] == {"retries": {"max_attempts": 1},
@@ -137,3 +139,5 @@ def test_s3_defaults_leave_other_options_and_an_explicit_choice_alone():
     assert got["config_kwargs"]["s3"] == {"payload_signing_enabled": True}, "an explicit choice stays"
     assert got["config_kwargs"]["retries"] == S3_RETRIES                      # and the retry budget is filled in
     assert s3_defaults("file:///x", None) == {} and s3_defaults("memory://x", {"a": 1}) == {"a": 1}
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")                              # botocore's own variable wins
+    assert s3_defaults("s3://b", None)["config_kwargs"]["retries"] == {"mode": "standard"}
