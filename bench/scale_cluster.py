@@ -230,8 +230,8 @@ def measure(n: int, *, workers: int | None = None, steady_intervals: int = 5, re
                                        / n / 2**20, 3)
         out["mem_per_node_at_start_mb"] = round(rss_growth / n / 2**20, 3)
         log(f"{n} nodes: steady {out['etcd_requests_per_node_s']} req/s/node, {out['etcd_bytes_per_node_s']} B/s/node")
-        w.pipes[0].send(("get", ("jobs", job, "event_seq")))     # events numbered: each node's node_joined, if none
-        out["events_written"] = int(w._recv(w.pipes[0], 60) or 0)  # was dropped after 50 lost compare-and-swaps
+        w.pipes[0].send(("events", job))          # events numbered: each node's node_joined at least
+        out["events_written"] = int(w._recv(w.pipes[0], 60) or 0)  # (none is dropped: no compare-and-swap)
         out["silent_loss_round_s"] = out["loss_1pct_round_s"] = None
         if loss:
             # victims from the first round's nodes; every node still alive (one the first round left

@@ -7,7 +7,8 @@ The parent talks to each worker over a pipe, one command and one answer at a tim
   threads that run their agent ticks every ``TICK_S`` (``NODES_PER_TICKER`` nodes a thread)
   and their outbox flushes; answers the process's RSS before and after;
 * ``("state", None)``: each node's rounds and errors; ``("get", parts)``: the value of
-  ``{p}/parts...``; ``("silence", names)``, ``("stall",
+  ``{p}/parts...``; ``("events", job)``: how many events the job's appends numbered
+  (``events_numbered``); ``("silence", names)``, ``("stall",
   None)``: the bench's faults (``SimNode.silence``/``stall``); ``("rss", None)``;
 * ``("handlers", (kind, endpoint, run_id, n_total, count))``: ``count`` bare handlers of
   one rendezvous (``etcd3``: marind's, ``c10d``: torch's on a TCPStore at ``endpoint``), each
@@ -154,6 +155,10 @@ def serve(conn, go) -> None:
         elif cmd == "get":                    # a key's value (its parts under marind's prefix), by a node's client
             client = next(iter(nodes.values())).client
             conn.send(client.get(client.key(*arg))[0])
+        elif cmd == "events":                 # how many events the job's appends numbered
+            from marind.control.events import events_numbered
+
+            conn.send(events_numbered(next(iter(nodes.values())).client, arg))
         elif cmd == "tcpstore":               # torch's c10d store, hosted here (the parent stays free of threads)
             import torch.distributed as dist
 

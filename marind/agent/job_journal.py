@@ -83,8 +83,7 @@ class JobJournal:
             stored = client.get_json(ledger_key(client, self.job))
             self._state = gl.LedgerState.from_dict(stored.get("state") if isinstance(stored, dict) else None)
         state = self._state
-        raw, _ = client.get(client.key("jobs", self.job, "event_seq"))
-        events = list_events(client, self.job) if raw and int(raw) > state.seq else []
+        events = list_events(client, self.job, after=state.seq)     # only those not folded yet
         gen = str(rank0.pid)
         if self._round is None or self._round[0] != gen:
             closed = client.get_json(round_key(client, self.job))

@@ -242,11 +242,10 @@ class JobsClient:
             while True:
                 watch.begin_read()
                 state = self.state(job)
-                for event in list_events(self.client, job):
-                    if event["seq"] > last_seq:
-                        on_event(event)
-                        last_seq = event["seq"]
-                        final_seen = final_seen or event.get("kind") in FINAL_EVENTS
+                for event in list_events(self.client, job, after=last_seq):    # the new ones, in order
+                    on_event(event)
+                    last_seq = event["seq"]
+                    final_seen = final_seen or event.get("kind") in FINAL_EVENTS
                 if state.is_terminal() and final_seen:
                     return state
                 if state.is_terminal():

@@ -46,14 +46,21 @@ def created_before(prefix: str, revision: int) -> Any:
                            result=etcdrpc.Compare.LESS, create_revision=revision)
 
 
-def put(key: str, value: str | bytes, lease_id: int = 0) -> Any:
-    """Op: put ``value`` at ``key`` (under ``lease_id`` when not 0)."""
-    return etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=_b(key), value=_b(value), lease=lease_id))
+def put(key: str, value: str | bytes, lease_id: int = 0, *, prev_kv: bool = False) -> Any:
+    """Op: put ``value`` at ``key`` (under ``lease_id`` when not 0); with ``prev_kv`` the answer
+    carries the key as it was before (``prev_version_of``)."""
+    return etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=_b(key), value=_b(value), lease=lease_id,
+                                                            prev_kv=prev_kv))
 
 
 def delete(key: str) -> Any:
     """Op: delete ``key``."""
     return etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=_b(key)))
+
+
+def delete_range(start: str, end: str) -> Any:
+    """Op: delete every key from ``start`` up to, not including, ``end`` (byte order)."""
+    return etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=_b(start), range_end=_b(end)))
 
 
 def delete_prefix(prefix: str) -> Any:
@@ -81,9 +88,11 @@ def keys(prefix: str) -> Any:
         key=_b(prefix), range_end=prefix_end(prefix), keys_only=True))
 
 
-def values(prefix: str) -> Any:
-    """Op: the keys under ``prefix`` with their values."""
-    return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=_b(prefix), range_end=prefix_end(prefix)))
+def values(prefix: str, created_after: int = 0) -> Any:
+    """Op: the keys under ``prefix`` with their values; with ``created_after``, only the keys
+    created at a later revision (etcd filters them; it still reads the range)."""
+    return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
+        key=_b(prefix), range_end=prefix_end(prefix), min_create_revision=created_after + 1 if created_after else 0))
 
 
 def nested(compare: list, success: list, failure: list | None = None) -> Any:
@@ -112,3 +121,17 @@ def keys_of(response: Any, index: int) -> list[tuple[str, int]]:
 def values_of(response: Any, index: int) -> list[tuple[str, bytes]]:
     """``(key, value)`` of each key a ``values`` (or ``get``) at ``index`` of the answer read."""
     return [(kv.key.decode(), bytes(kv.value)) for kv in response.responses[index].response_range.kvs]
+
+
+def created_values_of(response: Any, index: int) -> list[tuple[str, bytes, int]]:
+    """``(key, value, create_revision)`` of each key a ``values`` at ``index`` of the answer read."""
+    return [(kv.key.decode(), bytes(kv.value), int(kv.create_revision))
+            for kv in response.responses[index].response_range.kvs]
+
+
+def prev_version_of(response: Any, index: int) -> int:
+    """How many times the key of a ``put(..., prev_kv=True)`` at ``index`` had been written before
+    it (its ``version``; 0: it did not exist). Distinct for every put of the key, as etcd applies
+    them one by one: a counter taken without a compare."""
+    prev = response.responses[index].response_put
+    return int(prev.prev_kv.version) if prev.HasField("prev_kv") else 0

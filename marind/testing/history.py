@@ -31,6 +31,7 @@ from pathlib import Path
 
 from ckpt_store import CheckpointError, CheckpointStore
 from ckpt_store.export import read_array, read_values
+from marind.control.events import list_events
 from marind.core.etcd_client import EtcdClient
 from marind.testing.chaos.targets import parse_time
 
@@ -77,8 +78,7 @@ def collect(client: EtcdClient, job: str, store: CheckpointStore, *, seen_commit
     Returns:
         The history.
     """
-    rows = client.get_prefix_json(client.key("jobs", job, "events") + "/")
-    events = [rows[k] for k in sorted(rows)]
+    events = list_events(client, job)
     state = client.get_json(client.key("jobs", job, "state")) or {}
     stored = client.get_json(client.key("jobs", job, "spec")) or {}
     spec = stored.get("spec", stored) if isinstance(stored, dict) else {}

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from marind.cli import main
+from marind.control.events import list_events
 from marind.core.lease_file import read_lease
 from marind.core.rdzv_keys import lost_prefix, members_key
 from tests.agent.helpers import agent_log, done_record, job_state, node_registered, start_agent, tiny_spec, wait_for
@@ -44,8 +45,7 @@ def _signal_all(procs: list[psutil.Process], sig: int) -> None:
 
 
 def _events(client, job: str) -> list[dict]:
-    rows = client.get_prefix_json(client.key("jobs", job, "events") + "/")
-    return [rows[k] for k in sorted(rows)]
+    return list_events(client, job)
 
 
 def _progress(client, job: str) -> dict:

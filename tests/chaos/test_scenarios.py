@@ -18,6 +18,7 @@ import pytest
 
 from ckpt_store import CheckpointStore
 from marind.cli import main as marind_main
+from marind.control.events import list_events
 from marind.testing.history import append_row, fault_row, step_timeline, timeline_span
 from marind.testing.history import check as check_history
 from marind.testing.history import collect as collect_history
@@ -117,8 +118,7 @@ class Cluster:
         return max([progress.get("step") or 0] + [r.get("step") or 0 for r in recs])
 
     def events(self, job: str) -> list[dict]:
-        rows = self.client.get_prefix_json(self.client.key("jobs", job, "events") + "/")
-        return [rows[k] for k in sorted(rows)]
+        return list_events(self.client, job)
 
     def store(self, url: str) -> CheckpointStore:
         return CheckpointStore(url, storage_options=self.s3.storage_options)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from marind.control.events import append_event, list_events
+from marind.control.events import append_event, events_numbered, list_events
 from marind.control.job_records import create_job, list_job_ids, read_job, update_state
 from marind.control.lifecycle import JobEvent, JobState
 
@@ -33,6 +33,10 @@ def test_event_ring_is_bounded(etcd_client):
     for i in range(7):
         append_event(etcd_client, "j2", "restart", "n1", {"i": i}, keep=3)
     events = list_events(etcd_client, "j2")
-    assert [e["seq"] for e in events] == [5, 6, 7]
-    assert events[-1]["detail"] == {"i": 6} and events[-1]["node"] == "n1"
+    assert [e["detail"]["i"] for e in events] == [4, 5, 6] and events[-1]["node"] == "n1"
+    seqs = [e["seq"] for e in events]                   # etcd's create revisions: the job's order
+    assert seqs == sorted(set(seqs))
     assert etcd_client.get(etcd_client.key("jobs", "j2", "events", "000000000007"))[0] is not None
+    assert etcd_client.count_prefix(etcd_client.key("jobs", "j2", "events") + "/") == 3
+    assert events_numbered(etcd_client, "j2") == 7
+    assert list_events(etcd_client, "j2", after=seqs[0]) == events[1:]
