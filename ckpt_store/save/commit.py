@@ -7,8 +7,10 @@ and the arrays whose ``zarr.json`` it wrote), or its error marker
 the Zarr group metadata (and that of any array no rank wrote), checks that
 every marker and object list is still there at its size, and writes
 ``manifest.json`` last: the commit. Nothing rank 0 does here grows with
-arrays x ranks: it reads W small markers, lists two directories of W
-entries, and writes a manifest of the arrays and the W lists. If it cannot, it writes
+arrays x ranks: it reads W small markers (those each poll lists, together in
+the storage's I/O threads: ``io_threads`` requests in flight, not W round trips
+in a row), lists two directories of W entries, and writes a manifest of the
+arrays and the W lists. If it cannot, it writes
 the abort marker (``abort.json``). The other ranks poll for the manifest or
 the abort marker (``wait_for_commit``). A storage error while polling is
 retried until the timeout. Storage operations only: no torch, no collectives.
@@ -28,6 +30,7 @@ from ckpt_store.format.steps import BEGIN_MARKER
 from ckpt_store.format.zarr_format import ArraySpec, array_metadata, group_metadata
 from ckpt_store.save.fence import check_fence
 from ckpt_store.save.save_job import SaveJob
+from ckpt_store.storage.base import run_all
 
 if TYPE_CHECKING:
     from ckpt_store.storage.protocol import Storage
@@ -149,8 +152,9 @@ def _check_present(st: Storage, d: str, world: int, parts: list[dict]) -> None:
 
 
 def _collect(st: Storage, d: str, world: int, timeout_s: float, stop: Stop = None) -> tuple[list[dict], set[str]]:
-    """Wait for every rank's done marker; one listing of the marker dir per poll. A storage
-    error while polling is retried until the deadline (a blip must not fail the save).
+    """Wait for every rank's done marker; one listing of the marker dir per poll, then the
+    markers it shows read together in the storage's I/O threads (``_read_markers``). A
+    storage error while polling is retried until the deadline (a blip must not fail the save).
     Returns each rank's object list entry (by rank) and the arrays whose metadata they wrote."""
     parts: dict[int, dict] = {}
     wrote_meta: set[str] = set()
@@ -164,18 +168,43 @@ def _collect(st: Storage, d: str, world: int, timeout_s: float, stop: Stop = Non
             if error.rsplit("/", 1)[1] in present:
                 err = st.read_json(error).get("error")
                 raise CheckpointSaveFailed(f"rank {r} failed to write its part: {err}")
-            marker = marker_key(d, "rank", r)
-            if marker.rsplit("/", 1)[1] in present:
-                got = st.read_json(marker)
-                parts[r] = got["part"]
-                wrote_meta.update(got["meta"])
-                waiting.discard(r)
+        ready = [r for r in sorted(waiting) if marker_key(d, "rank", r).rsplit("/", 1)[1] in present]
+        got, failed = _read_markers(st, d, ready)
+        for r, (part, meta) in got.items():
+            parts[r] = part
+            wrote_meta.update(meta)
+            waiting.discard(r)
+        if failed is not None:
+            raise failed        # a blip: its marker is read again at the next poll, the others are kept
         return not waiting
 
     _poll_until(done, timeout_s, _poll(st),
                 lambda: f"ranks {sorted(waiting)} did not finish their part within {timeout_s}s",
                 "crashed or storage unreachable", stop)
     return [parts[r] for r in range(world)], wrote_meta
+
+
+def _read_markers(st: Storage, d: str, ranks: list[int]) -> tuple[dict[int, tuple[dict, list[str]]], Exception | None]:
+    """The done markers of ``ranks``, one ``read_json`` each, all at once in the storage's
+    I/O threads (``io_threads`` requests in flight, not W round trips one after another).
+    Returns ``{rank: (its object list entry, the arrays whose metadata it wrote)}`` for the
+    markers read, and the first failure in rank order (a read that failed, a marker that
+    lacks a field), or None; every read is over when this returns."""
+    def one(_i: int, rank: int) -> tuple[dict, list[str]] | Exception:
+        try:
+            got = st.read_json(marker_key(d, "rank", rank))
+            return got["part"], got["meta"]
+        except Exception as exc:  # noqa: BLE001 - the caller raises it once the others are kept
+            return exc
+
+    got: dict[int, tuple[dict, list[str]]] = {}
+    failed: Exception | None = None
+    for rank, result in zip(ranks, run_all(st.pool(), one, ranks)):
+        if isinstance(result, Exception):
+            failed = failed or result
+        else:
+            got[rank] = result
+    return got, failed
 
 
 def _poll_until(done: Callable[[int], bool], timeout_s: float, interval: float,
