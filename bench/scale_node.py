@@ -194,6 +194,8 @@ class SimNode:
         self.registry._stop.set()         # its keep-alive thread ends at its next wake-up, renewing nothing
         if self.handler is not None:
             self.handler._stop_heartbeats()
+        if self.losses is not None:
+            self.losses.members.close()   # its watch of the job's records too
 
     def stall(self) -> None:
         """A collective with a silent peer blocks: the workers stop making progress."""
@@ -208,3 +210,5 @@ class SimNode:
         if self.handler is not None:
             self.handler._stop_heartbeats()
         self.watch.stop()
+        if self.losses is not None:
+            self.losses.members.close()

@@ -17,6 +17,14 @@ create succeeds emits the event, so a loss is recorded once, even when the
 node of global rank 0 is the one that died. ``mark_lost`` tells the
 rendezvous to drop the node's torchrun at once (``rdzv/lost/{desc}``, see
 ``marind.rendezvous.handler``).
+
+What each agent reads of the job's records stays O(1) per report, and O(1) per node that
+joins or leaves (docs/design.md §7, "10,000 nodes, on paper", item 2): ``report`` keeps a view
+of the records, learns the ones created since its last read in the report's own transaction
+(etcd's range filter on creation revisions), and the ones deleted from a watch of deletes
+alone, each with the record's last value (``PrefixWatch``); the whole prefix is read only at
+the first report, every ``FULL_READ_EVERY`` reports, after the watch broke, and when the
+count etcd gives disagrees with the view.
 """
 
 from __future__ import annotations
@@ -28,10 +36,14 @@ from typing import Any
 
 from marind.core import etcd_txn as tx
 from marind.core.etcd_client import EtcdClient
+from marind.core.etcd_watch import PrefixWatch
 from marind.core.rdzv_keys import lost_key, members_key, round_key
 
 #: reports between two full reads of a job's node records (``Membership.report``)
 FULL_READ_EVERY = 15
+#: a report whose count says a record went waits this long at most for the watch's delete
+#: event (on its way: etcd made the delete before the report) before reading every record
+DELETE_WAIT_S = 1.0
 
 #: ``Loss.cause`` values.
 LEASE_EXPIRED = "lease_expired"          # its node registration is gone too: silent, powered off, cut off
@@ -42,6 +54,11 @@ RECORD_DROPPED = "record_dropped"        # its job record went while the node st
 def vanished(before: dict[str, str], now: dict[str, str], me: str) -> list[tuple[str, str]]:
     """(node, incarnation) seen before and gone or replaced now, except this node's (pure)."""
     return sorted((node, inc) for node, inc in before.items() if node != me and now.get(node) != inc)
+
+
+def incarnation_of(record: dict) -> str:
+    """The incarnation a job record names (its agent's pid before the first fence) (pure)."""
+    return str(record.get("incarnation", record.get("agent_pid", "?")))
 
 
 def loss_cause(replaced: bool, registration: dict | None, incarnation: str) -> str:
@@ -76,16 +93,19 @@ class Loss:
 
 
 class Membership:
-    """One agent's view of one job's nodes."""
+    """One agent's view of one job's nodes (``close`` it with the run: it holds a watch)."""
 
     def __init__(self, client: EtcdClient, job: str, node: str, incarnation: str):
         self.client, self.job, self.node, self.incarnation = client, job, node, str(incarnation)
         self.known: dict[str, str] = {}
         self.records: dict[str, dict] = {}
-        self._primed: dict[str, Any] | None = None     # the records the last report read (``report``)
-        self._last_read: dict[str, Any] = {}            # the last full read of them, and its revision
-        self._read_rev: int | None = None
-        self._since_full = 0                            # reports since
+        self._primed: dict[str, Any] | None = None      # the records the last report read (``report``)
+        self._view: dict[str, tuple[int, Any]] = {}      # key -> (creation revision, record) ...
+        self._read_rev: int | None = None                # ... as of this revision
+        self._since_full = 0                             # reports since the last full read
+        self._deletes = PrefixWatch(client, self.prefix, deletes_only=True)
+        self._later: list[Any] = []                      # delete events past the last report's revision
+        self._last: dict[str, dict] = {}                 # node -> its deleted record's last value
 
     def _departed_key(self, node: str, incarnation: str) -> str:
         return self.client.key("jobs", self.job, "departed", node, incarnation)
@@ -95,43 +115,76 @@ class Membership:
         self.client.put(self._departed_key(self.node, self.incarnation),
                         json.dumps({"how": "left", "reason": why, "at": time.time()}))
 
+    def close(self) -> None:
+        """Cancel the watch of deletes for good (a later report reads as without one)."""
+        self._deletes.close()
+
     @property
     def prefix(self) -> str:
         """Where the job's node records are: ``{p}/jobs/{job}/nodes/``."""
         return self.client.key("jobs", self.job, "nodes") + "/"
 
     def report(self, put: Any) -> None:
-        """One report's transaction: ``put`` (this node's record), and the job's node records for
-        the next ``poll``: read back whole only when a record was created since the last full
-        read (a node joined or came back), when one is gone (the count fell: a second request),
-        and every ``FULL_READ_EVERY`` reports (a record put over another incarnation's without
-        a delete changes neither); otherwise only their count comes back and the poll sees the
-        last full read again. So a steady report costs etcd O(1) bytes, not the job's N records.
+        """One report's transaction: ``put`` (this node's record), and what the next ``poll`` needs
+        of the job's node records, at O(1) bytes per report and per node that came or went:
+
+        * while no record was created since the last read (etcd's range compare on creation
+          revisions), only their count comes back; otherwise, in the same request, the records
+          created since (a node joined or came back), and no other;
+        * a record deleted (a clean leave, an expired lease) comes from the watch of deletes,
+          with its last value; a report whose count says one went before its event came waits
+          ``DELETE_WAIT_S`` at most for it;
+        * every record is read back, in the report's request, at the first report, every
+          ``FULL_READ_EVERY`` reports (a record put over another incarnation's without a delete
+          changes no count; the records' contents: the data network's rows) and after the watch
+          (re)started; in a second request when the count still disagrees with the view.
+
         Raises ControlPlaneUnavailable.
         """
         c = self.client
+        if self._deletes.ensure():
+            self._read_rev = None          # a new watch: a delete before it is in none of its events
         if self._read_rev is None or self._since_full >= FULL_READ_EVERY:
             self._full(c.txn([], [put, tx.values(self.prefix)]), 1)
             return
-        resp = c.txn([tx.created_before(self.prefix, self._read_rev + 1)],
-                     [put, tx.count(self.prefix, prefix=True)], [put, tx.values(self.prefix)])
+        resp = c.txn([tx.created_before(self.prefix, self._read_rev + 1)], [put, tx.count(self.prefix, prefix=True)],
+                     [put, tx.count(self.prefix, prefix=True), tx.values(self.prefix, created_after=self._read_rev)])
+        rev, count = int(resp.header.revision), tx.count_of(resp, 1)
         if not resp.succeeded:
-            self._full(resp, 1)
-        elif tx.count_of(resp, 1) != len(self._last_read):
+            self._view.update((key, (created, _parse(raw))) for key, raw, created in tx.created_values_of(resp, 2))
+        self._apply_deletes(rev)
+        deadline = time.monotonic() + DELETE_WAIT_S
+        while count < len(self._view) and self._deletes.live and time.monotonic() < deadline:
+            self._deletes.wait(deadline - time.monotonic())
+            self._apply_deletes(rev)
+        if count != len(self._view):
             self._full(c.txn([], [tx.values(self.prefix)]), 0)
-        else:
-            self._since_full += 1
-            self._primed = dict(self._last_read)
+            return
+        self._read_rev, self._since_full = rev, self._since_full + 1
+        self._primed = {key: rec for key, (_, rec) in self._view.items()}
+
+    def _apply_deletes(self, rev: int) -> None:
+        """Drop from the view each record the watch saw deleted at revision ``rev`` or before (keep
+        its last value for the poll's ``Loss``); later deletes wait for a later report."""
+        events, self._later = [*self._later, *self._deletes.take()], []
+        for event in events:
+            deleted_at = int(event.mod_revision)
+            if deleted_at > rev:
+                self._later.append(event)
+                continue
+            key = event.key.decode()
+            held = self._view.get(key)
+            if held is not None and held[0] < deleted_at:       # not a record created after the delete
+                del self._view[key]
+            last = _parse(event.prev_value)
+            if isinstance(last, dict):                          # (``poll`` matches its incarnation)
+                self._last[key.rsplit("/", 1)[-1]] = last
 
     def _full(self, resp: Any, index: int) -> None:
-        read: dict[str, Any] = {}
-        for key, raw in tx.values_of(resp, index):
-            try:
-                read[key] = json.loads(raw)
-            except ValueError:
-                continue
-        self._primed, self._last_read = read, dict(read)
+        self._view = {key: (created, _parse(raw)) for key, raw, created in tx.created_values_of(resp, index)}
+        self._primed = {key: rec for key, (_, rec) in self._view.items()}
         self._read_rev, self._since_full = int(resp.header.revision), 0
+        self._apply_deletes(self._read_rev)          # (those before the read: the view holds none of them)
 
     def poll(self, read: dict[str, Any] | None = None) -> list[Loss]:
         """Incarnations gone since the last poll without a clean leave (raises ControlPlaneUnavailable).
@@ -144,7 +197,7 @@ class Membership:
             read, self._primed = self._primed, None
         read = self.client.get_prefix_json(self.prefix) if read is None else read
         records = {key.rsplit("/", 1)[-1]: rec for key, rec in read.items() if isinstance(rec, dict)}
-        now = {node: str(rec.get("incarnation", rec.get("agent_pid", "?"))) for node, rec in records.items()}
+        now = {node: incarnation_of(rec) for node, rec in records.items()}
         losses = []
         for node, inc in vanished(self.known, now, self.node):
             departed = self.client.get_json(self._departed_key(node, inc))
@@ -152,8 +205,11 @@ class Membership:
                 continue
             registration = self.client.get_json(self.client.key("nodes", node))
             cause = loss_cause(node in now, registration if isinstance(registration, dict) else None, inc)
-            losses.append(Loss(node, inc, cause, self.records.get(node, {})))
-        self.known, self.records = now, records
+            record = self._last.get(node)     # its last value where the watch saw it deleted
+            if record is None or incarnation_of(record) != inc:
+                record = self.records.get(node, {})
+            losses.append(Loss(node, inc, cause, record))
+        self.known, self.records, self._last = now, records, {}
         return losses
 
     def present(self, loss: Loss) -> bool:
@@ -213,8 +269,8 @@ def report_record(client: EtcdClient, job: str, node: str, record: dict, lease: 
                   members: Membership | None) -> None:
     """Write this node's record of ``job`` (under ``lease``) and, with ``members``, learn in the same
     transaction what the next ``members.poll()`` needs (``Membership.report``): one etcd request
-    per report, and the job's records read back only when one came or went (docs/perf.md, "A
-    thousand nodes").
+    per report, reading back a count, the records created since, or (seldom) all of them
+    (docs/perf.md, "A thousand nodes").
 
     Args:
         client: the etcd client.
@@ -233,3 +289,11 @@ def report_record(client: EtcdClient, job: str, node: str, record: dict, lease: 
         client.txn([], [put])
     else:
         members.report(put)
+
+
+def _parse(raw: bytes) -> Any:
+    """A record's JSON, or None for a value that is not (kept in the view: it counts)."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None

@@ -421,9 +421,11 @@ class RunMonitor:
 
     def stop(self, timeout: float) -> None:
         """Stop torchrun and the workers (SIGTERM, SIGKILL after ``timeout``), reap them, clear ``pids.json``;
-        the run's curves get their last points."""
+        the run's curves get their last points; the membership's watch ends."""
         self._sup.stop(timeout)
         self._progress.close()
+        if self._members is not None:
+            self._members.close()
 
     def fence(self) -> list[int]:
         """Kill everything of this run now (``TorchrunSupervisor.kill_now``: no SIGTERM, nothing may save),

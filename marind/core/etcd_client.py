@@ -400,9 +400,15 @@ class EtcdClient:
 
     # -- watches ------------------------------------------------------------------------
     def watch_prefix(self, prefix: str, callback: Callable[[Any], None],
-                     start_revision: int | None = None) -> int:
-        """Call ``callback(event)`` for changes under ``prefix``; returns a watch id."""
-        kwargs = {"start_revision": start_revision} if start_revision else {}
+                     start_revision: int | None = None, *, deletes_only: bool = False) -> int:
+        """Call ``callback(response)`` for changes under ``prefix``; returns a watch id.
+
+        ``deletes_only``: etcd sends deletes alone (no puts), each with the key's last value
+        (``event.prev_value``, ``prev_create_revision``).
+        """
+        kwargs: dict[str, Any] = {"start_revision": start_revision} if start_revision else {}
+        if deletes_only:
+            kwargs.update(filters=[etcdrpc.WatchCreateRequest.NOPUT], prev_kv=True)
         return self._call(self._client.add_watch_prefix_callback, prefix, callback, **kwargs)
 
     def cancel_watch(self, watch_id: int) -> None:

@@ -6,39 +6,23 @@ count read each time (even cached for a second) was the largest part of a node's
 etcd traffic (docs/perf.md, "A thousand nodes"). ``WaitingCount`` watches the keys of the
 round after the current one (``rounds/{r+1}/``, where a joiner or a spare writes its key)
 and counts them again only after an event there, at most once a ``min_s``, and at least
-every ``resync_s`` (an event lost with a broken watch). The watch's callback holds no
-reference to the handler, so a dropped handler is still collected (its keep-alive thread
-ends with it).
+every ``resync_s`` (an event lost with a broken watch). The watch is a ``PrefixWatch``
+(``marind.core.etcd_watch``), whose callback holds no reference to the handler, so a dropped
+handler is still collected (its keep-alive thread ends with it).
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 
-from marind.core.errors import ControlPlaneUnavailable
 from marind.core.etcd_client import EtcdClient
+from marind.core.etcd_watch import PrefixWatch
 
 #: at most one count this often (torch caches its own state for a second too)
 MIN_S = 1.0
 #: at least one count this often, whatever the watch says
 RESYNC_S = 30.0
-
-
-class _Flag:
-    """Set by the watch's events; a broken watch (an exception delivered) is forgotten."""
-
-    def __init__(self) -> None:
-        self.set = True
-        self.watch_id: int | None = None
-        self._lock = threading.Lock()
-
-    def __call__(self, event: object) -> None:
-        with self._lock:
-            self.set = True
-            if isinstance(event, BaseException):
-                self.watch_id = None
 
 
 class WaitingCount:
@@ -54,26 +38,23 @@ class WaitingCount:
     def __init__(self, client: EtcdClient, prefix_of: Callable[[int], str], count: Callable[[str], int],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._client, self._prefix_of, self._count, self._clock = client, prefix_of, count, clock
-        self._flag = _Flag()
+        self._watch: PrefixWatch | None = None
         self._round: int | None = None
         self._value: tuple[float, int] | None = None
 
     def get(self, round_: int) -> int:
         """How many torchruns joined round ``round_ + 1`` (raises what ``count`` raises)."""
-        if round_ != self._round:
+        if round_ != self._round or self._watch is None:
             self.close()
-            self._round, self._value, self._flag = round_, None, _Flag()
-        flag = self._flag
-        if flag.watch_id is None:
-            try:
-                flag.watch_id = self._client.watch_prefix(self._prefix_of(round_ + 1), flag)
-            except ControlPlaneUnavailable:
-                pass                       # no watch: counted every MIN_S, as without one
+            self._round, self._value = round_, None
+            self._watch = PrefixWatch(self._client, self._prefix_of(round_ + 1))
+        watch = self._watch
+        watch.ensure()                     # no watch: counted every MIN_S, as without one
         now = self._clock()
         since = now - self._value[0] if self._value is not None else None
-        due = since is None or since >= RESYNC_S or ((flag.set or flag.watch_id is None) and since >= MIN_S)
+        due = since is None or since >= RESYNC_S or ((watch.changed or not watch.live) and since >= MIN_S)
         if due:
-            flag.set = False
+            watch.take()
             self._value = (now, self._count(self._prefix_of(round_ + 1)))
         assert self._value is not None
         return self._value[1]
@@ -84,6 +65,6 @@ class WaitingCount:
 
     def close(self) -> None:
         """Cancel the watch."""
-        if self._flag.watch_id is not None:
-            self._client.cancel_watch(self._flag.watch_id)
-            self._flag.watch_id = None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None

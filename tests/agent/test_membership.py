@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from marind.agent.membership import LEASE_EXPIRED, RECORD_DROPPED, Loss, Membership, vanished
+from marind.agent.membership import (
+    AGENT_RESTARTED,
+    LEASE_EXPIRED,
+    RECORD_DROPPED,
+    Loss,
+    Membership,
+    report_record,
+    vanished,
+)
 from marind.core.rdzv_keys import lost_prefix, members_key
 from marind.rendezvous.lost import LostNodes, publish_member, publish_round
 
@@ -60,6 +68,37 @@ def test_a_loss_carries_its_cause_and_last_record_and_a_record_back_is_no_loss(e
     assert a.poll() == [] and a.present(loss)                            # back: not lost after all
     etcd_client.delete(etcd_client.key("jobs", job, "nodes", "b"))
     assert [x.cause for x in a.poll()] == [LEASE_EXPIRED]
+
+
+def _report(client, m, record):
+    report_record(client, m.job, m.node, record, None, m)
+    return [(loss.node, loss.incarnation, loss.cause, loss.record.get("step")) for loss in m.poll()]
+
+
+def test_a_report_learns_the_records_that_came_or_went_and_a_loss_carries_the_last_value(etcd_client):
+    job = "j5"
+    a = Membership(etcd_client, job, "a", 1)
+    key = etcd_client.key("jobs", job, "nodes", "b")
+    try:
+        etcd_client.put_json(key, {"node": "b", "agent_pid": 2, "step": 1})
+        assert _report(etcd_client, a, {"node": "a", "agent_pid": 1}) == []
+        assert a.known == {"a": "1", "b": "2"}
+        etcd_client.put_json(key, {"node": "b", "agent_pid": 2, "step": 7})   # a steady report: a count
+        assert _report(etcd_client, a, {"node": "a", "agent_pid": 1}) == []
+        etcd_client.delete(key)                                              # b's lease expired ...
+        # ... its loss carries its last record (the watch's delete), not the one last read (step 1)
+        assert _report(etcd_client, a, {"node": "a", "agent_pid": 1}) == [("b", "2", LEASE_EXPIRED, 7)]
+        etcd_client.put_json(key, {"node": "b", "agent_pid": 3, "step": 0})   # b's next incarnation came
+        assert _report(etcd_client, a, {"node": "a", "agent_pid": 1}) == [] and a.known["b"] == "3"
+        etcd_client.put_json(key, {"node": "b", "agent_pid": 3, "step": 4})
+        etcd_client.delete(key)                                              # gone and back between two reports
+        etcd_client.put_json(key, {"node": "b", "agent_pid": 5, "step": 0})
+        # (its last record where the delete's event came before the report, else the one last read)
+        [loss] = _report(etcd_client, a, {"node": "a", "agent_pid": 1})
+        assert loss[:3] == ("b", "3", AGENT_RESTARTED) and loss[3] in (0, 4), loss
+        assert a.known == {"a": "1", "b": "5"}
+    finally:
+        a.close()
 
 
 def test_mark_lost_names_the_lost_torchrun_for_the_rendezvous(etcd_client):

@@ -1,8 +1,10 @@
 """A node's report is one etcd request, and a steady one reads back a count, not the job's records.
 
 Counted by a private etcd's own metrics (``marind.testing.etcd_metrics``), not timed: the
-report's transaction writes the node's record and, only when a record came or went (or every
-``FULL_READ_EVERY`` reports), reads the job's node records back for the next ``poll``.
+report's transaction writes the node's record and reads back the count of the job's node
+records, the ones created since the last read when one came, and all of them at the first
+report and every ``FULL_READ_EVERY`` reports; a record that went comes from the watch of
+deletes (made at the first report), with no read.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ def test_a_report_is_one_request_and_reads_the_records_only_when_they_change(etc
     client = EtcdClient(etcd_private.endpoint, prefix="/rep")
     ep = etcd_private.endpoint
     mine = {"node": "a", "incarnation": "1", "workers": [{"rank": 0}]}
+    members = Membership(client, "j", "a", "1")
     try:
         lease = client.lease(60)
-        members = Membership(client, "j", "a", "1")
         for i in range(PEERS):
             client.put_json(client.key("jobs", "j", "nodes", f"p{i:02d}"),
                             {"node": f"p{i:02d}", "incarnation": str(i), "padding": "x" * 200})
@@ -33,8 +35,8 @@ def test_a_report_is_one_request_and_reads_the_records_only_when_they_change(etc
             return {"requests": after["requests"] - before["requests"],
                     "bytes_out": after["bytes_out"] - before["bytes_out"], "lost": [x.node for x in losses]}
 
-        first = report()                              # the first: the records read back, with the write
-        assert first == {**first, "requests": 1, "lost": []} and first["bytes_out"] > PEERS * 200
+        first = report()                              # the first: the watch of deletes, the records read back
+        assert first == {**first, "requests": 2, "lost": []} and first["bytes_out"] > PEERS * 200
         assert client.lease_of(client.key("jobs", "j", "nodes", "a")) == lease.id
         assert len(members.known) == PEERS + 1
         steady = report()                             # nothing came or went: a count comes back
@@ -43,18 +45,27 @@ def test_a_report_is_one_request_and_reads_the_records_only_when_they_change(etc
 
         client.delete(client.key("jobs", "j", "nodes", "p07"))     # p07 goes: seen at the next report
         gone = report()
-        # the report and, the count having fallen, a read of the records; then the loss's own two
-        # reads (its departed claim, its registration)
-        assert gone["lost"] == ["p07"] and gone["requests"] == 2 + 2, gone
+        # the report (the delete came through the watch, with p07's last record); then the loss's
+        # own two reads (its departed claim, its registration)
+        assert gone["lost"] == ["p07"] and gone["requests"] == 1 + 2, gone
+        assert gone["bytes_out"] < first["bytes_out"] / 4, (gone, first)
         client.put_json(client.key("jobs", "j", "nodes", "p99"), {"node": "p99", "incarnation": "9"})
-        came = report()                               # a node came: read back in the same request
+        came = report()                               # a node came: it alone read back, in the same request
         assert came == {**came, "requests": 1, "lost": []} and "p99" in members.known
+        assert came["bytes_out"] < first["bytes_out"] / 4, (came, first)
 
         client.put_json(client.key("jobs", "j", "nodes", "p03"), {"node": "p03", "incarnation": "33"})
         seen = []                                     # p03 replaced by another incarnation, no delete:
         for _ in range(FULL_READ_EVERY + 1):          # seen at the next full read at the latest
             seen += report()["lost"]
         assert seen == ["p03"]
+
+        members._deletes(None)                        # the watch's stream ended ...
+        client.delete(client.key("jobs", "j", "nodes", "p11"))     # ... and p11 went meanwhile
+        back = report()                               # a new watch, and every record read back
+        assert back == {**back, "lost": ["p11"]} and back["requests"] == 2 + 2, back
+        assert back["bytes_out"] > PEERS * 200, back
         assert members.poll() == []                   # a poll without a report reads the records itself
     finally:
+        members.close()
         client.close()
