@@ -10,8 +10,11 @@ scenario asserts that outcome, that the job SUCCEEDED, that training stepped aga
 global rank 0's progress record in etcd shows it; the floor, ``RECOVERY_S``, is a logged figure), and that every committed checkpoint verifies and the job's
 history holds every invariant (``_check_checkpoints``: 0 violations).
 
-CI runs ``test_one_way_data_drop_between_two_hosts[host1-to-host2]``; the others are ``slow``
-(``make chaos``). The filter scenarios skip where ``nft`` is missing, saying so.
+Every scenario here is ``slow`` (``make chaos``): CI's time goes to the bed's power-off scenario
+(``test_host_scenarios``), and CI meets nftables in ``tests/hosts/test_filters_on_bed.py`` and the
+agent's rules for a half-working link in their unit tests (``tests/agent/test_data_decisions.py``,
+``tests/agent/liveness``). The
+filter scenarios skip where ``nft`` is missing, saying so.
 """
 
 from __future__ import annotations
@@ -136,7 +139,8 @@ def _rejoins_and_finishes(cluster: BedCluster, job: str, url: str, steps: int, f
 
 # -- (a) one host's packets to another vanish, the other's arrive: two hosts --------------------------
 
-@pytest.mark.parametrize("src,dst", [pytest.param("host1", "host2", id="host1-to-host2"),
+@pytest.mark.parametrize("src,dst", [pytest.param("host1", "host2", id="host1-to-host2",
+                                                  marks=pytest.mark.slow),
                                      pytest.param("host2", "host1", id="host2-to-host1", marks=pytest.mark.slow)])
 def test_one_way_data_drop_between_two_hosts(nft, bed_cluster, src, dst):  # noqa: F811 - the fixture
     """TCP needs both directions: each host's probes of the other fail, both links keep their carrier, so

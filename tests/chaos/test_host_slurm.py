@@ -8,9 +8,9 @@ end; the checkpoints are files (every host sees the same filesystem).
 
 * CI: two hosts, the real trainer, host2 powered off mid-run: the run goes on with host1, Slurm marks
   host2 DOWN and reports the job COMPLETED, the run SUCCEEDED, every checkpoint verifies and the history
-  holds; and a run whose program fails is a FAILED Slurm job
-  with the script's exit code 4, not requeued.
-* ``slow`` (``make chaos``): three hosts, a host other than the first powered off for good in the
+  holds.
+* ``slow`` (``make chaos``): a run whose program fails is a FAILED Slurm job with the script's exit
+  code 4, not requeued; three hosts, a host other than the first powered off for good in the
   middle of the run: marind goes on with two, Slurm marks the host DOWN (and drained, the script
   telling it: ``MARIND_SLURM_DRAIN=1``), the job still ends COMPLETED; and a job whose etcd never
   answers is requeued once by the script, then FAILED with exit code 3.
@@ -197,6 +197,7 @@ def test_sbatch_runs_on_every_allocated_node_and_completes_without_a_host_powere
         run.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("slurm", [(("host1", "host2"), True)], indirect=True)
 def test_a_failed_run_on_the_sites_etcd_is_a_failed_slurm_job_not_requeued(slurm):
     """The program exits 1 at once with no restarts left: marind's run FAILED, the script exits 4. etcd is

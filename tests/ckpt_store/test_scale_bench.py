@@ -20,6 +20,7 @@ def test_slope_is_the_log_log_growth_exponent():
     assert slope([10], [1.0]) is None and slope([1, 2], [1.0, 0.0]) is None
 
 
+@pytest.mark.slow
 def test_ckpt_scale_quick_prints_one_json_object():
     out = subprocess.run([sys.executable, "bench/ckpt_scale.py", "--quick"], cwd=REPO_ROOT,
                          env=_as_documented(), capture_output=True,

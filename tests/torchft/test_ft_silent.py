@@ -42,6 +42,7 @@ def _hold(tmp_path, pause, n: int) -> None:
              tmp_path)
 
 
+@pytest.mark.slow     # CI: a killed group heals (test_ft_training); this one in make chaos
 def test_survivor_abandons_the_all_reduce_of_a_silent_group_and_the_group_heals_when_resumed(tmp_path, lighthouse):
     steps, pause = 600, tmp_path / "pause"
     spec = ft_spec(tmp_path, steps=steps, timeout="60s")

@@ -11,17 +11,23 @@ import pytest
 from marind.testing.procs import REPO_ROOT, base_env
 
 
-def test_train_bench_quick_shape():
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "train_bench.py"), "--quick"],
+@pytest.mark.parametrize("sections", [pytest.param(None, marks=pytest.mark.slow), "layouts"],
+                         ids=["all", "layouts"])     # CI: the layouts (the other sections: 45 s more)
+def test_train_bench_quick_shape(sections):
+    argv = ["--quick"] + (["--sections", sections] if sections else [])
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "train_bench.py"), *argv],
                           env=base_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["bench"] == "train" and out["quick"] is True
-    row = out["throughput"][0]
-    assert {"preset", "ranks", "tokens_per_s", "mfu", "memory_bytes_rank0"} <= set(row)
-    ck = out["checkpoint_overhead"][0]
-    assert {"baseline_tokens_per_s", "marind_tokens_per_s", "overhead_pct", "every_steps"} <= set(ck)
-    assert isinstance(out["floor"]["ok"], bool)
+    if sections is None:
+        row = out["throughput"][0]
+        assert {"preset", "ranks", "tokens_per_s", "mfu", "memory_bytes_rank0"} <= set(row)
+        ck = out["checkpoint_overhead"][0]
+        assert {"baseline_tokens_per_s", "marind_tokens_per_s", "overhead_pct", "every_steps"} <= set(ck)
+        assert isinstance(out["floor"]["ok"], bool)
+    else:
+        assert out["sections"] == ["layouts"] and out["throughput"] == [] and out["checkpoint_overhead"] == []
     fsdp, pp = out["layouts"]
     assert fsdp["layout"] == "fsdp" and pp["layout"] == "pp" and pp["pp"] == 2
     assert {"tokens_per_s", "memory_bytes_rank0", "bubble_fraction"} <= set(pp)

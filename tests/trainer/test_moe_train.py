@@ -118,6 +118,7 @@ def test_expert_parallel_matches_one_rank(runs):
     assert len(ep2["routers"]) == STEPS
 
 
+@pytest.mark.slow     # CI: an ep=2 checkpoint reshards (test_reshard_resume), a dense resume is exact (test_resume)
 def test_same_layout_ep_resume_is_bit_identical(data, runs, tmp_path):
     full = runs["ep2"][0]
     first = run_torch_workers("tests.trainer.workers:train_moe", 4, timeout=400, env={"MARIND_TEST_STOP_AT_STEP": 6},

@@ -72,7 +72,7 @@ def data(tmp_path_factory):
     return str(prefix)
 
 
-@pytest.fixture(scope="module", params=["tied", "untied"])
+@pytest.fixture(scope="module", params=["tied", pytest.param("untied", marks=pytest.mark.slow)])
 def trained(request, data, tmp_path_factory):
     """(checkpoint dir, step) of a tiny model trained a few steps (tied: 2 FSDP ranks; untied: 1 rank)."""
     tie = request.param == "tied"

@@ -89,7 +89,7 @@ def moe_single(data):
     return run_torch_workers("tests.trainer.workers:initial_digests", 1, timeout=240, spec=_spec(data, model=MOE))[0]
 
 
-@pytest.mark.parametrize("world,dp_shard,tp,ep", [(2, 2, 1, 2), (4, 4, 1, 2),
+@pytest.mark.parametrize("world,dp_shard,tp,ep", [(2, 2, 1, 2), pytest.param(4, 4, 1, 2, marks=pytest.mark.slow),
                                                   pytest.param(2, 2, 1, 1, marks=pytest.mark.slow),
                                                   pytest.param(2, 1, 2, 1, marks=pytest.mark.slow)],
                          ids=["ep2", "ep2xdp_shard4", "fsdp2", "tp2"])
