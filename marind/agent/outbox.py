@@ -14,6 +14,7 @@ An event is stamped with the time it happened, not the time it reached etcd.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -44,6 +45,7 @@ class Outbox:
         self.client, self.node = client, node
         self._online, self._offline, self._clock = online, offline, clock
         self._queue: deque[tuple[str, Callable[[], object]]] = deque()
+        self._lock = threading.RLock()      # one flush at a time: the queue's head is written once, in order
         self.log = get_logger(__name__, node=node)
 
     def __len__(self) -> int:
@@ -93,9 +95,10 @@ class Outbox:
 
     def drop_job(self, job: str) -> int:
         """Forget the queued writes about ``job`` (its run here was fenced); returns how many."""
-        before = len(self._queue)
-        self._queue = deque(item for item in self._queue if item[0] != job)
-        return before - len(self._queue)
+        with self._lock:
+            before = len(self._queue)
+            self._queue = deque(item for item in self._queue if item[0] != job)
+            return before - len(self._queue)
 
     # -- the queue --------------------------------------------------------------------------
     def put(self, job: str, action: Callable[[], object]) -> None:
@@ -105,7 +108,8 @@ class Outbox:
             job: the job the write is about (for the log).
             action: the write; may raise ``ControlPlaneUnavailable``.
         """
-        self._queue.append((job, action))
+        with self._lock:
+            self._queue.append((job, action))
         if self._online():
             self.flush()
 
@@ -115,14 +119,15 @@ class Outbox:
         Returns:
             True when the queue is empty; False when etcd went away (the rest waits).
         """
-        while self._queue:
-            job, action = self._queue[0]
-            try:
-                action()
-            except ControlPlaneUnavailable:
-                self._offline()
-                return False
-            except Exception as exc:  # noqa: BLE001 - recorded; one bad write must not block the rest
-                self.log.error("etcd_write_failed", job=job, error=f"{type(exc).__name__}: {exc}")
-            self._queue.popleft()
-        return True
+        with self._lock:           # another thread's flush (or put) waits: no write twice, none skipped
+            while self._queue:
+                job, action = self._queue[0]
+                try:
+                    action()
+                except ControlPlaneUnavailable:
+                    self._offline()
+                    return False
+                except Exception as exc:  # noqa: BLE001 - recorded; one bad write must not block the rest
+                    self.log.error("etcd_write_failed", job=job, error=f"{type(exc).__name__}: {exc}")
+                self._queue.popleft()
+            return True

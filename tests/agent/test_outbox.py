@@ -68,3 +68,24 @@ def test_a_bad_write_is_dropped_and_the_rest_goes_on():
     box.put("j", lambda: done.append("after"))
     link.up = True
     assert box.flush() and done == ["after"] and len(box) == 0 and link.up
+
+
+def test_two_threads_flushing_one_outbox_write_each_action_once_in_order():
+    """The scale simulator (and any second thread of an agent) flushes while a put flushes too."""
+    import threading
+    import time
+
+    link = Link()
+    link.up = False
+    box = _outbox(link)
+    done: list[int] = []
+    for i in range(200):
+        box.put("j", lambda i=i: (time.sleep(0.0005), done.append(i)))
+    link.up = True
+    threads = [threading.Thread(target=box.flush) for _ in range(4)]
+    for t in threads:
+        t.start()
+    box.put("j", lambda: done.append(200))
+    for t in threads:
+        t.join()
+    assert done == list(range(201)) and len(box) == 0
