@@ -38,14 +38,15 @@ def make_data(root: Path, n_docs: int = 60) -> str:
 
 
 def start_agent(root: Path, node: str, etcd: str, prefix: str, *, fast: bool = True,
-                slots: int = 2) -> subprocess.Popen:
-    """An agent subprocess; ``fast``: short rendezvous timeouts and reports."""
+                slots: int = 2, metrics_port: int = 0) -> subprocess.Popen:
+    """An agent subprocess; ``fast``: short rendezvous timeouts and reports; ``metrics_port``: 0 off,
+    -1 any free port (written to ``root/state-{node}/metrics.port``; the job page is served there)."""
     log = open(root / f"agent-{node}.log", "ab")
     extra = {"MARIND_RDZV_CONF": FAST_RDZV, "MARIND_REPORT_INTERVAL": "0.5"} if fast else {}
     try:
         return subprocess.Popen([sys.executable, "-m", "marind", "agent", "--node", node, "--etcd", etcd,
                                  "--state-dir", str(root / f"state-{node}"), "--slots", str(slots),
-                                 "--metrics-port", "0"],
+                                 "--metrics-port", str(metrics_port)],
                                 env=env({"MARIND_PREFIX": prefix, **extra}),
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
     finally:

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from marind.control.lifecycle import JobState, StateRecord
-from tests.agent import browser
+from marind.testing import browser
 from tests.agent.helpers import agent_log, job_state, metrics_port, node_registered, start_agent, tiny_spec, wait_for
 
 pytestmark = pytest.mark.skipif(browser.CHROMIUM is None, reason=browser.SKIP_REASON)

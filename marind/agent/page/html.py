@@ -2,7 +2,9 @@
 
 A page is a shell around one ``<div id="live">``; its small inline script asks the page's
 JSON twin (``/api/cluster``, ``/api/jobs/JOB``) every few seconds for the same part rendered
-afresh and swaps it in, so the page follows a running job without a reload.
+afresh and swaps it in, so the page follows a running job without a reload. First it lays the
+page out and notes when that was done, ``<body data-rendered-ms>`` (``performance.now()``: ms
+from the navigation's start to the first render laid out; ``bench/page_bench.py`` reads it).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ th{background:#f4f4f4}.num{text-align:right}.ax{font-size:10px;fill:#666}.lbl{fo
 svg{display:block;margin:2px 0}.muted{color:#777}.sw{display:inline-block;width:10px;height:10px;margin-right:4px}"""
 
 _SCRIPT = """(function(){var live=document.getElementById('live');var url=live.dataset.api+location.search;
+void live.offsetHeight;document.body.dataset.renderedMs=performance.now().toFixed(1);
 function tick(){fetch(url,{cache:'no-store'}).then(function(r){return r.ok?r.json():null}).then(function(d){
 if(d&&d.html!==undefined){live.innerHTML=d.html;document.body.dataset.updated=String(d.at);}
 }).catch(function(){}).finally(function(){setTimeout(tick,POLL)})}setTimeout(tick,POLL)})();""".replace(
