@@ -54,6 +54,17 @@ def base_env(extra: dict | None = None) -> dict:
     return env
 
 
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process, not a zombie; one that ends while being looked at is not
+    (no race between an existence check and a status read)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def spawn(cmd: list[str], *, env: dict | None = None, cwd: str | os.PathLike | None = None,
           stdout=None, stderr=None, **kwargs) -> subprocess.Popen:
     """Start ``cmd`` in a new session; it is killed by ``kill_all()``."""

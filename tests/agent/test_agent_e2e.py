@@ -14,10 +14,10 @@ import signal
 import socket
 import urllib.request
 
-import psutil
 import pytest
 
 from marind.cli import main
+from marind.testing.procs import running
 from tests.agent.helpers import (
     agent_log,
     done_record,
@@ -116,8 +116,7 @@ def test_agent_runs_cancels_and_recovers_jobs(tmp_path, etcd, etcd_client, etcd_
     rc, out, _ = _cli(capsys, "cancel", job)
     assert rc == 0
     assert job_state(etcd_client, job)["state"] == "CANCELLED"
-    wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                             for p in pids), 30, "cancelled job's processes gone", diag=diag)
+    wait_for(lambda: not any(running(p) for p in pids), 30, "cancelled job's processes gone", diag=diag)
 
     # 3. a rank hangs once: hang detection dumps stacks, kills the workers, torchrun restarts them
     spec = tiny_spec(tmp_path, name="hang", steps=6, hang_timeout="4s",

@@ -11,7 +11,7 @@ import urllib.request
 import psutil
 
 from marind.core.etcd_client import EtcdClient
-from marind.testing.procs import base_env, spawn
+from marind.testing.procs import base_env, running, spawn
 from tests.agent.helpers import (
     agent_log,
     done_record,
@@ -46,8 +46,7 @@ def test_embedded_etcd_is_found_by_the_cli(tmp_path):
     etcd_pids = [c.pid for c in psutil.Process(agent.pid).children() if "etcd" in c.name()]
     agent.send_signal(signal.SIGTERM)
     assert agent.wait(30) == 0
-    assert etcd_pids and not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                                 for p in etcd_pids)
+    assert etcd_pids and not any(running(p) for p in etcd_pids)
 
 
 def test_job_survives_an_etcd_outage(tmp_path, etcd_private):

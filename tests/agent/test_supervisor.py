@@ -8,7 +8,7 @@ import time
 
 import psutil
 
-from marind.testing.procs import spawn
+from marind.testing.procs import running, spawn
 
 PARENT = """
 import sys, time
@@ -23,11 +23,7 @@ time.sleep(120)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+
 
 
 def test_child_gets_sigterm_when_the_agent_is_killed(tmp_path):
@@ -40,9 +36,9 @@ def test_child_gets_sigterm_when_the_agent_is_killed(tmp_path):
     parent.kill()
     parent.wait(10)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _alive(child):
+    while time.monotonic() < deadline and running(child):
         time.sleep(0.05)
-    assert not _alive(child)
+    assert not running(child)
     from marind.agent.supervisor import reap_leftovers
     assert reap_leftovers(tmp_path.parent) == []        # nothing left to reap; pids.json removed
     assert not (tmp_path / "pids.json").exists()
