@@ -23,9 +23,6 @@ time.sleep(120)
 """
 
 
-
-
-
 def test_child_gets_sigterm_when_the_agent_is_killed(tmp_path):
     parent = spawn([sys.executable, "-c", PARENT, str(tmp_path)], stdout=subprocess.PIPE)
     child = int(parent.stdout.readline())
