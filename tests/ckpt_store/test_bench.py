@@ -11,6 +11,7 @@ import pytest
 from marind.testing.procs import REPO_ROOT, base_env
 
 
+@pytest.mark.slow     # 64 s of CI's 40 minutes: make chaos runs it
 def test_ckpt_bench_quick_prints_one_json_object():
     out = subprocess.run([sys.executable, "bench/ckpt_bench.py", "--quick"], cwd=REPO_ROOT,
                          env=_as_documented(), capture_output=True,

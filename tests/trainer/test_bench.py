@@ -11,8 +11,9 @@ import pytest
 from marind.testing.procs import REPO_ROOT, base_env
 
 
-@pytest.mark.parametrize("sections", [pytest.param(None, marks=pytest.mark.slow), "layouts"],
-                         ids=["all", "layouts"])     # CI: the layouts (the other sections: 45 s more)
+@pytest.mark.parametrize("sections", [pytest.param(None, marks=pytest.mark.slow),
+                                      pytest.param("layouts", marks=pytest.mark.slow)],
+                         ids=["all", "layouts"])     # CI's 40 minutes: both in make chaos
 def test_train_bench_quick_shape(sections):
     argv = ["--quick"] + (["--sections", sections] if sections else [])
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "train_bench.py"), *argv],
