@@ -24,6 +24,7 @@ from marind.cli import main
 from marind.control.events import list_events
 from marind.core.lease_file import read_lease
 from marind.core.rdzv_keys import lost_prefix, members_key
+from marind.testing.procs import running
 from tests.agent.helpers import agent_log, done_record, job_state, node_registered, start_agent, tiny_spec, wait_for
 
 # long keep-alive expiry and last call: torch alone would not drop the node or re-form quickly
@@ -97,8 +98,7 @@ def test_silent_loss_of_the_rank0_node_then_fence_and_rejoin(tmp_path, etcd, etc
 
         before = {e["kind"] for e in _events(etcd_client, job)}
         _signal_all(frozen, signal.SIGCONT)             # back, with stale processes
-        wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-                                 for p in frozen[1:]), 60, "the stale torchrun and workers fenced", diag=diag_job)
+        wait_for(lambda: not any(p.is_running() and running(p.pid) for p in frozen[1:]), 60, "the stale torchrun and workers fenced", diag=diag_job)
         assert "host_fenced" not in before
         wait_for(lambda: _progress(etcd_client, job).get("world_size") == 3, 150,
                  "the job grown back to three nodes", diag=diag_job)

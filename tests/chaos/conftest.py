@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
 
 from marind.testing import procs
@@ -100,10 +99,7 @@ class FakeNode:
         return None
 
     def alive(self, pid: int) -> bool:
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
+        return procs.running(pid)
 
 
 @dataclass
