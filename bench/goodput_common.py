@@ -56,7 +56,8 @@ keep_last = 2
 class StepLine:
     at: float          # unix time the step ended
     step: int
-    step_s: float
+    step_s: float      # end to end, since the step before ended
+    save_s: float = 0.0    # of step_s, the time a save before the step blocked training
 
 
 def parse_step_lines(text: str) -> list[StepLine]:
@@ -69,19 +70,25 @@ def parse_step_lines(text: str) -> list[StepLine]:
         try:
             rec = json.loads(line[start:])
             at = datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")).timestamp()
-            out.append(StepLine(at, int(rec["step"]), float(rec["step_s"])))
+            out.append(StepLine(at, int(rec["step"]), float(rec["step_s"]), float(rec.get("save_s") or 0.0)))
         except (ValueError, KeyError):
             continue
     return out
 
 
-def kept_step_seconds(lines: list[StepLine], start: float, end: float) -> tuple[float, int]:
-    """(seconds, count) of the steps kept: of each step number, its last run within [start, end]."""
+def kept_steps(lines: list[StepLine], start: float, end: float) -> list[StepLine]:
+    """The steps kept: of each step number, its last run within [start, end]."""
     last: dict[int, StepLine] = {}
     for ln in sorted(lines, key=lambda x: x.at):
         if start <= ln.at <= end:
             last[ln.step] = ln
-    return sum(ln.step_s for ln in last.values()), len(last)
+    return list(last.values())
+
+
+def kept_step_seconds(lines: list[StepLine], start: float, end: float) -> tuple[float, int]:
+    """(seconds, count) of the steps kept (``kept_steps``), each step's whole ``step_s``."""
+    kept = kept_steps(lines, start, end)
+    return sum(ln.step_s for ln in kept), len(kept)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -163,15 +170,15 @@ def job_ledger(endpoint: str, prefix: str, job: str) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def ledger_check(ledger: dict, outside_goodput: float, outside_wall_s: float | None = None) -> dict:
-    """How the ledger compares with the outside figure: the parts' sum against its wall time, the goodputs,
-    and the walls (the ledger runs from the submission to the cancel's event, the bench's window from
-    the submission to the cancel's call)."""
-    if "seconds" not in ledger or ledger.get("goodput") is None:
+def ledger_check(ledger: dict, lines: list[StepLine]) -> dict:
+    """The ledger beside the bench's own figure over the ledger's window (the submission to the job's end):
+    ``outside_goodput`` is the kept steps' time less the saves that blocked them (``step_s - save_s``
+    of global rank 0's step lines, as the trainer timed them) over the ledger's wall time. Also the
+    parts' sum against the wall time."""
+    if "seconds" not in ledger or ledger.get("goodput") is None or not ledger.get("wall_s"):
         return {"readable": False}
+    kept = kept_steps(lines, float(ledger["start"]), float(ledger["end"]))
+    outside = sum(ln.step_s - ln.save_s for ln in kept) / ledger["wall_s"]
     parts = sum(ledger["seconds"].values())
-    out = {"readable": True, "parts_minus_wall_s": round(parts - ledger["wall_s"], 3),
-           "goodput_minus_outside": round(ledger["goodput"] - outside_goodput, 4)}
-    if outside_wall_s is not None:
-        out["wall_minus_outside_s"] = round(ledger["wall_s"] - outside_wall_s, 3)
-    return out
+    return {"readable": True, "parts_minus_wall_s": round(parts - ledger["wall_s"], 3),
+            "outside_goodput": round(outside, 4), "goodput_minus_outside": round(ledger["goodput"] - outside, 4)}

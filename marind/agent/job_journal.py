@@ -89,7 +89,8 @@ class JobJournal:
             closed = client.get_json(round_key(client, self.job))
             at = closed.get("at") if isinstance(closed, dict) else None
             self._round = (gen, float(at) if isinstance(at, (int, float)) else None)
-        sample = gl.Sample(at=rank0.updated_at, step=rank0.step, phase=rank0.phase, gen=gen, round_at=self._round[1])
+        sample = gl.Sample(at=rank0.updated_at, step=rank0.step, phase=rank0.phase, gen=gen, round_at=self._round[1],
+                           phase_s=rank0.phase_s)
         gl.fold(state, events, [sample])
         client.put_json(ledger_key(client, self.job), {"state": state.to_dict(), "ledger": gl.close(state, now)})
         for cause, seconds in state.seconds.items():

@@ -27,7 +27,12 @@ it: its next record is that step's). Time in training after the last step is hel
 (``LedgerState.t`` stays at the last step) until the next observation says what it was: a
 step (training), a restart (detection), a hang. A view of the ledger (``close``) charges what
 is held back provisionally to the current mode. The samples are what the agent saw each
-``report_interval``: a phase shorter than that may go unseen, its time counted with the next.
+``report_interval``, so records in between go unseen; a record carries its process's seconds in
+each phase (``phase_s``, ``marind.core.progress``), and between two samples of one process the
+ledger charges the differences of those (``_charge_phases``): a save or a restore shorter than a
+report is charged to ``checkpoint`` or ``restore`` all the same, and the time a new process spent
+before its record was made to ``startup``/``restart``. Without ``phase_s`` (an older worker) each
+interval goes to what the earlier sample announced, a phase nobody saw counted with the next.
 
 The state is plain JSON (``to_dict``/``from_dict``): the agent of global rank 0 keeps it in
 etcd and goes on folding where another agent left off.
@@ -60,6 +65,8 @@ class Sample:
         phase: the record's phase (``marind.core.progress.PHASES``).
         gen: which workers wrote it (rank 0's pid): a new value is a new round.
         round_at: when that round's rendezvous closed (``rdzv/round``'s ``at``), if known.
+        phase_s: the record's seconds per phase since its process made it (``ProgressRecord.phase_s``),
+            if the worker writes them.
     """
 
     at: float
@@ -67,6 +74,7 @@ class Sample:
     phase: str
     gen: str
     round_at: float | None = None
+    phase_s: dict[str, float] | None = field(default=None, hash=False, compare=False)
 
 
 @dataclass
@@ -83,6 +91,7 @@ class LedgerState:
     rounds: int = 0
     seq: int = 0                # the last event folded
     end: float | None = None
+    marks: dict[str, float] | None = None    # the current process's ``phase_s`` as of ``t`` (None: unknown)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -98,6 +107,7 @@ class LedgerState:
         try:
             state = cls(**known)
             state.seconds = {str(k): float(v) for k, v in dict(state.seconds or {}).items() if k in CAUSES}
+            state.marks = None if state.marks is None else {str(k): float(v) for k, v in dict(state.marks).items()}
         except (TypeError, ValueError, AttributeError):
             return cls()
         return state
@@ -116,6 +126,13 @@ def _begin(state: LedgerState, at: float, mode: str) -> None:
 
 def fold_event(state: LedgerState, event: dict) -> None:
     """Fold one event (``{at, kind, seq?}``) into ``state`` (in place)."""
+    t = state.t
+    _fold_event(state, event)
+    if state.t != t:
+        state.marks = None          # the charges moved past the last sample: its phase times start there no more
+
+
+def _fold_event(state: LedgerState, event: dict) -> None:
     seq = int(event.get("seq") or 0)
     if seq and seq <= state.seq:
         return
@@ -154,7 +171,9 @@ def fold_sample(state: LedgerState, s: Sample) -> None:
     assert state.t is not None
     if s.at <= state.t:
         return
+    base = state.marks
     if s.gen != state.gen:
+        base = {}                   # a new process: its phase times start at zero
         if state.gen is not None and state.mode in _RUNNING:
             # a new round before any event said why: the failure is noticed here
             _charge(state, "detection", s.round_at if s.round_at and s.round_at > state.t else s.at)
@@ -166,6 +185,18 @@ def fold_sample(state: LedgerState, s: Sample) -> None:
     boot = "startup" if state.rounds <= 1 else "restart"
     if state.mode in ("waiting", "rendezvous"):        # the same workers went on after all (a loss only marked)
         state.mode = _step_cause(state, state.step + 1)
+    if s.phase_s is not None and base is not None:
+        _charge_phases(state, s, base, boot)
+    else:
+        _charge_sampled(state, s)
+    state.marks = dict(s.phase_s) if s.phase_s is not None else None
+    state.mode = {"starting": boot, "restoring": "restore", "checkpointing": "checkpoint",
+                  "done": "shutdown"}.get(s.phase) or _step_cause(state, max(state.step, s.step) + 1)
+    state.step = max(state.step, s.step)
+
+
+def _charge_sampled(state: LedgerState, s: Sample) -> None:
+    """Charge up to ``s`` by what the sample before it announced (no phase times to go by)."""
     # the time since the last record belongs to what that record announced (``mode``); time in
     # training is charged when a step went by (or the phase moved on), else held back
     advanced = s.step > state.step
@@ -176,9 +207,36 @@ def fold_sample(state: LedgerState, s: Sample) -> None:
             _charge(state, state.mode, s.at)
     elif s.phase != "training" or advanced or state.mode != "shutdown":
         _charge(state, state.mode, s.at)
-    state.mode = {"starting": boot, "restoring": "restore", "checkpointing": "checkpoint",
-                  "done": "shutdown"}.get(s.phase) or _step_cause(state, max(state.step, s.step) + 1)
-    state.step = max(state.step, s.step)
+
+
+def _charge_phases(state: LedgerState, s: Sample, base: dict[str, float], boot: str) -> None:
+    """Charge up to ``s`` by its process's own phase times since ``base`` (its ``phase_s`` at ``state.t``;
+    ``{}`` for a new process): starting -> ``boot``, restoring -> restore, checkpointing ->
+    checkpoint, done -> shutdown, training -> training and recompute in proportion to the steps
+    done at or below the best step before (shutdown where no step was done before the worker ended). Time the phase times do not cover (before a new process
+    made its record) goes to the current mode; phase times longer than the interval (clocks) are scaled
+    down to it."""
+    assert s.phase_s is not None and state.t is not None
+    span = s.at - state.t
+    deltas = {p: max(0.0, v - base.get(p, 0.0)) for p, v in s.phase_s.items()}
+    covered = sum(deltas.values())
+    scale = min(1.0, span / covered) if covered > 0 else 0.0
+    _charge(state, state.mode, s.at - covered * scale)
+    done = max(0, s.step - state.step)
+    redone = max(0, min(s.step, state.best) - state.step)
+    causes = {"starting": boot, "restoring": "restore", "checkpointing": "checkpoint", "done": "shutdown"}
+    for phase, seconds in sorted(deltas.items()):
+        seconds *= scale
+        if phase in causes:
+            _charge(state, causes[phase], state.t + seconds)
+        elif not done and s.phase == "done":
+            _charge(state, "shutdown", state.t + seconds)     # after the last step, until the worker ended
+        elif done and redone:
+            _charge(state, "recompute", state.t + seconds * redone / done)
+            _charge(state, "training", state.t + seconds * (done - redone) / done)
+        else:
+            _charge(state, _step_cause(state, state.step + 1), state.t + seconds)
+    state.t = s.at                  # to the float: the parts end where the sample is
 
 
 def _step_cause(state: LedgerState, step: int) -> str:

@@ -19,7 +19,10 @@ group's state differing. ``compute_s`` (any mode, where the program measures it:
 trainer does) is this rank's compute time of its last step, time waiting in collectives left out;
 the agents compare it across the job (stragglers). ``checkpoint_error`` (any mode) is there
 while the latest checkpoint save failed (its reason). ``restore`` (elastic mode with memory
-checkpoints) says where the run restored from once it did. :class:`ProgressRecord` documents each field.
+checkpoints) says where the run restored from once it did. ``phase_s`` (any mode, written by
+:class:`ProgressWriter`) is the seconds this process spent in each phase up to ``updated_at``:
+the goodput ledger charges the time between two records of one process from it, exactly, where the
+agent saw only some of the records. :class:`ProgressRecord` documents each field.
 ``metrics`` (an object of name -> number: a program's own metrics, ``marind.worker.report``'s
 keyword arguments) comes last when set and is absent otherwise.
 
@@ -74,6 +77,17 @@ def _metrics(value: Any) -> dict[str, float] | None:
     return out
 
 
+def _phase_seconds(value: Any) -> dict[str, float] | None:
+    """A record's ``phase_s`` as read: only the known phases, each a non-negative number; else None."""
+    if not isinstance(value, dict):
+        return None
+    out = {}
+    for name, v in value.items():
+        if name in PHASES and isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0:
+            out[name] = float(v)
+    return out
+
+
 @dataclass(frozen=True)
 class ProgressRecord:
     """One rank's progress, as written to its record file.
@@ -107,6 +121,10 @@ class ProgressRecord:
         restore: global rank 0, with memory checkpoints (``[checkpoint] memory_every``): where the run
             restored from, ``{"source": "memory"|"durable"|"none", "step", "reason", "fallback"}``
             (``marind.trainer.memory_ckpt.pick_restore``); ``fallback``: a newer memory step was lost.
+        phase_s: seconds the writing process spent in each phase (name -> seconds) from the
+            record's making to ``updated_at``: the time between two writes counts for the phase the
+            first one announced, so the values add up to the process's time since the record was
+            made; None from a writer that predates the field.
         metrics: the program's own metrics of its last report (name -> number), None if it
             gave none (``marind.worker.report(step, lr=..., grad_norm=...)``). A reader that
             predates the field ignores it; a malformed entry is dropped on reading.
@@ -133,6 +151,7 @@ class ProgressRecord:
     drift: dict[str, Any] | None = field(default=None, hash=False)
     checkpoint_error: str | None = None
     restore: dict[str, Any] | None = field(default=None, hash=False)
+    phase_s: dict[str, float] | None = field(default=None, hash=False)
     metrics: dict[str, float] | None = field(default=None, hash=False)   # records stay hashable
 
     def to_dict(self) -> dict[str, Any]:
@@ -149,7 +168,7 @@ class ProgressRecord:
                 del out[key]
         if self.param_digest is None:
             del out["param_digest"]
-        for key in ("compute_s", "drift", "checkpoint_error", "restore"):
+        for key in ("compute_s", "drift", "checkpoint_error", "restore", "phase_s"):
             if out[key] is None:
                 del out[key]
         if self.metrics is None:
@@ -187,6 +206,7 @@ class ProgressRecord:
                    drift=d["drift"] if isinstance(d.get("drift"), dict) else None,
                    checkpoint_error=None if d.get("checkpoint_error") is None else str(d["checkpoint_error"]),
                    restore=d["restore"] if isinstance(d.get("restore"), dict) else None,
+                   phase_s=_phase_seconds(d.get("phase_s")),
                    metrics=_metrics(d.get("metrics")))
 
 
@@ -230,6 +250,19 @@ def read_records(run_dir: str | Path) -> list[ProgressRecord]:
     return out
 
 
+def add_phase_time(record: ProgressRecord, now: float, phase: str | None = None, step: int | None = None) -> dict[str, float]:
+    """``record.phase_s`` with the time from its write to ``now`` added to its phase: what the next write
+    of the same process carries, in ``phase`` at ``step`` (default: the record's). Time in training
+    that ended in ``done`` with no further step counts as ``done`` (the worker finishing, not a step);
+    a clock that went back adds nothing."""
+    out = dict(record.phase_s or {})
+    spent = record.phase
+    if spent == "training" and phase == "done" and (step is None or step == record.step):
+        spent = "done"
+    out[spent] = round(out.get(spent, 0.0) + max(0.0, now - record.updated_at), 6)
+    return out
+
+
 class ProgressWriter:
     """Keeps one rank's record and rewrites its file on every update.
 
@@ -244,7 +277,7 @@ class ProgressWriter:
         self.path = record_path(run_dir, rank) if run_dir else None
         self.record = ProgressRecord(rank=rank, local_rank=local_rank, world_size=world_size, pid=os.getpid(),
                                      step=0, loss=None, tokens_per_s=None, last_checkpoint_step=None,
-                                     phase="starting", updated_at=time.time())
+                                     phase="starting", updated_at=time.time(), phase_s={})
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -258,6 +291,9 @@ class ProgressWriter:
         """
         if "phase" in fields and fields["phase"] not in PHASES:
             raise ValueError(f"unknown phase {fields['phase']!r}")
-        self.record = dataclasses.replace(self.record, **fields, updated_at=time.time())
+        now = time.time()
+        self.record = dataclasses.replace(self.record, **fields, updated_at=now,
+                                          phase_s=add_phase_time(self.record, now, fields.get("phase"),
+                                                                 fields.get("step")))
         if self.path:
             write_record(self.path, self.record)

@@ -93,6 +93,7 @@ class LoopState:
         rollbacks: rollbacks to the latest checkpoint (elastic mode).
         stopped: a stop was requested (no final checkpoint).
         t_mark: ``time.perf_counter()`` at which the current step's time started.
+        save_s: seconds the saves since the last step blocked (part of the next step's time).
     """
 
     step: int = 0
@@ -103,6 +104,7 @@ class LoopState:
     rollbacks: int = 0
     stopped: bool = False
     t_mark: float = 0.0
+    save_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ class StepReport:
     tokens_per_s: float
     step_s: float
     committed: bool
+    save_s: float = 0.0     # of step_s, the time a save before the step blocked training
     router: dict[str, Any] = field(default_factory=dict)   # MoE router statistics (moe.router_summary)
 
 
@@ -130,6 +133,12 @@ class Finish:
 def log_due(step: int, spec: TrainerSpec) -> bool:
     """Whether ``step`` gets a ``step`` log line: every ``train.log_every`` steps and the last one."""
     return step % spec.train.log_every == 0 or step == spec.train.steps
+
+
+def save_field(report: StepReport) -> dict[str, float]:
+    """The ``step`` line's ``save_s`` (of its ``step_s``, the seconds a save before the step blocked
+    training), where a save did; else nothing."""
+    return {"save_s": round(report.save_s, 4)} if report.save_s > 0 else {}
 
 
 class TrainMode(ABC):
@@ -330,7 +339,8 @@ def run_loop(run: Run, mode: TrainMode, stop: StopFlag) -> Result:
             state.skipped_steps.append(attempted)
         mode.report_step(run, state, StepReport(step=state.step, loss=loss, grad_norm=norm, lr=lr,
                                                 tokens_per_s=tps, step_s=dt, committed=committed,
-                                                router=_router(run, flags[4:])))
+                                                save_s=state.save_s, router=_router(run, flags[4:])))
+        state.save_s = 0.0
         mode.after_step(run, state)
         run.progress.report(state.step, loss, tokens=tokens_per_step, last_checkpoint_step=ckpt.poll(),
                             compute_s=timer.take(), **mode.progress_fields())
@@ -338,8 +348,10 @@ def run_loop(run: Run, mode: TrainMode, stop: StopFlag) -> Result:
             state.stopped = True
             break
         if state.step < t.steps and mode.save_due(run, state, committed, time_due=float(flags[2]) > 0):
+            began = time.perf_counter()
             _save(run, mode, state)
             run.progress.update(phase="training", last_checkpoint_step=ckpt.last_step)
+            state.save_s += time.perf_counter() - began
 
     mode.after_loop(run, state)
     if state.stopped:

@@ -28,7 +28,17 @@ from marind.trainer.build import Run, setup_run
 from marind.trainer.config import TrainerSpec
 from marind.trainer.data.dataset import rank_sample_indices
 from marind.trainer.hf.init_from import init_run_from
-from marind.trainer.loop import Finish, LoopState, Result, StepReport, StopFlag, TrainMode, log_due, run_loop
+from marind.trainer.loop import (
+    Finish,
+    LoopState,
+    Result,
+    StepReport,
+    StopFlag,
+    TrainMode,
+    log_due,
+    run_loop,
+    save_field,
+)
 from marind.trainer.memory_ckpt import MemoryCheckpointer, open_memory, restore_newest
 from marind.trainer.model.gpt import flops_per_token, param_count
 from marind.trainer.peak_memory import peak_memory
@@ -138,7 +148,8 @@ class ElasticMode(TrainMode):
         run.log.info("step", step=report.step, loss=round(report.loss, 6), grad_norm=round(norm, 6), lr=report.lr,
                      tokens_per_s=round(report.tokens_per_s, 1),
                      mfu=round(self.flops_tok * report.tokens_per_s / self.peak, 6),
-                     memory_bytes=_memory_bytes(run.device), step_s=round(report.step_s, 4), **report.router)
+                     memory_bytes=_memory_bytes(run.device), step_s=round(report.step_s, 4),
+                     **save_field(report), **report.router)
 
     def progress_fields(self) -> dict[str, Any]:
         """Rank 0's report carries the step's grad norm and learning rate as its metrics."""

@@ -37,9 +37,11 @@ def test_percentile_and_step_line_parsing():
     assert percentile([3, 1, 2], 0.5) == 2 and percentile([1, 2, 3, 4], 0.95) == pytest.approx(3.85)
     text = ('noise\n[default0]:{"logger": "trainer", "step": 7, "loss": 5.1, "step_s": 0.25, '
             '"event": "step", "rank": 0, "timestamp": "2026-12-03T07:37:41.088311Z"}\n'
-            '{"event": "restored", "step": 5, "timestamp": "2026-12-03T07:37:40Z"}\n')
-    [line] = parse_step_lines(text)
+            '{"event": "restored", "step": 5, "timestamp": "2026-12-03T07:37:40Z"}\n'
+            '{"step": 8, "step_s": 0.5, "save_s": 0.2, "event": "step", "timestamp": "2026-12-03T07:37:42Z"}\n')
+    line, saved = parse_step_lines(text)
     assert line.step == 7 and line.step_s == 0.25 and line.at == pytest.approx(1796283461.088311)
+    assert line.save_s == 0.0 and saved.save_s == 0.2
 
 
 @pytest.mark.slow
@@ -60,15 +62,21 @@ def test_quick_goodput_run_has_the_promised_shape():
     # marind's own ledger beside the outside figure: its parts add up, its causes name the kill
     for run in (base, el):
         assert run["ledger_check"]["readable"] and abs(run["ledger_check"]["parts_minus_wall_s"]) < 1.0, run["ledger"]
+        assert 0 < run["ledger_check"]["outside_goodput"] <= 1
     assert el["ledger"]["seconds"]["detection"] > 0 and el["ledger"]["final"]
 
 
 @pytest.mark.unit
-def test_ledger_check_compares_the_parts_and_the_goodputs():
-    ledger = {"wall_s": 10.0, "seconds": {"training": 8.0, "detection": 2.0}, "goodput": 0.8}
-    assert ledger_check(ledger, 0.75) == {"readable": True, "parts_minus_wall_s": 0.0, "goodput_minus_outside": 0.05}
-    assert ledger_check({"error": "x"}, 0.5) == {"readable": False}
-    assert ledger_check(ledger, 0.8, 9.5)["wall_minus_outside_s"] == 0.5
+def test_ledger_check_compares_the_parts_and_the_goodputs_over_the_ledgers_window():
+    ledger = {"start": 100.0, "end": 110.0, "wall_s": 10.0, "seconds": {"training": 7.0, "checkpoint": 1.0,
+                                                                         "detection": 2.0}, "goodput": 0.7}
+    lines = [StepLine(99, 1, 5.0),                                            # before the window
+             StepLine(102, 1, 2.0), StepLine(104, 2, 2.0, save_s=0.5),       # a save blocked step 2
+             StepLine(106, 3, 2.0), StepLine(108, 3, 1.5), StepLine(111, 4, 9.0)]   # 3 again; 4 after the end
+    check = ledger_check(ledger, lines)
+    assert check == {"readable": True, "parts_minus_wall_s": 0.0, "outside_goodput": 0.5,
+                     "goodput_minus_outside": 0.2}                              # (2 + 1.5 + 1.5) / 10
+    assert ledger_check({"error": "x"}, lines) == {"readable": False}
 
 
 @pytest.mark.unit

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from marind.control import goodput_ledger as gl
 from marind.control.goodput_ledger import LedgerState, Sample
+from marind.core.progress import ProgressRecord, add_phase_time
 
 pytestmark = pytest.mark.unit
 
@@ -141,3 +144,84 @@ def test_a_loss_only_marked_stops_nothing():
     events = [ev(0, "node_joined", 1), {"at": 5.5, "kind": "node_lost", "seq": 2, "detail": {"action": "mark"}}]
     ledger = gl.compute(events, train("p1", 0, 10, 0), now=10)
     assert ledger["seconds"]["detection"] == 0 and ledger["seconds"]["training"] == 8
+
+
+# -- records that carry their process's phase times (``phase_s``) -------------------------------------
+def process(gen: str, made_at: float, writes: list[tuple[float, str, int]], round_at: float | None = None) -> list[Sample]:
+    """Every record one worker process writes, as ``ProgressWriter`` keeps its ``phase_s``: the process made
+    its record at ``made_at`` (phase starting) and wrote ``(at, phase, step)`` in turn."""
+    record = ProgressRecord(rank=0, local_rank=0, world_size=1, pid=1, step=0, loss=None, tokens_per_s=None,
+                            last_checkpoint_step=None, phase="starting", updated_at=made_at, phase_s={})
+    out = []
+    for at, phase, step in writes:
+        record = replace(record, phase=phase, step=step, updated_at=at, phase_s=add_phase_time(record, at, phase, step))
+        out.append(Sample(at, step, phase, gen, round_at, phase_s=record.phase_s))   # the agent knows the round
+    return out
+
+
+def seen(samples: list[Sample], every: float, start: float, end: float) -> list[Sample]:
+    """What an agent that looks every ``every`` seconds reads: the newest record at each look."""
+    out: list[Sample] = []
+    t = start
+    while t <= end + 1e-9:
+        newest = [s for s in samples if s.at <= t]
+        if newest and (not out or newest[-1] is not out[-1]):
+            out.append(newest[-1])
+        t += every
+    return out
+
+
+def steps(t0: float, step0: int, n: int, dt: float, save_every: int = 0, save_s: float = 0.0):
+    """``n`` steps of ``dt`` seconds from ``t0``; a save of ``save_s`` after every ``save_every``-th."""
+    out, t = [], t0
+    for step in range(step0 + 1, step0 + n + 1):
+        t += dt
+        out.append((t, "training", step))
+        if save_every and step % save_every == 0:
+            out.append((t, "checkpointing", step))
+            t += save_s
+            out.append((t, "training", step))
+    return out, t
+
+
+def test_saves_and_a_restore_shorter_than_a_report_are_charged_exactly():
+    writes = [(11.0, "restoring", 0), (11.3, "training", 0)]
+    more, end = steps(11.3, 0, 40, 0.2, save_every=5, save_s=0.15)       # 8 saves of 0.15 s
+    records = process("p1", 10.0, writes + more + [(end + 0.5, "done", 40)], round_at=9.0)
+    events = [ev(5, "node_joined", 1), ev(end + 2, "succeeded", 2)]
+    ledger = gl.compute(events, seen(records, 1.0, 10.0, end + 1), now=end + 5)
+    s = ledger["seconds"]
+    assert s["restore"] == pytest.approx(0.3) and s["checkpoint"] == pytest.approx(8 * 0.15)
+    assert s["training"] == pytest.approx(40 * 0.2) and s["startup"] == pytest.approx(1 + 1)   # spawn, starting
+    assert s["rendezvous"] == 4 and s["shutdown"] == pytest.approx(0.5 + 1.5)       # last step -> done -> end
+    assert_sums(ledger)
+    # the agent that saw only the records it happened to read, without phase times: the saves go unseen
+    bare = [replace(r, phase_s=None) for r in seen(records, 1.0, 10.0, end + 1)]
+    assert gl.compute(events, bare, now=end + 5)["seconds"]["checkpoint"] < 8 * 0.15
+
+
+def test_steps_redone_after_a_restart_are_recompute_in_proportion():
+    first, t = steps(1.0, 0, 18, 0.25)
+    second, t2 = steps(31.0, 10, 19, 0.25)                       # steps 11..29; 11..18 again
+    samples = seen(process("p1", 0.5, first, round_at=0.2), 1.0, 0.5, t) + \
+        seen(process("p2", 30.0, [(30.5, "restoring", 10), (31.0, "training", 10)] + second, round_at=29.0),
+             1.0, 30.0, t2 + 1)
+    events = [ev(0, "node_joined", 1), ev(t + 2, "restart", 2), ev(t2 + 1, "succeeded", 3)]
+    s = gl.compute(events, samples, now=t2 + 1)["seconds"]
+    # steps 11..18 again, the first run's first step its process's start-up (no record announced training before it)
+    assert s["recompute"] == pytest.approx(8 * 0.25) and s["training"] == pytest.approx((17 + 11) * 0.25)
+    assert s["restart"] == pytest.approx(1.0 + 0.5) and s["restore"] == pytest.approx(0.5)
+    assert s["detection"] == pytest.approx(2.0)
+
+
+def test_phase_times_survive_a_hand_over_and_an_event_between_samples_falls_back():
+    records = process("p1", 0.0, [(1.0, "training", 0)] + steps(1.0, 0, 20, 0.3)[0])
+    looks = seen(records, 1.0, 0.0, 7.0)
+    state = gl.fold(LedgerState(), [ev(0, "node_joined", 1)], looks[:3])
+    stored = LedgerState.from_dict(state.to_dict())
+    assert stored.marks == looks[2].phase_s
+    gl.fold(stored, [], looks[3:])
+    assert gl.close(stored, now=looks[-1].at)["seconds"]["training"] == pytest.approx(looks[-1].at - 1.0)
+    # a charge by an event in between: the next sample is charged as before, by what it announced
+    gl.fold(stored, [ev(looks[-1].at + 0.1, "node_lost", 9)], [])
+    assert stored.marks is None
