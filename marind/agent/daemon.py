@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from marind.agent import progress as prog
+from marind.agent.agent_stop import stop_agent
 from marind.agent.decisions import Admission, ExitAction, admit, after_exit, replica_group_lost, stall_window
 from marind.agent.doctor_probe import DoctorProbes
 from marind.agent.ft.exits import group_failure_leaves, leave_replica_group
@@ -40,6 +41,7 @@ from marind.agent.metrics import Metrics, MetricsServer
 from marind.agent.page.server import JobPages, page_token
 from marind.agent.run_monitor import RunMonitor
 from marind.agent.sdnotify import Notifier, watchdog_interval
+from marind.agent.stragglers import excluded_here
 from marind.agent.supervisor import reap_leftovers
 from marind.control.config import AgentConfig, endpoint_file
 from marind.control.job_records import JobView, list_job_ids, read_job
@@ -188,38 +190,8 @@ class Agent:
         return ok, f"{'ok' if ok else 'etcd unreachable'}; {len(self.runs)} job(s) on node {self.node}"
 
     def shutdown(self) -> None:
-        """Stop every job's torchrun (in parallel), leave the jobs cleanly, deregister."""
-        self.notifier.stopping(f"stopping {len(self.runs)} job(s)")
-        now = time.time()
-        for run in self.runs.values():
-            run.settle_hang(now)
-        threads = [threading.Thread(target=run.stop, args=(self.config.stop_timeout,))
-                   for run in self.runs.values()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(self.config.stop_timeout + 15)
-        link = self.link
-        for job, run in list(self.runs.items()):
-            if run.ft is not None:
-                run.ft.stop()
-            if link is not None:
-                link.outbox.leaving(job, run.members, "agent stopping")
-                link.outbox.event(job, "node_left", {"reason": "agent stopping"})
-        self.runs.clear()
-        for probes in (self.doctor, self.data):
-            if probes is not None:
-                probes.stop()
-        if link is not None:
-            link.outbox.flush()
-            link.watch.stop()
-            link.registry.stop(revoke=True)
-            link.client.close()
-        if self.metrics_server is not None:
-            self.metrics_server.stop()
-        if self.etcd_server is not None:
-            self.etcd_server.stop()
-        self.log.info("agent_stopped")
+        """Stop every job's torchrun (in parallel), leave the jobs cleanly, deregister (``agent_stop``)."""
+        stop_agent(self)
 
     # -- one tick -----------------------------------------------------------------------------
     def tick(self) -> None:
@@ -291,7 +263,16 @@ class Agent:
             if run is not None:
                 self._end_run(run, "cancelled")
             return
-        if run is None and view.id not in self.finished:
+        if run is None and view.id in self.finished:
+            return
+        excluded = excluded_here(self._link().client, view, self.node)      # [fault] straggler_action
+        if excluded is not None:
+            if run is not None:
+                self._end_run(run, f"excluded as a straggler: {excluded.get('reason', '')}")
+                self._link().outbox.event(view.id, "node_left", {"reason": "excluded as a straggler",
+                                                                 "by": excluded.get("by")})
+            self.finished.add(view.id)
+        elif run is None:
             self._maybe_start(view)
 
     def _waiting_on(self, view: JobView) -> bool:

@@ -20,6 +20,12 @@ forward, backward and optimizer step, time waiting in collectives left out;
 The comparison leaves the rank itself out of the median it is held against, so that in a job of
 two ranks a slow one is compared with the other (with itself in, it could never be 1.5x a
 median it is half of). Summaries older than two windows (a node gone) are not counted.
+
+With ``[fault] straggler_action = "exclude"`` the deciding agent also takes the node of the slowest
+new straggler out of the job when the job keeps its minimum node count without it
+(``marind.control.job_exclusions``: the key, a ``straggler_excluded`` event, and the jobs marked
+changed so that every agent reads them at once); that node's agent leaves the job
+(:func:`excluded_here`, ``Agent._reconcile``) and the others go on in a new round without it.
 """
 
 from __future__ import annotations
@@ -33,11 +39,12 @@ from typing import Any
 from marind.agent.metrics import Metrics
 from marind.agent.outbox import Outbox
 from marind.agent.progress import ProgressRecord
-from marind.control.events import STRAGGLER, STRAGGLER_CLEARED
-from marind.control.job_records import parse_stored_spec
+from marind.control.events import STRAGGLER, STRAGGLER_CLEARED, STRAGGLER_EXCLUDED
+from marind.control.job_exclusions import exclude, excluded_nodes, exclusion_decision, exclusion_of
+from marind.control.job_records import JobView, mark_jobs_changed, parse_stored_spec
 from marind.core.errors import ControlPlaneUnavailable
 from marind.core.log import get_logger
-from marind.core.spec import FaultSpec
+from marind.core.spec import FaultSpec, RunSpec
 
 PUBLISH_S = 2.0        # how often a node publishes its summary, and the decider decides
 MIN_SAMPLES = 5        # a rank needs this many samples in its window to be judged
@@ -156,15 +163,18 @@ class StragglerWatch:
         job: the job's id.
         outbox: this node's outbox (its etcd client, its node name, the events).
         metrics: the agent's metrics.
-        factor, window: ``fault.straggler_factor`` and ``fault.straggler_window``; None: read from
-            the job's stored spec at the first tick (defaults when it cannot be read).
+        factor, window, action: ``fault.straggler_factor``, ``fault.straggler_window`` and
+            ``fault.straggler_action``; min_nodes: ``job.nodes``' minimum. None: read from the job's
+            stored spec at the first tick (defaults when it cannot be read).
     """
 
     def __init__(self, job: str, outbox: Outbox, metrics: Metrics, *, factor: float | None = None,
-                 window: float | None = None) -> None:
+                 window: float | None = None, action: str | None = None, min_nodes: int | None = None) -> None:
         self.job, self.outbox, self.metrics = job, outbox, metrics
         self.factor: float | None = factor
         self.window: float | None = window
+        self.action: str | None = action
+        self.min_nodes: int | None = min_nodes
         self.samples: ComputeWindow | None = None
         self.current: dict[str, float] = {}          # the stragglers named now
         self._next = 0.0
@@ -172,11 +182,14 @@ class StragglerWatch:
 
     def _settings(self) -> ComputeWindow:
         if self.samples is None:
-            if self.factor is None or self.window is None:
-                f = _stored_fault(self.outbox.client, self.job)
+            if None in (self.factor, self.window, self.action, self.min_nodes):
+                spec = _stored_spec(self.outbox.client, self.job)
+                f = spec.fault if spec is not None else FaultSpec()
                 self.factor = self.factor or f.straggler_factor
                 self.window = self.window or f.straggler_window
-            self.samples = ComputeWindow(self.window)
+                self.action = self.action or f.straggler_action
+                self.min_nodes = self.min_nodes or (spec.job.nodes[0] if spec is not None else 1)
+            self.samples = ComputeWindow(float(self.window or 30.0))
         return self.samples
 
     def new_round(self) -> None:
@@ -237,6 +250,24 @@ class StragglerWatch:
                       for r, v in sorted(self.current.items())],
             "median_s": decision.median_s, "factor": factor, "window_s": window, "reason": decision.reason,
             "updated_at": now})
+        if self.action == "exclude" and decision.stragglers:
+            self._exclude(decision)
+
+    def _exclude(self, decision: StragglerDecision) -> None:
+        """Take the slowest straggler's node out of the job, if the job keeps its minimum without it."""
+        client = self.outbox.client
+        nodes = [k.rsplit("/", 1)[-1] for k in client.get_prefix_keys(client.key("jobs", self.job, "nodes") + "/")]
+        out = exclusion_decision(decision.stragglers, nodes, self.min_nodes or 1, excluded_nodes(client, self.job))
+        if out.node is None:
+            self.log.warning("straggler_kept", reason=out.reason)
+            return
+        named = _by_node(decision.stragglers)[out.node]
+        detail = {"ranks": sorted(named), "compute_s": max(named.values()), "median_s": decision.median_s,
+                  "reason": out.reason}
+        if exclude(client, self.job, out.node, detail, by=self.outbox.node):
+            self.outbox.event(self.job, STRAGGLER_EXCLUDED, {"node": out.node, **detail})
+            mark_jobs_changed(client)          # the node's agent reads it at once
+            self.log.warning("straggler_excluded", excluded=out.node, reason=out.reason)
 
 
 def _by_node(ranks: Mapping[str, float]) -> dict[str, dict[int, float]]:
@@ -247,10 +278,22 @@ def _by_node(ranks: Mapping[str, float]) -> dict[str, dict[int, float]]:
     return out
 
 
-def _stored_fault(client: Any, job: str) -> FaultSpec:
-    """The job's stored ``[fault]`` section (the defaults when it cannot be read)."""
+def _stored_spec(client: Any, job: str) -> RunSpec | None:
+    """The job's stored spec (None when it cannot be read: the defaults apply)."""
     try:
         spec, _ = parse_stored_spec(client.get_json(client.key("jobs", job, "spec")))
     except (ControlPlaneUnavailable, ValueError):
         spec = None
-    return spec.fault if spec is not None else FaultSpec()
+    return spec
+
+
+def excluded_here(client: Any, view: JobView, node: str) -> dict | None:
+    """``node``'s exclusion from ``view``'s job, where the job takes stragglers' nodes out; None otherwise,
+    and while etcd is away (the next read of the jobs looks again)."""
+    spec = view.run_spec
+    if spec is None or spec.fault.straggler_action != "exclude":
+        return None
+    try:
+        return exclusion_of(client, view.id, node)
+    except ControlPlaneUnavailable:
+        return None

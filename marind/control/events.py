@@ -35,6 +35,9 @@ REPLICA_DRIFT = "replica_drift"
 #: window_s, reason}``; ``marind.agent.stragglers``), and its end (``{node, ranks}``).
 STRAGGLER = "straggler"
 STRAGGLER_CLEARED = "straggler_cleared"
+#: ``[fault] straggler_action = "exclude"``: a straggler's node taken out of the job (``{node, ranks,
+#: compute_s, median_s, reason}``; ``marind.control.job_exclusions``); its agent then leaves the job.
+STRAGGLER_EXCLUDED = "straggler_excluded"
 
 #: An agent would not run the job: ``{reason, key_id}``. With ``[agent] require_signed_jobs``, a
 #: job whose spec is unsigned, or not signed by a key of ``[agent] trusted_keys``, is refused: the

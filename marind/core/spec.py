@@ -108,6 +108,7 @@ class FaultSpec:
     drift_check_every: int = spec_field(100, "int")  # torchft: compare the groups' state every N steps (0 = off)
     straggler_factor: float = spec_field(1.5, "float")      # a rank this much slower than the median is named
     straggler_window: float = spec_field(30.0, "duration")  # ... when it stayed so over this window
+    straggler_action: str = spec_field("none", "str")       # "exclude": also take the straggler's node out
 
 
 #: marind's own sections; every other one is the program's (``RunSpec.sections``).
@@ -399,9 +400,19 @@ def _validate_fault(spec: RunSpec) -> None:
         positive(getattr(f, key), f"fault.{key}")
 
 
+#: ``[fault] straggler_action``: name the stragglers only, or also take their node out of the job.
+STRAGGLER_ACTIONS = ("none", "exclude")
+
+
 def _validate_stragglers(f: FaultSpec) -> None:
     positive(f.drift_check_every, "fault.drift_check_every", zero_ok=True)
     if not f.straggler_factor > 1.0:
         raise SpecError(f"fault.straggler_factor = {f.straggler_factor:g}: a straggler is slower than the median "
                         "by this factor; use a number above 1 (e.g. 1.5)")
     positive(f.straggler_window, "fault.straggler_window")
+    if f.straggler_action not in STRAGGLER_ACTIONS:
+        raise SpecError(f"fault.straggler_action = {f.straggler_action!r}: use \"none\" (name stragglers) or "
+                        "\"exclude\" (also restart the job without a straggler's node)")
+    if f.straggler_action == "exclude" and f.mode != "elastic":
+        raise SpecError("fault.straggler_action = \"exclude\" works in elastic mode only (a torchft group's "
+                        "straggler is a replica group: leave it at \"none\")")

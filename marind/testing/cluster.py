@@ -38,11 +38,13 @@ def make_data(root: Path, n_docs: int = 60) -> str:
 
 
 def start_agent(root: Path, node: str, etcd: str, prefix: str, *, fast: bool = True,
-                slots: int = 2, metrics_port: int = 0) -> subprocess.Popen:
+                slots: int = 2, metrics_port: int = 0, extra_env: dict | None = None) -> subprocess.Popen:
     """An agent subprocess; ``fast``: short rendezvous timeouts and reports; ``metrics_port``: 0 off,
-    -1 any free port (written to ``root/state-{node}/metrics.port``; the job page is served there)."""
+    -1 any free port (written to ``root/state-{node}/metrics.port``; the job page is served there);
+    ``extra_env``: more of the agent's (and so its workers') environment."""
     log = open(root / f"agent-{node}.log", "ab")
     extra = {"MARIND_RDZV_CONF": FAST_RDZV, "MARIND_REPORT_INTERVAL": "0.5"} if fast else {}
+    extra.update(extra_env or {})
     try:
         return subprocess.Popen([sys.executable, "-m", "marind", "agent", "--node", node, "--etcd", etcd,
                                  "--state-dir", str(root / f"state-{node}"), "--slots", str(slots),

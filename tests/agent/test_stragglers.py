@@ -10,6 +10,7 @@ from marind.agent.outbox import Outbox
 from marind.agent.progress import ProgressRecord
 from marind.agent.stragglers import ComputeWindow, RankCompute, StragglerWatch, decide_stragglers
 from marind.control.events import list_events
+from marind.control.job_exclusions import excluded_nodes
 
 W = 30.0
 
@@ -79,3 +80,29 @@ def test_watch_names_a_slow_node_in_events_status_key_and_metrics(etcd_client):
     assert kinds == ["straggler", "straggler_cleared"], kinds
     assert etcd_client.get_json(etcd_client.key("jobs", job, "stragglers"))["ranks"] == []
     assert metrics.value("marind_job_stragglers", job=job) == 0
+
+
+@pytest.mark.parametrize(("min_nodes", "excluded"), [(2, ["nc"]), (3, [])])
+def test_the_exclude_action_takes_the_straggler_node_out_while_the_job_keeps_its_minimum(etcd_client, min_nodes,
+                                                                                          excluded):
+    job = f"strag-x{min_nodes}"
+    metrics = Metrics()
+    nodes = ("na", "nb", "nc")
+    for n in nodes:                                  # the job's node records (their agents' reports)
+        etcd_client.put_json(etcd_client.key("jobs", job, "nodes", n), {"node": n})
+    boxes = {n: Outbox(etcd_client, n, online=lambda: True, offline=lambda: None) for n in nodes}
+    watches = {n: StragglerWatch(job, boxes[n], metrics, factor=1.5, window=10.0, action="exclude",
+                                 min_nodes=min_nodes) for n in nodes}
+    changed_before = etcd_client.get(etcd_client.key("jobs_changed"))[1]
+    for t in range(0, 40):
+        now = 1000.0 + t
+        watches["nc"].tick([_rec(2, t, 0.3)], now)    # 3x slower
+        watches["nb"].tick([_rec(1, t, 0.1)], now)
+        watches["na"].tick([_rec(0, t, 0.1)], now)    # rank 0: the decider
+    assert list(excluded_nodes(etcd_client, job)) == excluded
+    events = list_events(etcd_client, job)
+    out = [e["detail"] for e in events if e["kind"] == "straggler_excluded"]
+    assert [d["node"] for d in out] == excluded, events
+    if excluded:
+        assert out[0]["ranks"] == [2] and "2 node(s) go on" in out[0]["reason"]
+        assert etcd_client.get(etcd_client.key("jobs_changed"))[1] > changed_before   # agents read the jobs at once

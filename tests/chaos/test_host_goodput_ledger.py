@@ -4,8 +4,10 @@ Three bed hosts run the real trainer (2 ranks each). A rank is SIGKILLed, later 
 (SIGSTOP: the job hangs until ``hang_timeout``), then the host running global rank 0 is powered
 off (so another agent takes the ledger's bookkeeping over). The job succeeds; its ledger, as
 `marind events --json` prints it, has each cause (``detection`` for the kill and the power-off,
-``hang``, ``rendezvous`` and ``restart``/``restore`` for the recoveries) and its parts add up to
-its wall time within a second. ``slow`` (``make chaos``); CI has the kill (tests/agent/test_job_page.py).
+``hang``, ``rendezvous`` and ``restart``/``restore`` for the recoveries), its parts add up to
+its wall time within a second, and its goodput is the outside figure within 0.01 (the goodput
+bench's ``ledger_check``: global rank 0's step lines in every host's torchrun log, each step's
+last run, less the saves that blocked them, over the ledger's wall time). ``slow`` (``make chaos``); CI has the kill (tests/agent/test_job_page.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import signal
 
 import pytest
 
+from bench.goodput_common import ledger_check, parse_step_lines
 from marind.testing.chaos import host_faults
 from tests.agent.helpers import wait_for
 from tests.chaos.test_host_scenarios import EVERY, _submit, _training_on_all, bed_cluster, dataset, hostbed
@@ -76,3 +79,9 @@ def test_a_kill_a_hang_and_a_power_off_each_have_their_cause(bed_cluster, capsys
     assert s["training"] > 0 and s["detection"] > 0 and s["hang"] >= 10, ledger      # the stall of hang_timeout
     assert s["rendezvous"] > 0 and s["restart"] + s["restore"] > 0, ledger
     assert 0 < ledger["goodput"] < 1
+    lines = []
+    for node in cluster.nodes:
+        log = cluster.tmp / f"state-{node}" / "jobs" / job / "logs" / "torchrun.log"
+        lines += parse_step_lines(log.read_text(errors="replace")) if log.exists() else []
+    check = ledger_check(ledger, lines)
+    assert abs(check["goodput_minus_outside"]) <= 0.01, (check, ledger)

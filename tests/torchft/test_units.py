@@ -50,6 +50,7 @@ def test_a_group_of_nodes_is_one_world():
     ({"nodes": 5}, "nodes_per_group = 2\n", "fault.nodes_per_group = 4 nodes"),
     ({}, "nodes_per_group = 0\n", "fault.nodes_per_group must be > 0"),
     ({}, "bogus = 1\n", "unknown key 'fault.bogus'"),
+    ({}, 'straggler_action = "exclude"\n', 'straggler_action = "exclude" works in elastic mode only'),
 ])
 def test_fault_errors_name_the_key(kw, extra, match):
     with pytest.raises(SpecError, match=match):
@@ -63,7 +64,14 @@ def test_mode_typo_did_you_mean():
 
 def test_elastic_default_unchanged():
     s = load_spec(BASE.format(nodes=2, groups=2, min=1).replace('mode = "torchft"', ""))
-    assert s.fault.mode == "elastic" and s.world_sizes() == [2, 4]
+    assert s.fault.mode == "elastic" and s.world_sizes() == [2, 4] and s.fault.straggler_action == "none"
+
+
+def test_the_straggler_action_is_none_or_exclude():
+    elastic = BASE.format(nodes=2, groups=2, min=1).replace('mode = "torchft"', "")
+    assert load_spec(elastic + 'straggler_action = "exclude"\n').fault.straggler_action == "exclude"
+    with pytest.raises(SpecError, match="fault.straggler_action = 'drop': use \"none\""):
+        load_spec(elastic + 'straggler_action = "drop"\n')
 
 
 def test_group_slices_are_disjoint_and_cover_each_step():
