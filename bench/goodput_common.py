@@ -85,6 +85,16 @@ def kept_steps(lines: list[StepLine], start: float, end: float) -> list[StepLine
     return list(last.values())
 
 
+def first_runs(lines: list[StepLine], start: float, end: float) -> list[StepLine]:
+    """Each step number's first run within [start, end]: the step the job advanced by (a run
+    after a rollback redoes a step; the goodput ledger charges that to ``recompute``)."""
+    first: dict[int, StepLine] = {}
+    for ln in sorted(lines, key=lambda x: x.at):
+        if start <= ln.at <= end:
+            first.setdefault(ln.step, ln)
+    return list(first.values())
+
+
 def kept_step_seconds(lines: list[StepLine], start: float, end: float) -> tuple[float, int]:
     """(seconds, count) of the steps kept (``kept_steps``), each step's whole ``step_s``."""
     kept = kept_steps(lines, start, end)
@@ -171,14 +181,15 @@ def job_ledger(endpoint: str, prefix: str, job: str) -> dict:
 
 
 def ledger_check(ledger: dict, lines: list[StepLine]) -> dict:
-    """The ledger beside the bench's own figure over the ledger's window (the submission to the job's end):
-    ``outside_goodput`` is the kept steps' time less the saves that blocked them (``step_s - save_s``
-    of global rank 0's step lines, as the trainer timed them) over the ledger's wall time. Also the
-    parts' sum against the wall time."""
+    """The ledger beside the bench's own figure over the ledger's window (the submission to the job's end),
+    by the ledger's rule (``training``: the steps that took the job past the highest step it had
+    reached, ``marind.control.goodput_ledger``): ``outside_goodput`` is each step number's first
+    run's time less the save that blocked it (``step_s - save_s`` of global rank 0's step lines, as
+    the trainer timed them) over the ledger's wall time. Also the parts' sum against the wall time."""
     if "seconds" not in ledger or ledger.get("goodput") is None or not ledger.get("wall_s"):
         return {"readable": False}
-    kept = kept_steps(lines, float(ledger["start"]), float(ledger["end"]))
-    outside = sum(ln.step_s - ln.save_s for ln in kept) / ledger["wall_s"]
+    advanced = first_runs(lines, float(ledger["start"]), float(ledger["end"]))
+    outside = sum(ln.step_s - ln.save_s for ln in advanced) / ledger["wall_s"]
     parts = sum(ledger["seconds"].values())
     return {"readable": True, "parts_minus_wall_s": round(parts - ledger["wall_s"], 3),
             "outside_goodput": round(outside, 4), "goodput_minus_outside": round(ledger["goodput"] - outside, 4)}

@@ -6,8 +6,8 @@ off (so another agent takes the ledger's bookkeeping over). The job succeeds; it
 `marind events --json` prints it, has each cause (``detection`` for the kill and the power-off,
 ``hang``, ``rendezvous`` and ``restart``/``restore`` for the recoveries), its parts add up to
 its wall time within a second, and its goodput is the outside figure within 0.01 (the goodput
-bench's ``ledger_check``: global rank 0's step lines in every host's torchrun log, each step's
-last run, less the saves that blocked them, over the ledger's wall time). ``slow`` (``make chaos``); CI has the kill (tests/agent/test_job_page.py).
+bench's ``ledger_check``: global rank 0's step lines in every host's torchrun log, each step
+number's first run, less the saves that blocked them, over the ledger's wall time). ``slow`` (``make chaos``); CI has the kill (tests/agent/test_job_page.py).
 """
 
 from __future__ import annotations
