@@ -84,4 +84,5 @@ def test_a_kill_a_hang_and_a_power_off_each_have_their_cause(bed_cluster, capsys
         log = cluster.tmp / f"state-{node}" / "jobs" / job / "logs" / "torchrun.log"
         lines += parse_step_lines(log.read_text(errors="replace")) if log.exists() else []
     check = ledger_check(ledger, lines)
+    print(f"ledger goodput {ledger['goodput']}, outside {check['outside_goodput']}")     # the figure, with -s
     assert abs(check["goodput_minus_outside"]) <= 0.01, (check, ledger)
