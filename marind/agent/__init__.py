@@ -24,6 +24,10 @@ Modules, one concept each:
 * ``job_trust``: which jobs the agent agrees to run (only signed ones, when its config says so);
 * ``link``: the etcd client and what hangs off it; ``embedded_etcd``: `--embedded`;
 * ``supervisor``: one torchrun process tree (start, workers, stop, reaping leftovers);
+  ``output_relay``: the process that puts torchrun's output into its log (a full disk drops it,
+  never fails a write of torchrun's);
+* ``state_dir``: the state dir filling up, as pure decisions (full, back, may a job start);
+  ``state_dir_watch``: the agent's looks at it and what it says of it (events, node record, gauge);
 * ``torchrun_args``: what a torchrun runs with (run dir, run.toml, command line, environment);
 * ``hang``: pure stall detection; ``progress``: workers' progress records;
 * ``registry``: node registration under a lease; ``membership``: lost nodes, reported once;

@@ -17,6 +17,7 @@ rank 0 lives, the job's progress.
 Node loss: each run acts on the loss of another node of its job
 (``RunMonitor.act_on_losses``); and first thing every tick, ``Fencing`` stops
 the runs whose node lease must have expired (``marind.agent.liveness.fencing``).
+A full state dir (``state_dir_watch``) starts no job here; the running ones go on.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from marind.agent.metrics import Metrics, MetricsServer
 from marind.agent.page.server import JobPages, page_token
 from marind.agent.run_monitor import RunMonitor
 from marind.agent.sdnotify import Notifier, watchdog_interval
+from marind.agent.state_dir_watch import StateDirWatch
 from marind.agent.stragglers import excluded_here
 from marind.agent.supervisor import reap_leftovers
 from marind.control.config import AgentConfig, endpoint_file
@@ -81,15 +83,14 @@ class Agent:
         self.data: DataNetwork | None = None         # probes of the peers' data endpoints
         self.etcd_server: LocalEtcd | None = None
         self.metrics_server: MetricsServer | None = None
-        self.endpoint = config.etcd
-        self.etcd_ok = False
+        self.endpoint, self.etcd_ok = config.etcd, False
         self.slots = config.effective_slots()
-        self._watchdog_every = watchdog_interval()
-        self._last_watchdog = 0.0
+        self._watchdog_every, self._last_watchdog = watchdog_interval(), 0.0
         self._last_nodes_count = 0.0
         self._cp_restarts: dict[str, int] = {}
         self._fencing: Fencing | None = None
         self.trust = JobTrust.from_config(config)     # [agent] require_signed_jobs, trusted_keys
+        self.disk = StateDirWatch(config.state_dir, node=self.node, metrics=self.metrics)   # a full state dir
 
     @property
     def jobs_dir(self) -> Path:
@@ -100,7 +101,7 @@ class Agent:
     def fencing(self) -> Fencing:
         """Fencing of this node's runs after its lease lapsed (made with the link)."""
         if self._fencing is None:
-            self._fencing = Fencing(self._link(), self.node, commit_fence=self._commit_fence)
+            self._fencing = Fencing(self._link(), self.node, commit_fence=self._commit_fence, on_disk_full=self.disk.note)
         return self._fencing
 
     def _commit_fence(self, run: RunMonitor) -> float | None:
@@ -124,13 +125,8 @@ class Agent:
         signal.signal(signal.SIGINT, handler)
 
     def run(self) -> int:
-        """Run until stopped.
-
-        Returns:
-            The process exit code (0).
-        """
-        Path(self.config.state_dir).mkdir(parents=True, exist_ok=True)
-        self.jobs_dir.mkdir(parents=True, exist_ok=True)
+        """Run until stopped; returns the process exit code (0)."""
+        self.jobs_dir.mkdir(parents=True, exist_ok=True)          # and the state dir
         reaped = reap_leftovers(self.jobs_dir)
         if reaped:
             self.log.warning("reaped_leftovers", pids=reaped,
@@ -141,7 +137,7 @@ class Agent:
                              page_token(self.config.metrics_host, self.config.state_dir))
             self.metrics_server = MetricsServer(self.metrics, self.config.metrics_host, port,
                                                 healthy=self._health, pages=pages).start()
-            (Path(self.config.state_dir) / "metrics.port").write_text(str(self.metrics_server.port))
+            self.disk.write_text(self.disk.path / "metrics.port", str(self.metrics_server.port), "metrics.port")
             self.log.info("metrics_listening", url=f"http://{self.config.metrics_host}:{self.metrics_server.port}/metrics")
         try:
             if self.config.embedded:
@@ -151,7 +147,7 @@ class Agent:
                 return 0
             if self.etcd_server is None and not self.config.embedded:
                 # the CLI on this host finds the agent's etcd here (`--state-dir`, MARIND_STATE_DIR)
-                endpoint_file(self.config.state_dir).write_text(self.endpoint + "\n")
+                self.disk.write_text(endpoint_file(self.config.state_dir), self.endpoint + "\n", "etcd.endpoint")
             self.notifier.ready(f"node {self.node} registered; etcd {self.endpoint}")
             self.log.info("agent_ready", etcd=self.endpoint, slots=self.slots, state_dir=str(self.config.state_dir))
             while not self.stop_event.is_set():
@@ -228,6 +224,7 @@ class Agent:
                     link.watch.poke()    # slots, a torchft slot, a grace period: look again next tick
         for run in list(self.runs.values()):
             self._supervise(run, now)
+        self.disk.tick(now, self.runs, link)      # the state dir's space: announced once per change
         if self.etcd_ok:
             link.outbox.flush()
             if self.doctor is not None:
@@ -258,8 +255,7 @@ class Agent:
                 self._end_run(run, decision.reason)
             return
         if view.cancel:
-            by = view.cancel.get("by", "?")
-            self._link().outbox.state(view.id, JobEvent.CANCEL, reason=f"cancelled by {by}")
+            self._link().outbox.state(view.id, JobEvent.CANCEL, reason=f"cancelled by {view.cancel.get('by', '?')}")
             if run is not None:
                 self._end_run(run, "cancelled")
             return
@@ -304,7 +300,8 @@ class Agent:
         if verdict == Admission.TOO_BIG:
             if self._first("job_too_big", view.id):
                 self.log.warning("job_too_big", job=view.id, nproc_per_node=spec.job.nproc_per_node, slots=self.slots)
-        if verdict != Admission.START or (self.data is not None and not self.data.may_start(view.id, self.runs)):
+        if verdict != Admission.START or (self.data is not None and not self.data.may_start(view.id, self.runs)) \
+                or not self.disk.may_start(view.id, link.outbox):     # a full state dir: not until space is back
             return
         run_dir = self.jobs_dir / view.id
         ready, ft = link.ft_pending.ready(view.id, spec, run_dir)
@@ -312,7 +309,9 @@ class Agent:
             return
         run = launch(view.id, spec, run_dir=run_dir, config=self.config, endpoint=self.endpoint, node=self.node,
                      ft=ft, client=link.client, outbox=link.outbox, metrics=self.metrics,
-                     registration=link.registry.generation)
+                     registration=link.registry.generation, on_disk_full=self.disk.note)
+        if run is None:          # the state dir filled as it started (noted: the next tick says so)
+            return
         self.runs[view.id] = run
         self.fencing.started(run)
         fenced = self.fencing.rejoined(view.id)    # back after a fence: the job grows back

@@ -88,7 +88,6 @@ class DoctorProbes:
 
     def _start(self, request: Request, now: float) -> None:
         logs = Path(self.config.state_dir) / "doctor"
-        logs.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
         env.pop("NOTIFY_SOCKET", None)
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -96,10 +95,15 @@ class DoctorProbes:
             env["MARIND_ETCD_USER"] = self.config.etcd_user
         if self.config.etcd_password:
             env["MARIND_ETCD_PASSWORD"] = self.config.etcd_password
-        with open(logs / f"{request.id}.log", "ab") as out:
-            proc = subprocess.Popen(probe_command(self.config, self.endpoint, request.id), env=env,
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+        try:
+            logs.mkdir(parents=True, exist_ok=True)
+            with open(logs / f"{request.id}.log", "ab") as out:
+                proc = subprocess.Popen(probe_command(self.config, self.endpoint, request.id), env=env,
+                                        stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        except OSError as exc:     # a full state dir among others: this host fails the check, the agent goes on
+            self.log.warning("doctor_probe_failed", request=request.id, error=str(exc))
+            return
         self.probes[request.id] = (proc, now + request.timeout_s + KILL_MARGIN_S)
         self.log.info("doctor_probe_started", request=request.id, pid=proc.pid, hosts=list(request.hosts))
 

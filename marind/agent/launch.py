@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from marind.agent.ft.coordinator import FTCoordinator
@@ -23,7 +24,8 @@ from marind.core.spec import RunSpec
 
 def launch(job: str, spec: RunSpec, *, run_dir: Path, config: AgentConfig, endpoint: str, node: str,
            ft: FTCoordinator | None, client: EtcdClient, outbox: Outbox, metrics: Metrics,
-           registration: int = 1) -> RunMonitor:
+           registration: int = 1, on_disk_full: Callable[[str, Path, OSError], bool] | None = None
+           ) -> RunMonitor | None:
     """Start this node's torchrun of a job and the monitor that watches it.
 
     Args:
@@ -39,11 +41,22 @@ def launch(job: str, spec: RunSpec, *, run_dir: Path, config: AgentConfig, endpo
         metrics: the agent's metrics.
         registration: the node's registration count (``NodeRegistry.generation``): after the
             first, the node's incarnation in the job is ``{agent_pid}.{registration}``.
+        on_disk_full: told ``(what, path, error)`` of a write into the run dir that found the disk
+            full (the state-dir watch; it returns whether it was one); the supervisor's too.
 
     Returns:
-        The monitor of the started torchrun.
+        The monitor of the started torchrun; None when the run dir could not be prepared because
+        the disk is full (``on_disk_full`` was told; nothing started).
+
+    Raises:
+        OSError: the run dir could not be prepared for another reason.
     """
-    run_toml = prepare_run_dir(run_dir, spec)
+    try:
+        run_toml = prepare_run_dir(run_dir, spec)
+    except OSError as exc:
+        if on_disk_full is not None and on_disk_full("the run dir", run_dir, exc):
+            return None
+        raise
     log = run_dir / "logs" / "torchrun.log"
     log_offset = log.stat().st_size if log.exists() else 0
     c = config
@@ -55,7 +68,7 @@ def launch(job: str, spec: RunSpec, *, run_dir: Path, config: AgentConfig, endpo
     if ft is not None:
         env.update(ft.worker_env())
         ft.launched_slot = ft.slot
-    sup = TorchrunSupervisor(job, run_dir, cmd, env)
+    sup = TorchrunSupervisor(job, run_dir, cmd, env, on_disk_full=on_disk_full)
     sup.start()
     incarnation = str(os.getpid()) if registration <= 1 else f"{os.getpid()}.{registration}"
     members = Membership(client, job, node, incarnation=incarnation)

@@ -53,6 +53,8 @@ class Metrics:
             "marind_jobs": ("gauge", "jobs this agent runs"),
             "marind_etcd_keepalive_failures_total": ("counter", "failed lease keep-alives"),
             "marind_etcd_up": ("gauge", "1 when etcd answered the last request"),
+            "marind_state_dir_full": ("gauge", "1 while the agent's state dir counts as full (ENOSPC/EDQUOT)"),
+            "marind_state_dir_free_bytes": ("gauge", "free bytes on the state dir's filesystem at the last look"),
             "marind_checkpoint_duration_seconds": (
                 "histogram", "seconds from the end of a step to its checkpoint's commit, as rank 0 reports it"),
             "marind_job_step": ("gauge", "the job's step (rank 0's where it runs here, else this node's)"),

@@ -37,6 +37,7 @@ from collections.abc import Callable
 import psutil
 
 from marind import __version__
+from marind.core import etcd_txn as T
 from marind.core.errors import ControlPlaneUnavailable, UsageError
 from marind.core.etcd_client import EtcdClient
 from marind.core.lease_file import renew_interval, silent_window
@@ -165,6 +166,28 @@ class NodeRegistry:
             self.client.revoke_lease(lease)
         except ControlPlaneUnavailable:
             pass
+
+    def set_condition(self, name: str, value: dict | None) -> None:
+        """Add ``name`` to the node's record (None: remove it), e.g. ``state_dir_full``; ``publish``
+        writes it, and every later registration carries it."""
+        with self._lock:
+            if value is None:
+                self.record.pop(name, None)
+            else:
+                self.record[name] = value
+
+    def publish(self) -> None:
+        """Rewrite the node key with the record as it is now, under the node's lease, only while the
+        key is still on that lease (a node whose lease lapsed writes nothing; its rejoin will).
+
+        Raises:
+            ControlPlaneUnavailable: etcd is unreachable.
+        """
+        with self._lock:
+            lease, value = self.lease, json.dumps(self.record, sort_keys=True)
+        if lease is None or self.expired:
+            return
+        self.client.txn([T.lease_is(self.key, lease.id)], [T.put(self.key, value, lease.id)])
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="marind-keepalive", daemon=True)

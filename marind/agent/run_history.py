@@ -20,6 +20,9 @@ a look (``poll``); it reads the new lines and
   one worker generation (a ``rollback`` event naming the non-finite step that caused it).
 
 A failure to write the curves is logged once and the curves are dropped; it never stops the run.
+A full disk (ENOSPC, EDQUOT) only pauses them: the event file is dropped, and every
+``TB_RETRY_S`` a new one is tried; the first that can be written resumes the curves from the
+next report (the reports meanwhile are not written: a gap, no back-fill).
 """
 
 from __future__ import annotations
@@ -35,12 +38,15 @@ from typing import Any
 from marind.agent.outbox import Outbox
 from marind.control.failure_causes import nonfinite_cause
 from marind.control.job_history import ledger_key
+from marind.core.disk import is_disk_full
 from marind.core.errors import ControlPlaneUnavailable
 from marind.core.history import HistoryTail, history_path
 from marind.core.spec import RunSpec, tensorboard_dir
 
 #: How often the goodput ledger's parts are written as scalars (and once more at the run's end).
 LEDGER_EVERY_S = 10.0
+#: How often a new event file is tried while the disk is full.
+TB_RETRY_S = 10.0
 
 
 @dataclass
@@ -129,6 +135,7 @@ class RunHistory:
         self.tb_dir = Path(tensorboard_dir(spec, run_dir))
         self._tb: Any = None
         self._tb_off = False
+        self._tb_paused_at: float | None = None    # the curves' disk was full then (monotonic)
         self._watch = Watch()
         self._wandb: subprocess.Popen | None = None
         self._wandb_tried = False
@@ -156,7 +163,10 @@ class RunHistory:
         self._last_step = int(lines[-1]["step"])
         self._write_ledger(force=False)
         if self._tb is not None:
-            self._tb.flush()
+            try:
+                self._tb.flush()
+            except OSError as exc:
+                self._tb_failed(exc)
         return len(lines)
 
     def close(self) -> None:
@@ -165,8 +175,12 @@ class RunHistory:
         self.poll()
         if self._tb is not None:
             self._write_ledger(force=True)
-            self._tb.close()
-            self._tb = None
+        tb, self._tb = self._tb, None
+        if tb is not None:
+            try:
+                tb.close()
+            except OSError as exc:
+                self.log.warning("tensorboard_close_failed", dir=str(self.tb_dir), error=str(exc))
         proc, self._wandb = self._wandb, None
         if proc is not None and proc.poll() is None:
             proc.terminate()            # the helper reads what is left, then finishes the run
@@ -188,20 +202,45 @@ class RunHistory:
         if self._tb_off:
             return
         if self._tb is None:
+            paused = self._tb_paused_at
+            if paused is not None and time.monotonic() - paused < TB_RETRY_S:
+                return
             try:
                 from marind.agent.tb_events import EventWriter
                 self._tb = EventWriter(self.tb_dir)
             except (ImportError, OSError) as exc:
+                if isinstance(exc, OSError) and is_disk_full(exc):
+                    self._tb_failed(exc)
+                    return
                 self._tb_off = True
                 self.log.warning("tensorboard_off", dir=str(self.tb_dir), error=str(exc),
                                  hint="pip install tensorboard; check that the directory is writable")
                 return
+            if paused is not None:
+                self._tb_paused_at = None
+                self.log.info("tensorboard_resumed", dir=str(self.tb_dir), file=str(self._tb.path))
         try:
             for name, value in scalars(line).items():
                 self._tb.scalar(name, value, int(line["step"]), float(line.get("at") or 0.0))
         except OSError as exc:
+            self._tb_failed(exc)
+
+    def _tb_failed(self, exc: OSError) -> None:
+        """A write of the curves failed: a full disk pauses them (a new file later), anything else ends them."""
+        tb, self._tb = self._tb, None
+        if tb is not None:
+            try:
+                tb.close()
+            except OSError:
+                pass
+        if not is_disk_full(exc):
             self._tb_off = True
             self.log.warning("tensorboard_off", dir=str(self.tb_dir), error=str(exc))
+            return
+        if self._tb_paused_at is None:
+            self.log.warning("tensorboard_paused", dir=str(self.tb_dir), error=str(exc),
+                             action=f"a new event file is tried every {TB_RETRY_S:g}s")
+        self._tb_paused_at = time.monotonic()
 
     def _write_ledger(self, *, force: bool) -> None:
         """The goodput ledger's parts (``{p}/jobs/{job}/ledger``, kept by this node's agent where rank 0
@@ -226,7 +265,10 @@ class RunHistory:
             for tag, value in parts.items():
                 self._tb.scalar(tag, float(value), self._last_step, now)
         except OSError as exc:
-            self.log.warning("tensorboard_ledger_failed", error=str(exc))
+            if is_disk_full(exc):
+                self._tb_failed(exc)
+            else:
+                self.log.warning("tensorboard_ledger_failed", error=str(exc))
 
     def _start_wandb(self) -> None:
         table = dict(self.spec.job.wandb)
@@ -237,7 +279,11 @@ class RunHistory:
                "--dir", str(self.run_dir), "--job", self.job]
         for key, value in sorted(table.items()):
             cmd += [f"--{key}", value]
-        out = open(self.run_dir / "logs" / "wandb.log", "ab")
+        try:
+            out = open(self.run_dir / "logs" / "wandb.log", "ab")
+        except OSError as exc:             # a full disk among others: no W&B run, the run goes on
+            self.log.warning("wandb_off", error=str(exc))
+            return
         try:
             self._wandb = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)

@@ -2,9 +2,10 @@
 
 The run dir is ``{state_dir}/jobs/{job}/``: ``run.toml`` (the validated
 spec, written by ``marind.agent.torchrun_args``), ``logs/torchrun.log``
-(torchrun's and the workers' output), ``progress/`` (the workers'
-records) and ``pids.json`` (torchrun's and the workers' pids with their
-start times).
+(torchrun's and the workers' output, through a relay process: ``output_relay``;
+a full disk drops output there, never fails a write of torchrun's), ``progress/``
+(the workers' records) and ``pids.json`` (torchrun's and the workers' pids with
+their start times).
 
 torchrun runs in its own session with ``PR_SET_PDEATHSIG = SIGTERM`` (set by a shim):
 if the agent dies, torchrun is told to stop and stops its workers. When
@@ -16,23 +17,29 @@ round.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
+from marind.agent.output_relay import OutputRelay
 from marind.agent.warm_start.zygote import read_pid_map
 from marind.core import workerenv as WE
+from marind.core.disk import is_disk_full
+from marind.core.jsonfile import write_json_atomic
 from marind.core.log import get_logger
 
 PR_SET_PDEATHSIG = 1
+#: how long torchrun's exit waits for its relay to put the last output into the log
+DRAIN_S = 2.0
 
 
 # Sets PR_SET_PDEATHSIG in the child, then execs torchrun (same pid; the setting survives exec).
@@ -94,32 +101,54 @@ class TorchrunSupervisor:
         run_dir: the job's run dir (logs, ``pids.json``).
         command: torchrun's argv (``torchrun_command``).
         env: its environment (``worker_env``).
+        on_disk_full: told ``(what, path, error)`` when a write into the run dir found the disk full
+            (the agent's state-dir watch); None: logged.
     """
 
     job: str
     run_dir: Path
     command: list[str]
     env: dict
+    on_disk_full: Callable[[str, Path, OSError], object] | None = None
     proc: subprocess.Popen | None = None
     stopping: bool = False
     started_at: float = 0.0
     _workers: dict[int, WorkerProc] = field(default_factory=dict)
     _stubs: dict[int, WorkerProc] = field(default_factory=dict)     # torchrun's children, by pid
+    _relay: OutputRelay | None = None
+    _exited_at: float | None = None       # when poll() first saw torchrun gone (its relay drains)
 
     def __post_init__(self):
         self.log = get_logger(__name__, job=self.job)
 
+    @property
+    def log_path(self) -> Path:
+        """``logs/torchrun.log``: torchrun's and the workers' output."""
+        return self.run_dir / "logs" / "torchrun.log"
+
     def start(self) -> None:
-        """Start torchrun behind the PDEATHSIG shim, output appended to ``logs/torchrun.log``."""
-        log_path = self.run_dir / "logs" / "torchrun.log"
-        with open(log_path, "ab") as logf:
-            logf.write(f"--- marind: starting torchrun at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
-                       .encode())
-            logf.flush()
-            shim = [sys.executable, "-c", _PDEATHSIG_SHIM, str(os.getpid())]
-            self.proc = subprocess.Popen([*shim, *self.command], env=self.env, cwd=self.run_dir, stdout=logf,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+        """Start torchrun behind the PDEATHSIG shim, its output appended to ``logs/torchrun.log`` by a
+        relay (``output_relay``; where no relay can start, torchrun writes the file itself)."""
+        header = f"--- marind: starting torchrun at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n".encode()
+        shim = [sys.executable, "-c", _PDEATHSIG_SHIM, str(os.getpid())]
+        try:
+            self._relay = OutputRelay.start(self.log_path)
+            out = self._relay.fd
+        except OSError as exc:
+            self.log.warning("output_relay_failed", error=str(exc), action="torchrun writes its log itself")
+            out = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            try:
+                os.write(out, header)
+            except OSError:
+                pass                      # a full disk, or the relay gone already: torchrun's own output tells
+            self.proc = subprocess.Popen([*shim, *self.command], env=self.env, cwd=self.run_dir, stdout=out,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            if self._relay is not None:
+                self._relay.handed_over()
+            else:
+                os.close(out)
         self.started_at = time.time()
         self._save_pids()
         self.log.info("torchrun_started", pid=self.proc.pid, command=" ".join(self.command))
@@ -130,8 +159,30 @@ class TorchrunSupervisor:
         return self.proc.pid if self.proc else None
 
     def poll(self) -> int | None:
-        """torchrun's exit code, or None while it runs (or before ``start``)."""
-        return self.proc.poll() if self.proc else None
+        """torchrun's exit code once it exited and its output is in the log (its relay ended, or
+        ``DRAIN_S`` passed); None while it runs (or before ``start``). Hands the relay's word of a
+        full disk to ``on_disk_full``."""
+        if self.proc is None:
+            return None
+        rc = self.proc.poll()
+        relay = self._relay
+        if relay is None:
+            return rc
+        for status in relay.statuses():
+            if status.get("event") == "full":
+                code = getattr(errno, str(status.get("errno")), errno.EIO)
+                self._disk_error("torchrun output", self.log_path, OSError(code, str(status.get("error"))))
+        if rc is None or relay.done():
+            return rc
+        now = time.monotonic()
+        self._exited_at = self._exited_at if self._exited_at is not None else now
+        return rc if now - self._exited_at >= DRAIN_S else None
+
+    def _disk_error(self, what: str, path: Path, exc: OSError) -> None:
+        """A write into the run dir failed: a full disk is the state-dir watch's to say (once); anything
+        else is logged here."""
+        if not (self.on_disk_full is not None and is_disk_full(exc) and self.on_disk_full(what, path, exc)):
+            self.log.warning("run_dir_write_failed", what=what, path=str(path), error=str(exc))
 
     def workers(self) -> list[WorkerProc]:
         """torchrun's live worker children, with their ranks from their environment."""
@@ -235,6 +286,8 @@ class TorchrunSupervisor:
             self.proc.wait(5)
         except subprocess.TimeoutExpired:
             pass
+        if self._relay is not None:
+            self._relay.close()           # it ends by itself once the last worker is gone
         self._clear_pids()
         return self.proc.returncode
 
@@ -250,9 +303,10 @@ class TorchrunSupervisor:
                 processes.append({"pid": pid, "create_time": psutil.Process(pid).create_time()})
             except psutil.Error:
                 continue
-        tmp = self.run_dir / ".pids.json.tmp"
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, self.run_dir / "pids.json")
+        try:
+            write_json_atomic(self.run_dir / "pids.json", doc)
+        except OSError as exc:           # a restarted agent could not reap what this file leaves out
+            self._disk_error("pids.json", self.run_dir / "pids.json", exc)
 
     def _clear_pids(self) -> None:
         try:

@@ -1,7 +1,8 @@
 """TensorBoard event files, written synchronously with TensorBoard's own record format and protos.
 
 One :class:`EventWriter` per run and directory: a new file
-``events.out.tfevents.{time}.{host}.{pid}.marind`` opened with the ``brain.Event:2`` version
+``events.out.tfevents.{time}.{host}.{pid}.marind`` (``.1``, ``.2``, ... after it for another one in
+the same second: the curves resumed after a full disk) opened with the ``brain.Event:2`` version
 event, then one ``Event`` per scalar (``simple_value`` at the report's step and wall time).
 No background thread, no TensorFlow: ``flush`` after each batch, ``close`` at the run's end.
 A job that runs again (a new agent run) starts a new file in the same directory;
@@ -33,11 +34,22 @@ class EventWriter:
     def __init__(self, directory: Path):
         directory.mkdir(parents=True, exist_ok=True)
         name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.marind"
-        self.path = directory / name
+        self.path, n = directory / name, 0
+        while self.path.exists():           # a second file this second (the curves resumed): sorts after
+            n += 1
+            self.path = directory / f"{name}.{n}"
         self._fh = open(self.path, "ab")
         self._records = RecordWriter(self._fh)
-        self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
-        self.flush()
+        try:
+            self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+            self.flush()
+        except OSError:                     # a full disk: leave no empty file behind
+            try:
+                self._fh.close()
+            except OSError:
+                pass
+            self.path.unlink(missing_ok=True)
+            raise
 
     def scalar(self, tag: str, value: float, step: int, wall_time: float) -> None:
         """One scalar ``tag`` = ``value`` at ``step`` (``wall_time``: when it was reported)."""

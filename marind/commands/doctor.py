@@ -3,7 +3,8 @@
 Checks torch/CUDA/NCCL versions, backend availability, an all-reduce
 across 2 local processes, etcd reachability with a write test, each etcd
 member's health and which one leads (a member down while the others hold a
-quorum is a warning; no quorum fails), the
+quorum is a warning; no quorum fails), the registered agents' state dirs
+(a node whose agent says its state dir is full fails), the
 checkpoint store (fsspec) with a write/read/delete test, the etcd binary
 for the embedded default, and free disk in the state dir. Prints a
 pass/fail table with the fix for each failure; exit 1 if any fails.
@@ -179,6 +180,30 @@ def check_etcd_members(flag: str | None, config_file: str | None) -> list[Check]
     return checks
 
 
+def check_agent_state_dirs(flag: str | None, config_file: str | None) -> Check | None:
+    """A row from the registered agents' own word: FAIL naming each node whose state dir is full
+    (its record's ``state_dir_full``); None when etcd cannot be asked (``check_etcd`` says why)."""
+    from marind.control.jobs_client import connect, node_issues
+    from marind.control.nodes import live_nodes
+    from marind.core.errors import MarindError
+    try:
+        client = connect(flag, config_file)
+    except MarindError:
+        return None
+    try:
+        nodes = live_nodes(client)
+    except MarindError:
+        return None
+    finally:
+        client.close()
+    issues = node_issues(nodes)
+    if issues:
+        return Check("agent state dirs", False, "; ".join(issues.values()),
+                     "free space in that state dir; its agent sees it within seconds, says so (an event on "
+                     "each job) and starts jobs there again")
+    return Check("agent state dirs", True, f"{len(nodes)} agent(s) registered, none with a full state dir")
+
+
 def check_store(url: str, storage_options: dict | None = None) -> Check:
     try:
         import fsspec
@@ -275,6 +300,9 @@ def run(args) -> int:
     checks.append(check_allreduce())
     checks.append(check_etcd(args.etcd, args.config))
     checks.extend(check_etcd_members(args.etcd, args.config))
+    agents = check_agent_state_dirs(args.etcd, args.config)
+    if agents is not None:
+        checks.append(agents)
     options = json.loads(args.storage_options) if args.storage_options else None
     checks.append(check_store(args.ckpt or f"file://{os.path.join(state_dir, 'ckpt')}", options))
     checks.append(check_etcd_binary())

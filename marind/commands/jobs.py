@@ -167,12 +167,17 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def _print_nodes(nodes: list[dict]) -> None:
+    """The node table, then a line for each node that says what is wrong with it (a full state dir)."""
+    from marind.control.jobs_client import node_issues
+
     if not nodes:
         print("No nodes.")
         return
     print(_table(["NODE", "HOST", "SLOTS", "VERSION", "UP"],
                  [[n["node"], n.get("host", "-"), _fmt(n.get("slots")), _fmt(n.get("version")),
                    f"{time.time() - float(n.get('started_at', time.time())):.0f}s"] for n in nodes]))
+    for line in node_issues({n["node"]: n for n in nodes}).values():
+        print(line)
 
 
 def status(args) -> int:

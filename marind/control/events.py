@@ -58,6 +58,16 @@ CHECKPOINT_MEMORY_FALLBACK = "checkpoint_memory_fallback"
 CHECKPOINT_FAILED = "checkpoint_failed"
 
 
+#: The agent's state dir (its run dirs: torchrun's output, progress, curves) filled up: ``{path,
+#: free_bytes, error, where, effect[, action]}`` on each job the agent runs, once per episode, and
+#: on a job it did not start because of it (``action``); running jobs go on, their output is dropped
+#: (``marind.agent.state_dir``).
+STATE_DIR_FULL = "state_dir_full"
+#: ... and space came back: ``{path, free_bytes, full_s, dropped}`` on the same jobs; the writes
+#: go on from now (nothing dropped is made up for).
+STATE_DIR_RECOVERED = "state_dir_recovered"
+
+
 def event_key(client: EtcdClient, job: str, n: int) -> str:
     """The key of the job's event numbered ``n`` (its place in the ring, not its ``seq``)."""
     return client.key("jobs", job, "events", f"{n:012d}")

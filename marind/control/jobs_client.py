@@ -50,7 +50,8 @@ def connect(etcd: str | None = None, config_file: str | None = None, state_dir: 
     return client
 
 
-def row_reason(state: str, state_reason: str, last_error: dict | None, checkpoint_error: str | None = None) -> str:
+def row_reason(state: str, state_reason: str, last_error: dict | None, checkpoint_error: str | None = None,
+               node_issue: str | None = None) -> str:
     """A job's reason as `status` shows it.
 
     Args:
@@ -58,17 +59,31 @@ def row_reason(state: str, state_reason: str, last_error: dict | None, checkpoin
         state_reason: the reason its state record carries.
         last_error: ``{p}/jobs/{job}/last_error`` (the last worker error line), or None.
         checkpoint_error: the job's progress's ``checkpoint_error`` (why its latest save failed), or None.
+        node_issue: what is wrong with a node the job runs on (``node_issues``: a full state dir), or None.
 
     Returns:
         For RESTARTING and FAILED, the last worker error line when one was recorded; else the
         state's reason; for RUNNING and SUCCEEDED, why the latest checkpoint save failed while
-        no later one committed.
+        no later one committed; for RUNNING, else, what is wrong with one of its nodes.
     """
     if state in REASON_STATES and isinstance(last_error, dict) and last_error.get("line"):
         return str(last_error["line"])
     if state in ("RUNNING", "SUCCEEDED") and checkpoint_error:
         return checkpoint_error
+    if state == "RUNNING" and node_issue:
+        return node_issue
     return state_reason
+
+
+def node_issues(nodes: dict[str, dict]) -> dict[str, str]:
+    """What is wrong with each registered node that says so, by name: ``node n1: state dir ... is full ...``
+    (the node record's ``state_dir_full``, written by its agent while its state dir is full)."""
+    out = {}
+    for name, rec in sorted(nodes.items()):
+        full = rec.get("state_dir_full")
+        if isinstance(full, dict):
+            out[name] = f"node {name}: {full.get('reason') or 'state dir full'}"
+    return out
 
 
 class JobsClient:
@@ -117,19 +132,20 @@ class JobsClient:
 
     def job(self, job: str) -> dict:
         """One job's status row (``NotFound`` when there is no such job)."""
-        return self._job_row(J.read_job(self.client, job))
+        return self._job_row(J.read_job(self.client, job), node_issues(live_nodes(self.client)))
 
     def jobs(self) -> list[dict]:
         """Every job's status row, in submission order."""
         rows = []
+        issues = node_issues(live_nodes(self.client))
         for job in J.list_job_ids(self.client):
             try:
-                rows.append(self._job_row(J.read_job(self.client, job)))
+                rows.append(self._job_row(J.read_job(self.client, job), issues))
             except NotFound:
                 continue
         return sorted(rows, key=lambda r: r["submitted_rev"])
 
-    def _job_row(self, view: J.JobView) -> dict:
+    def _job_row(self, view: J.JobView, issues: dict[str, str]) -> dict:
         nodes = J.job_nodes(self.client, view.id)
         progress = self.client.get_json(self.client.key("jobs", view.id, "progress")) or {}
         nproc = view.nproc_per_node
@@ -140,7 +156,8 @@ class JobsClient:
         state = view.state.state.value
         return {"id": view.id, "name": view.name,
                 "state": state, "reason": row_reason(state, view.state.reason, last_error,
-                                                     progress.get("checkpoint_error")),
+                                                     progress.get("checkpoint_error"),
+                                                     next((issues[n] for n in sorted(nodes) if n in issues), None)),
                 "last_error": last_error,
                 "nodes": sorted(nodes), "world_size": world or 0,
                 "step": _last_step(progress.get("step"), view.state.step), "loss": progress.get("loss"),

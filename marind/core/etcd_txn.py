@@ -39,6 +39,12 @@ def equals(key: str, value: str | bytes) -> Any:
                            result=etcdrpc.Compare.EQUAL, value=_b(value))
 
 
+def lease_is(key: str, lease_id: int) -> Any:
+    """Compare: ``key`` is attached to the lease ``lease_id`` (false when it is absent)."""
+    return etcdrpc.Compare(key=_b(key), target=etcdrpc.Compare.LEASE, result=etcdrpc.Compare.EQUAL,
+                           lease=lease_id)
+
+
 def created_before(prefix: str, revision: int) -> Any:
     """Compare: every key under ``prefix`` was created before ``revision`` (none since; true when
     there is none). Nothing under ``prefix`` is sent back."""

@@ -11,7 +11,9 @@ W&B: ``marind.agent.run_history``) global rank 0's reporter also appends each re
 ``loss``, ``tokens_per_s`` and ``metrics`` are left out when not reported. A loss that is
 NaN or infinite is written as ``"loss_nonfinite": "nan"`` (or ``"inf"``, ``"-inf"``) and no
 ``loss``. Past :data:`ROTATE_BYTES` the writer renames the file to ``...jsonl.1`` (replacing
-an older one) and starts a new one; :class:`HistoryTail` reads across that rename.
+an older one) and starts a new one; :class:`HistoryTail` reads across that rename. A line that
+finds the disk full is dropped (the curves have a gap there, training goes on); when a line
+was cut short, the next one starts on a new line so that only the cut one is unreadable.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from marind.core.disk import is_disk_full
 
 #: The file's size at which the writer starts a new one (the old one becomes ``.1``).
 ROTATE_BYTES = 32 << 20
@@ -60,25 +64,41 @@ class HistoryWriter:
 
     def __init__(self, path: Path, rotate_bytes: int = ROTATE_BYTES):
         self.path, self.rotate_bytes = path, rotate_bytes
+        self.dropped = 0          # lines dropped on a full disk
+        self._cut = False         # the last line written was cut short: the next starts a new line
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def append(self, line: dict[str, Any]) -> None:
         """Append one line (one ``write`` of a whole line: a reader never sees half of one).
 
+        On a full disk (ENOSPC, EDQUOT) the line is dropped (``dropped`` counts them).
+
         Raises:
-            OSError: the file could not be written.
+            OSError: the file could not be written for another reason.
         """
         data = (json.dumps(line, separators=(",", ":")) + "\n").encode()
+        if self._cut:
+            data = b"\n" + data
         try:
             if self.path.stat().st_size + len(data) > self.rotate_bytes:
                 os.replace(self.path, self.path.with_name(self.path.name + ".1"))
         except FileNotFoundError:
             pass
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        written = 0
         try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                written = os.write(fd, data)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+        if written < len(data):
+            self.dropped += 1
+            self._cut = self._cut or written > 0
+        else:
+            self._cut = False
 
 
 @dataclass

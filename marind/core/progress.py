@@ -1,8 +1,10 @@
 """The progress record each worker rank leaves for its local marind agent: one definition.
 
 Where: ``$MARIND_RUN_DIR/progress/rank-{global_rank}.json`` (:func:`record_path`), one file
-per rank, rewritten atomically (temp file in the same directory, then ``os.replace``) at
-start, after every optimizer step and at the end. Written by :class:`ProgressWriter` (the
+per rank, rewritten atomically (``marind.core.jsonfile``: a spare swapped in, so a full disk
+does not stop it; a temp file renamed over it where there is no spare yet) at start, after every
+optimizer step and at the end. A write that finds the disk full anyway is skipped (the next
+update writes the record whole): a worker never fails for its progress record. Written by :class:`ProgressWriter` (the
 reference trainer, any worker), read by the agent (``marind.agent.progress``) and by
 ``marind.agent.ft.coordinator`` for the torchft fields.
 
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from marind.core.disk import is_disk_full
 from marind.core.jsonfile import read_json_object, write_json_atomic
 
 #: A worker's phases, in the order a run goes through them.
@@ -278,16 +281,20 @@ class ProgressWriter:
         self.record = ProgressRecord(rank=rank, local_rank=local_rank, world_size=world_size, pid=os.getpid(),
                                      step=0, loss=None, tokens_per_s=None, last_checkpoint_step=None,
                                      phase="starting", updated_at=time.time(), phase_s={})
+        self.dropped = 0          # writes skipped on a full disk
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def update(self, **fields: Any) -> None:
         """Set ``fields`` (names of :class:`ProgressRecord`), stamp ``updated_at``, rewrite the file.
 
+        A full disk (ENOSPC, EDQUOT) is not an error: the record is kept and written by the next
+        update that fits (``dropped`` counts the writes skipped).
+
         Raises:
             ValueError: ``phase`` is not one of :data:`PHASES`.
             TypeError: a name is not a field of the record.
-            OSError: the file could not be written.
+            OSError: the file could not be written for another reason.
         """
         if "phase" in fields and fields["phase"] not in PHASES:
             raise ValueError(f"unknown phase {fields['phase']!r}")
@@ -296,4 +303,9 @@ class ProgressWriter:
                                           phase_s=add_phase_time(self.record, now, fields.get("phase"),
                                                                  fields.get("step")))
         if self.path:
-            write_record(self.path, self.record)
+            try:
+                write_record(self.path, self.record)
+            except OSError as exc:
+                if not is_disk_full(exc):
+                    raise
+                self.dropped += 1

@@ -108,7 +108,8 @@ class Reporter(ProgressWriter):
 
         Raises:
             TypeError: a metric is not a number.
-            OSError: the file could not be written.
+            OSError: the file could not be written (not for a full disk: the record waits for the
+                next report, and rank 0's history line is dropped).
         """
         now = self._clock()
         rate = tokens_per_s(tokens, now - self._mark)
@@ -185,7 +186,8 @@ def report(step: int, loss: float | torch.Tensor | None = None, tokens: float | 
 
     Raises:
         TypeError: a metric is not a number.
-        OSError: the record could not be written.
+        OSError: the record could not be written (a full disk is not an error: it is written at the next
+            report that fits).
     """
     reporter = default_reporter()
     if reporter is None:

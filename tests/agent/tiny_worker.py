@@ -4,13 +4,14 @@ Joins the process group (gloo on CPU), "trains" ``train.steps`` steps (an
 all-reduce and a short sleep each), writes the progress record of the
 agent contract after every step, and "checkpoints" the step number to
 ``checkpoint.url`` (a file:// dir) so that a restarted job resumes where
-it left off. Rank 0 writes ``done.json`` there at the end.
+it left off. Rank 0 writes ``done.json`` there at the end. With
+``MARIND_TEST_PRINT_STEPS=1`` each rank prints a line (1 KB) per step (into torchrun's log); with
+``MARIND_TEST_LAST_STEP_GATE=FILE`` the last step waits until FILE exists.
 """
 
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import signal
 import sys
@@ -21,13 +22,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from marind.core.disk import is_disk_full
+from marind.core.jsonfile import write_json_atomic
 from marind.distributed import init_distributed, shutdown_distributed
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
+    write_json_atomic(path, obj)      # as a real worker's record (marind.core.jsonfile): a full disk does not stop it
 
 
 def main(argv: list[str]) -> int:
@@ -38,6 +39,8 @@ def main(argv: list[str]) -> int:
     ckpt.mkdir(parents=True, exist_ok=True)
     sleep_s = float(os.environ.get("MARIND_TEST_STEP_SLEEP", "0.2"))
     hang_at = int(os.environ.get("MARIND_TEST_HANG_AT_STEP", "0"))
+    chatty = os.environ.get("MARIND_TEST_PRINT_STEPS") == "1"      # a line on stdout per step
+    gate = os.environ.get("MARIND_TEST_LAST_STEP_GATE")            # the last step waits for this file
     device = init_distributed(timeout_s=60)
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -52,7 +55,11 @@ def main(argv: list[str]) -> int:
     def report(**fields):
         record.update(fields, updated_at=time.time())
         if record_path:
-            _write_json(record_path, record)
+            try:
+                _write_json(record_path, record)
+            except OSError as exc:    # as marind.core.progress.ProgressWriter: a full disk skips one write
+                if not is_disk_full(exc):
+                    raise
 
     report()
     step_file = ckpt / "step"
@@ -66,6 +73,8 @@ def main(argv: list[str]) -> int:
         if hang_at and step == hang_at and rank == 0 and not (ckpt / "hung-once").exists():
             (ckpt / "hung-once").write_text("1")
             time.sleep(3600)
+        while gate and step == steps - 1 and not Path(gate).exists():
+            time.sleep(0.1)
         x = torch.ones(1, device=device)
         dist.all_reduce(x)
         time.sleep(sleep_s)
@@ -74,6 +83,8 @@ def main(argv: list[str]) -> int:
             step_file.write_text(str(step))
         tps = 1000.0 * world / max(1e-6, (time.monotonic() - tic) / max(1, step - start))
         report(step=step, loss=1.0 / step, tokens_per_s=tps, last_checkpoint_step=step)
+        if chatty:
+            print(f"rank {rank} step {step} " + "." * 1000, flush=True)
     report(phase="done")
     if rank == 0:
         _write_json(ckpt / "done.json", {"step": step, "world_size": world, "resumed_from": start})

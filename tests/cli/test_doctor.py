@@ -18,10 +18,10 @@ def test_doctor_passes_on_a_good_node(etcd, etcd_prefix, s3, s3_url, tmp_path, c
     doc = json.loads(capsys.readouterr().out)
     names = [c["name"] for c in doc["checks"]]
     member = f"etcd member {etcd.endpoint}"            # one row per endpoint given: a single member leads
-    assert names == ["torch", "cuda", "backends", "all-reduce", "etcd", member, "checkpoint store", "etcd binary",
-                     "free disk"]
+    assert names == ["torch", "cuda", "backends", "all-reduce", "etcd", member, "agent state dirs", "checkpoint store",
+                     "etcd binary", "free disk"]
     by_name = {c["name"]: c for c in doc["checks"]}
-    for name in ("torch", "backends", "all-reduce", "etcd", member, "checkpoint store"):
+    for name in ("torch", "backends", "all-reduce", "etcd", member, "agent state dirs", "checkpoint store"):
         assert by_name[name]["ok"], by_name[name]
     assert by_name[member]["detail"].startswith("leader,") and not by_name[member]["warn"]
     assert rc == (0 if doc["ok"] else 1)

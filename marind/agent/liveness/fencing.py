@@ -29,12 +29,13 @@ what is reported of it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from marind.agent.decisions import fence_due, stall_window
 from marind.agent.link import Link
 from marind.agent.run_monitor import RunMonitor
 from marind.core.errors import ControlPlaneUnavailable
-from marind.core.lease_file import write_lease
+from marind.core.lease_file import lease_path, write_lease
 from marind.core.log import get_logger
 
 
@@ -46,12 +47,16 @@ class Fencing:
         node: this node's name.
         commit_fence: where a run's commits are fenced by the data-network watch
             (``DataNetwork.commit_fence_at``; None: they are not).
+        on_disk_full: told of a lease file that found the disk full (the state-dir watch says it
+            once; True when it was that); any other failure is logged here.
     """
 
     def __init__(self, link: Link, node: str,
-                 commit_fence: Callable[[RunMonitor], float | None] = lambda run: None) -> None:
+                 commit_fence: Callable[[RunMonitor], float | None] = lambda run: None,
+                 on_disk_full: Callable[[str, Path, OSError], bool] = lambda what, path, exc: False) -> None:
         self.link = link
         self.commit_fence = commit_fence
+        self.on_disk_full = on_disk_full
         self.fenced: dict[str, dict] = {}     # job -> what was fenced, until the job runs here again
         self._unreported: list[str] = []      # jobs whose host_fenced waits for the new registration
         self._lease_written = 0.0
@@ -109,8 +114,12 @@ class Fencing:
                 write_lease(run.run_dir, renewed_at=renewed_at, ttl=ttl, node=self.node,
                             until=self.commit_fence(run))
             except OSError as exc:
-                self.log.warning("lease_file_failed", job=run.job, error=str(exc))
+                self._failed(run, exc)
         self._lease_written = renewed_at if runs else 0.0
+
+    def _failed(self, run: RunMonitor, exc: OSError) -> None:
+        if not self.on_disk_full("lease.json", lease_path(run.run_dir), exc):
+            self.log.warning("lease_file_failed", job=run.job, error=str(exc))
 
     def started(self, run: RunMonitor) -> None:
         """A run just started: its lease file now (the next renewal rewrites it)."""
@@ -118,7 +127,7 @@ class Fencing:
         try:
             write_lease(run.run_dir, renewed_at=reg.trusted_renewal, ttl=reg.ttl, node=self.node)
         except OSError as exc:
-            self.log.warning("lease_file_failed", job=run.job, error=str(exc))
+            self._failed(run, exc)
 
     def rejoined(self, job: str) -> dict | None:
         """The job starts here again: what was fenced of it (None: it was not)."""

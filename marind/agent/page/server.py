@@ -50,10 +50,14 @@ def page_token(host: str, state_dir: str | Path) -> str | None:
     if not token:
         token = secrets.token_urlsafe(24)
         path = Path(state_dir) / "page.token"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(token + "\n")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(token + "\n")
+        except OSError as exc:     # a full state dir: the page asks for a token nobody can read; set MARIND_PAGE_TOKEN
+            get_logger(__name__).warning("page_token_unwritten", path=str(path), error=str(exc),
+                                         fix="set MARIND_PAGE_TOKEN, or free space and restart the agent")
     return token
 
 

@@ -56,6 +56,7 @@ import sys
 import threading
 from pathlib import Path
 
+from marind.core.jsonfile import write_json_atomic
 from marind.core.workerenv import WORKING_DIR
 
 PR_SET_PDEATHSIG = 1
@@ -282,10 +283,10 @@ class Zygote:
             self._save_pid_map()
 
     def _save_pid_map(self) -> None:
-        path = self.pid_map
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({str(stub): pid for pid, (_, stub) in self.children.items()}))
-        os.replace(tmp, path)
+        try:      # through its spare (marind.core.jsonfile): a full disk does not stop it
+            write_json_atomic(self.pid_map, {str(stub): pid for pid, (_, stub) in self.children.items()})
+        except OSError as exc:        # never a reason to stop forking (the workers die with the zygote)
+            sys.stderr.write(f"marind.agent.warm_start.zygote: cannot write {self.pid_map}: {exc}\n")
 
     def serve(self, parent_pid: int) -> None:
         """Fork workers on request until told to stop (SIGTERM) or torchrun is gone, then outlive
