@@ -92,7 +92,7 @@ def test_sigterm_stops_cleanly_under_torchrun(data, tmp_path):
     for rank, rec in enumerate(recs):
         assert rec["phase"] == "done" and rec["rank"] == rank and rec["world_size"] == 2, rec
         assert set(rec) == {"rank", "local_rank", "world_size", "pid", "step", "loss", "tokens_per_s",
-                            "last_checkpoint_step", "phase", "updated_at", "metrics", "compute_s"}
+                            "last_checkpoint_step", "phase", "updated_at", "metrics", "compute_s", "phase_s"}
         assert rec["metrics"]["peak_memory_bytes"] > 0     # every rank's own peak, in its final record
     assert '"event": "stopping"' in out and '"job": "job-sigterm"' in out
     latest = CheckpointStore(f"file://{tmp_path / 'ckpt'}").latest()
