@@ -3,7 +3,10 @@
 its peer through torchft's own recovery, and both groups end with the same parameters.
 
 The nudge lands right after the checked step is committed, so the check that follows must see it
-(an ulp left alone for a few steps can be rounded away, and the test could not fail then).
+(an ulp left alone for a few steps can be rounded away, and the test could not fail then). Both
+groups are in every quorum (``min_replicas = 2``): with one, a group that started a second earlier
+trained alone past the nudge (its steps take 20 ms) and the late one healed from it, taking the
+nudged state as its own; there was nothing left to find (1 run in 5 on this machine).
 """
 
 from __future__ import annotations
@@ -26,9 +29,8 @@ def _events(tmp_path, group: int, event: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{") and f'"{event}"' in line]
 
 
-@pytest.mark.slow            # failed in the clean-clone CI run of this stop; make chaos until mended (issue notes)
 def test_one_ulp_of_drift_is_found_at_the_next_check_and_the_group_heals_from_its_peer(tmp_path, lighthouse):
-    spec = ft_spec(tmp_path, steps=STEPS, fault_extra=f"drift_check_every = {EVERY}")
+    spec = ft_spec(tmp_path, steps=STEPS, min_replicas=2, fault_extra=f"drift_check_every = {EVERY}")
     env = {"MARIND_TEST_FT_DRIFT": f"1:{DRIFT_AT}"}
     for g in (0, 1):
         start_group(tmp_path, g, spec, lighthouse=lighthouse.address, env=env)
