@@ -3,6 +3,11 @@
 SIGKILL one agent's whole process tree mid-run: the job re-forms on the
 survivor and finishes with the right step count. The killed agent,
 restarted on the same state dir, registers again.
+
+Slow (``make chaos``, for CI's time): CI has a node's loss and the survivors' new round in
+``tests/chaos/test_host_scenarios.py`` (power-off of the rank-0 host), ``test_silent_node_loss.py``
+and the rendezvous's own ``test_torchrun.py``, and an agent registering again in
+``test_outage_no_fence.py``.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import json
 
 import psutil
+import pytest
 
 from marind.cli import main
 from tests.agent.helpers import agent_log, done_record, job_state, node_registered, start_agent, tiny_spec, wait_for
@@ -29,6 +35,7 @@ def _kill_tree(pid: int) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
+@pytest.mark.slow
 def test_node_loss_and_rejoin(tmp_path, etcd, etcd_client, etcd_prefix, capsys, monkeypatch):
     monkeypatch.setenv("MARIND_ETCD", etcd.endpoint)
     monkeypatch.setenv("MARIND_PREFIX", etcd_prefix)

@@ -7,6 +7,10 @@ stops moving, the agent's hang detection (``hang_timeout = "4s"``) dumps the sta
 restarts the workers, they resume from the step-2 checkpoint through
 ``load_training_state``, and the job SUCCEEDs with the same final state as a run that never
 hung.
+
+Slow (``make chaos``, for CI's time): CI has hang detection under a real agent in
+``tests/agent/test_agent_e2e.py`` and the own-script path through ``report()`` in
+``test_submit_own_scripts.py``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ def hang_spec(tmp: Path, out: Path) -> Path:
     return command_spec(tmp, "own-hang", ["python", "mlp_ddp.py"], env, max_restarts=3, hang_timeout="4s")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_hanging_script_is_detected_through_report_and_restarted(tmp_path, etcd, etcd_client, etcd_prefix,
                                                                  capsys, monkeypatch):
