@@ -1,12 +1,15 @@
 """Corrupt one object of the newest committed checkpoint: bit rot, a torn write.
 
     python chaos/corrupt_checkpoint.py [--job JOB] [--url CKPT_URL] [--step S]
-        [--mode flip|truncate] [--object KEY | --within PREFIX] [--bytes 8] [--seed N] [--storage-options JSON]
+        [--mode flip|truncate] [--object KEY | --within PREFIX [--chunks-only]] [--bytes 8] [--seed N]
+        [--storage-options JSON]
 
 The checkpoint is ``--step`` or the newest committed one (its
 ``manifest.json`` exists) under ``--url`` (default: the job spec's
 ``checkpoint.url``). The object is ``--object`` or a seeded choice among
-the manifest's non-empty objects. ``flip`` inverts ``--bytes`` bytes at
+the manifest's non-empty objects (``--chunks-only``: among the array chunks, the
+data a load reads; the arrays' ``zarr.json`` files are for other Zarr readers,
+marind's loader goes by the manifest). ``flip`` inverts ``--bytes`` bytes at
 seeded offsets (size unchanged, so only a checksum notices); ``truncate``
 cuts the object to half its size. The manifest itself is left alone, so
 the step still looks committed. One ``corrupt`` line; exit 0 if an object
@@ -21,15 +24,17 @@ from marind.testing.chaos.ckpt import add_root_args, committed_steps, read_manif
 from marind.testing.chaos.common import NothingToDo, base_parser, connect, emit, run, seeded_rng
 
 
-def choose_object(objects: dict, rng, key: str | None, within: str = "") -> str:
+def choose_object(objects: dict, rng, key: str | None, within: str = "", chunks_only: bool = False) -> str:
     """The object to corrupt: ``key`` if given (must be in the manifest), else a seeded choice
-    among the non-empty objects whose key starts with ``within``."""
+    among the non-empty objects whose key starts with ``within`` (``chunks_only``: that hold array
+    chunks, those the manifest gives a ``chunks_crc32c``)."""
     if key is not None:
         if key not in objects:
             raise ValueError(f"--object {key!r} is not in the manifest (it lists {len(objects)} objects)")
         return key
     candidates = sorted(k for k, v in objects.items()
-                        if k.startswith(within) and int((v or {}).get("size", 0)) > 0)
+                        if k.startswith(within) and int((v or {}).get("size", 0)) > 0
+                        and (not chunks_only or "chunks_crc32c" in (v or {})))
     if not candidates:
         raise NothingToDo(f"the manifest lists no non-empty object under {within!r}")
     return rng.choice(candidates)
@@ -55,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--object", help="manifest key of the object to corrupt")
     parser.add_argument("--within", default="", help="choose among objects whose key starts with "
                                                     "this, e.g. model/ (default: any)")
+    parser.add_argument("--chunks-only", action="store_true",
+                        help="choose among the array chunks only (the data a load reads)")
     parser.add_argument("--bytes", type=int, default=8, help="bytes to flip (mode flip)")
     args = parser.parse_args(argv)
     if args.bytes < 1:
@@ -68,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         raise NothingToDo(f"no committed checkpoint under {url}")
     step = args.step if args.step is not None else steps[-1]
     manifest = read_manifest(fs, root, step)
-    key = choose_object(manifest.get("objects") or {}, rng, args.object, args.within)
+    key = choose_object(manifest.get("objects") or {}, rng, args.object, args.within, args.chunks_only)
     path = f"{root}/{step_dir_name(step)}/{key}"
     data = fs.cat_file(path)
     bad, detail = corrupt_bytes(data, args.mode, rng, args.bytes)

@@ -322,3 +322,15 @@ def test_corrupt_checkpoint_seeded_and_nothing_to_corrupt(tmp_path):
     (tmp_path / "empty" / "step-0000000030").mkdir(parents=True)   # a save without its manifest
     res = run_injector("corrupt_checkpoint", "--url", f"file://{tmp_path / 'empty'}")
     assert res.returncode == 1 and res.lines == []
+
+
+def test_corrupt_checkpoint_chunks_only_damages_what_a_load_reads(tmp_path):
+    store = _saved_store(tmp_path / "ckpt")
+    objects = store.manifest(20)["objects"]
+    assert any(k.endswith("zarr.json") for k in objects if k.startswith("model/"))    # what it must skip
+    for seed in range(6):
+        res = run_injector("corrupt_checkpoint", "--url", f"file://{tmp_path / 'ckpt'}", "--within", "model/",
+                           "--chunks-only", "--seed", str(seed))
+        assert res.returncode == 0, res.stderr
+        key = res.lines[0]["key"]
+        assert key.startswith("model/") and "/c/" in key and "chunks_crc32c" in objects[key], key

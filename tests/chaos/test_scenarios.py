@@ -210,11 +210,11 @@ _BASELINES: dict[tuple, dict] = {}
 _BASELINE_SPANS: dict[tuple, float | None] = {}     # (nodes, steps) -> the fault-free run's first-to-last step
 
 
-def fault_free_run(cluster: Cluster, steps: int = STEPS) -> dict:
+def fault_free_run(cluster: Cluster, steps: int = STEPS, every: int = EVERY) -> dict:
     """``{"objects": final tensor bytes, "losses": {step: loss}}`` of a fault-free run (once per module)."""
-    key = (len(cluster.nodes), steps)
+    key = (len(cluster.nodes), steps, every)
     if key not in _BASELINES:
-        job, url = cluster.submit("baseline", steps=steps)
+        job, url = cluster.submit("baseline", steps=steps, every=every)
         assert cluster.wait_done(job)["state"] == "SUCCEEDED"
         _BASELINES[key] = {"objects": final_tensor_objects(_check_checkpoints(cluster, url, steps), url,
                                                            cluster.s3),
@@ -343,12 +343,15 @@ def test_node_lost_and_returned(cluster):
 @pytest.mark.slow
 @pytest.mark.parametrize("cluster", [TWO_NODES], indirect=True)
 def test_corrupt_newest_checkpoint_at_restart_falls_back(cluster):
-    baseline = fault_free_final_state(cluster)
-    job, url = cluster.submit("corrupt")
-    wait_for(lambda: cluster.step(job) >= 2 * EVERY + 1 and len(cluster.store(url).steps()) >= 2,
+    # the kill must land after the corruption and before the next commit, and before the end: 30
+    # steps apart (with 6, a quiet machine ended the 24-step job while the injectors started)
+    steps, every = 100, 30
+    baseline = fault_free_run(cluster, steps, every)["objects"]
+    job, url = cluster.submit("corrupt", steps=steps, every=every)
+    wait_for(lambda: cluster.step(job) >= 2 * every + 1 and len(cluster.store(url).steps()) >= 2,
              240, "two committed checkpoints", interval=0.2, diag=cluster.diag)
     opts = json.dumps({"key": ACCESS_KEY, "secret": SECRET_KEY})
-    bad = run_injector("corrupt_checkpoint", "--job", job, "--within", "model/", "--seed", "2",
+    bad = run_injector("corrupt_checkpoint", "--job", job, "--within", "model/", "--chunks-only", "--seed", "2",
                        "--storage-options", opts, "--s3-endpoint", cluster.s3.endpoint,
                        etcd=cluster.etcd, prefix=cluster.prefix)
     assert bad.returncode == 0, bad.stderr
@@ -361,9 +364,9 @@ def test_corrupt_newest_checkpoint_at_restart_falls_back(cluster):
     logs = "".join(p.read_text(errors="replace") for p in cluster.tmp.glob("state-*/jobs/*/logs/*.log"))
     restored = [json.loads(x[x.index("{"):]) for x in logs.splitlines()
                 if '"event": "restored"' in x and x.lstrip().startswith(("{", "["))]
-    assert "ckpt_skip_corrupt" in logs, "the corrupt newest checkpoint must be skipped at restart"
+    assert "ckpt_skip_step" in logs, "the corrupt newest checkpoint must be skipped at restart"
     assert restored and all(r.get("step") != corrupted for r in restored), restored
-    store = _check_checkpoints(cluster, url)
+    store = _check_checkpoints(cluster, url, steps)
     assert final_tensor_objects(store, url, cluster.s3) == baseline
 
 
