@@ -78,21 +78,21 @@ def parse_step_lines(text: str) -> list[StepLine]:
 
 def kept_steps(lines: list[StepLine], start: float, end: float) -> list[StepLine]:
     """The steps kept: of each step number, its last run within [start, end]."""
-    last: dict[int, StepLine] = {}
-    for ln in sorted(lines, key=lambda x: x.at):
-        if start <= ln.at <= end:
-            last[ln.step] = ln
-    return list(last.values())
+    return _one_run_per_step(lines, start, end, last=True)
 
 
 def first_runs(lines: list[StepLine], start: float, end: float) -> list[StepLine]:
     """Each step number's first run within [start, end]: the step the job advanced by (a run
     after a rollback redoes a step; the goodput ledger charges that to ``recompute``)."""
-    first: dict[int, StepLine] = {}
+    return _one_run_per_step(lines, start, end, last=False)
+
+
+def _one_run_per_step(lines: list[StepLine], start: float, end: float, *, last: bool) -> list[StepLine]:
+    runs: dict[int, StepLine] = {}
     for ln in sorted(lines, key=lambda x: x.at):
-        if start <= ln.at <= end:
-            first.setdefault(ln.step, ln)
-    return list(first.values())
+        if start <= ln.at <= end and (last or ln.step not in runs):
+            runs[ln.step] = ln
+    return list(runs.values())
 
 
 def kept_step_seconds(lines: list[StepLine], start: float, end: float) -> tuple[float, int]:

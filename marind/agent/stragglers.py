@@ -41,7 +41,7 @@ from marind.agent.outbox import Outbox
 from marind.agent.progress import ProgressRecord
 from marind.control.events import STRAGGLER, STRAGGLER_CLEARED, STRAGGLER_EXCLUDED
 from marind.control.job_exclusions import exclude, excluded_nodes, exclusion_decision, exclusion_of
-from marind.control.job_records import JobView, mark_jobs_changed, parse_stored_spec
+from marind.control.job_records import JobView, job_nodes, mark_jobs_changed, parse_stored_spec
 from marind.core.errors import ControlPlaneUnavailable
 from marind.core.log import get_logger
 from marind.core.spec import FaultSpec, RunSpec
@@ -256,8 +256,8 @@ class StragglerWatch:
     def _exclude(self, decision: StragglerDecision) -> None:
         """Take the slowest straggler's node out of the job, if the job keeps its minimum without it."""
         client = self.outbox.client
-        nodes = [k.rsplit("/", 1)[-1] for k in client.get_prefix_keys(client.key("jobs", self.job, "nodes") + "/")]
-        out = exclusion_decision(decision.stragglers, nodes, self.min_nodes or 1, excluded_nodes(client, self.job))
+        out = exclusion_decision(decision.stragglers, list(job_nodes(client, self.job)), self.min_nodes or 1,
+                                 excluded_nodes(client, self.job))
         if out.node is None:
             self.log.warning("straggler_kept", reason=out.reason)
             return

@@ -190,9 +190,13 @@ def fold_sample(state: LedgerState, s: Sample) -> None:
     else:
         _charge_sampled(state, s)
     state.marks = dict(s.phase_s) if s.phase_s is not None else None
-    state.mode = {"starting": boot, "restoring": "restore", "checkpointing": "checkpoint",
-                  "done": "shutdown"}.get(s.phase) or _step_cause(state, max(state.step, s.step) + 1)
+    state.mode = _phase_causes(boot).get(s.phase) or _step_cause(state, max(state.step, s.step) + 1)
     state.step = max(state.step, s.step)
+
+
+def _phase_causes(boot: str) -> dict[str, str]:
+    """The cause of time in each phase but training (whose cause depends on the step)."""
+    return {"starting": boot, "restoring": "restore", "checkpointing": "checkpoint", "done": "shutdown"}
 
 
 def _charge_sampled(state: LedgerState, s: Sample) -> None:
@@ -211,11 +215,11 @@ def _charge_sampled(state: LedgerState, s: Sample) -> None:
 
 def _charge_phases(state: LedgerState, s: Sample, base: dict[str, float], boot: str) -> None:
     """Charge up to ``s`` by its process's own phase times since ``base`` (its ``phase_s`` at ``state.t``;
-    ``{}`` for a new process): starting -> ``boot``, restoring -> restore, checkpointing ->
-    checkpoint, done -> shutdown, training -> training and recompute in proportion to the steps
-    done at or below the best step before (shutdown where no step was done before the worker ended). Time the phase times do not cover (before a new process
-    made its record) goes to the current mode; phase times longer than the interval (clocks) are scaled
-    down to it."""
+    ``{}`` for a new process): each phase but training to its cause (``_phase_causes``), training
+    to training and recompute in proportion to the steps done at or below the best step before
+    (shutdown where no step was done before the worker ended). Time the phase times do not cover
+    (before a new process made its record) goes to the current mode; phase times longer than the
+    interval (clocks) are scaled down to it."""
     assert s.phase_s is not None and state.t is not None
     span = s.at - state.t
     deltas = {p: max(0.0, v - base.get(p, 0.0)) for p, v in s.phase_s.items()}
@@ -224,7 +228,7 @@ def _charge_phases(state: LedgerState, s: Sample, base: dict[str, float], boot: 
     _charge(state, state.mode, s.at - covered * scale)
     done = max(0, s.step - state.step)
     redone = max(0, min(s.step, state.best) - state.step)
-    causes = {"starting": boot, "restoring": "restore", "checkpointing": "checkpoint", "done": "shutdown"}
+    causes = _phase_causes(boot)
     for phase, seconds in sorted(deltas.items()):
         seconds *= scale
         if phase in causes:

@@ -16,7 +16,6 @@ import errno
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -25,18 +24,9 @@ from marind.core.history import HistoryTail, HistoryWriter
 from marind.core.jsonfile import read_json_object, write_json_atomic
 from marind.core.progress import ProgressWriter, read_record, record_path
 from marind.testing.small_fs import can_mount, fill, small_tmpfs
+from tests.agent.helpers import wait_for
 
 pytestmark = pytest.mark.skipif(can_mount() is not None, reason=can_mount() or "")
-
-
-def _wait(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def test_a_polled_json_file_is_rewritten_on_a_full_disk(tmp_path):
@@ -89,25 +79,25 @@ def test_the_output_relay_drops_on_a_full_disk_and_says_so_once(tmp_path):
         relay = OutputRelay.start(log)
         try:
             os.write(relay.fd, b"before\n")
-            _wait(lambda: log.exists() and b"before" in log.read_bytes(), 20, "the first line")
+            wait_for(lambda: log.exists() and b"before" in log.read_bytes(), 20, "the first line", interval=0.05)
             ballast = fill(fs)
             printer = subprocess.Popen(   # a worker printing to a full log: it must see no error
                 [sys.executable, "-c", "import sys\nfor i in range(2000): print('line', i, 'x' * 100)\n"
                                        "sys.stdout.flush(); print('done', file=sys.stderr)"],
                 stdout=relay.fd, stderr=subprocess.STDOUT)
             assert printer.wait(60) == 0
-            statuses = _wait(relay.statuses, 20, "the relay's word")
+            statuses = wait_for(relay.statuses, 20, "the relay's word", interval=0.05)
             assert [s["event"] for s in statuses] == ["full"] and statuses[0]["errno"] == "ENOSPC"
             ballast.unlink()
             os.write(relay.fd, b"after\n")
-            resumed = _wait(relay.statuses, 20, "resumed")
+            resumed = wait_for(relay.statuses, 20, "resumed", interval=0.05)
             assert resumed[0]["event"] == "resumed" and resumed[0]["dropped_bytes"] > 0
-            text = _wait(lambda: b"after" in log.read_bytes() and log.read_text(), 20, "the line after")
+            text = wait_for(lambda: b"after" in log.read_bytes() and log.read_text(), 20, "the line after", interval=0.05)
             assert "bytes of output dropped here (ENOSPC" in text
             assert text.index("dropped here") < text.index("after")
         finally:
             relay.handed_over()
-        _wait(relay.done, 20, "the relay's end once its last writer closed the pipe")
+        wait_for(relay.done, 20, "the relay's end once its last writer closed the pipe", interval=0.05)
         assert relay.proc.returncode == 0
         relay.close()
         assert relay.statuses() == []

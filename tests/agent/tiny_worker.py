@@ -27,10 +27,6 @@ from marind.core.jsonfile import write_json_atomic
 from marind.distributed import init_distributed, shutdown_distributed
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    write_json_atomic(path, obj)      # as a real worker's record (marind.core.jsonfile): a full disk does not stop it
-
-
 def main(argv: list[str]) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     spec = tomllib.loads(Path(argv[0]).read_text())
@@ -56,7 +52,7 @@ def main(argv: list[str]) -> int:
         record.update(fields, updated_at=time.time())
         if record_path:
             try:
-                _write_json(record_path, record)
+                write_json_atomic(record_path, record)   # a full disk does not stop it
             except OSError as exc:    # as marind.core.progress.ProgressWriter: a full disk skips one write
                 if not is_disk_full(exc):
                     raise
@@ -87,7 +83,7 @@ def main(argv: list[str]) -> int:
             print(f"rank {rank} step {step} " + "." * 1000, flush=True)
     report(phase="done")
     if rank == 0:
-        _write_json(ckpt / "done.json", {"step": step, "world_size": world, "resumed_from": start})
+        write_json_atomic(ckpt / "done.json", {"step": step, "world_size": world, "resumed_from": start})
     shutdown_distributed()
     return 0
 
