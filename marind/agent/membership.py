@@ -37,7 +37,7 @@ from typing import Any
 from marind.core import etcd_txn as tx
 from marind.core.etcd_client import EtcdClient
 from marind.core.etcd_watch import PrefixWatch
-from marind.core.rdzv_keys import lost_key, members_key, round_key
+from marind.core.rdzv_keys import lost_key, members_key, rank_key, round_key
 
 #: reports between two full reads of a job's node records (``Membership.report``)
 FULL_READ_EVERY = 15
@@ -234,13 +234,20 @@ class Membership:
     def in_current_round(self, loss: Loss, desc: str | None) -> bool:
         """Was the lost torchrun a participant of the job's last completed rendezvous round?
 
-        Read from ``rdzv/round`` (published by each round's rank 0); without it or without
-        the descriptor, from the node's last record (it ran workers).
+        The last closed round's number from ``rdzv/round`` (its closer's record), then the
+        torchrun's rank key in that round; a record of the single-key handler names the
+        participants itself. Without the record or the descriptor, from the node's last record
+        (it ran workers).
         """
         current = self.client.get_json(round_key(self.client, self.job))
-        if desc is None or not isinstance(current, dict) or not isinstance(current.get("participants"), list):
+        if desc is None or not isinstance(current, dict):
             return loss.in_round
-        return desc in current["participants"]
+        if isinstance(current.get("participants"), list):        # the single-key handler's record
+            return desc in current["participants"]
+        round_ = current.get("round")
+        if not isinstance(round_, int):
+            return loss.in_round
+        return self.client.get(rank_key(self.client, self.job, round_, desc))[0] is not None
 
     def declared_lost(self, torchrun_pid: int | None) -> bool:
         """Did the other agents declare this node's torchrun ``torchrun_pid`` lost?

@@ -7,12 +7,14 @@ package, so the spelling lives here, under ``{p}/jobs/{run_id}/rdzv/``:
 * ``rounds/{n}/join/{desc}`` — a torchrun taking part in round ``n`` (its lease);
 * ``rounds/{n}/spare/{desc}`` — a torchrun waiting for a place while round ``n - 1`` is full;
 * ``rounds/{n}/closer`` — the one torchrun that closes round ``n`` (its lease);
-* ``rounds/{n}/closed`` — round ``n``'s participants in rank order, written once;
+* ``rounds/{n}/rank/{desc}`` — ``{rank, by}``: the rank of participant ``desc`` of round ``n``,
+  written by the round's closer ``by`` before it closes the round;
+* ``rounds/{n}/closed`` — ``{round, world_size, at, by}``: round ``n`` is closed, written once;
 * ``latest`` — the number of the last closed round (text);
 * ``closed`` — the rendezvous is closed: no more rounds (``set_closed``, ``shutdown``);
 * ``store/`` — the workers' key-value store of each round;
 * ``members/{node}`` — ``{desc, pid, at}``, the node's torchrun's descriptor;
-* ``round`` — the number and participants of the last closed round (for the agents);
+* ``round`` — the last closed round's ``rounds/{n}/closed`` value (for the agents);
 * ``lost/{desc}`` — one marker per torchrun the agents declared lost;
 * ``state`` — the single-key state of the earlier implementation
   (``marind.rendezvous.state_handler``), which torchrun no longer uses.
@@ -43,7 +45,7 @@ def members_key(client: EtcdClient, run_id: str, node: str) -> str:
 
 
 def round_key(client: EtcdClient, run_id: str) -> str:
-    """``{p}/jobs/{run_id}/rdzv/round``: the last closed round's number and participants."""
+    """``{p}/jobs/{run_id}/rdzv/round``: the last closed round (``rounds/{n}/closed``'s value)."""
     return _rdzv(client, run_id, "round")
 
 
@@ -88,8 +90,18 @@ def closer_key(client: EtcdClient, run_id: str, round_: int) -> str:
 
 
 def round_closed_key(client: EtcdClient, run_id: str, round_: int) -> str:
-    """``.../rounds/{n}/closed``: round ``n``'s participants in rank order."""
+    """``.../rounds/{n}/closed``: round ``n`` is closed (its size and closer, no names)."""
     return round_prefix(client, run_id, round_) + "closed"
+
+
+def rank_prefix(client: EtcdClient, run_id: str, round_: int) -> str:
+    """``.../rounds/{n}/rank/``: one key per participant of round ``n``, its rank."""
+    return round_prefix(client, run_id, round_) + "rank/"
+
+
+def rank_key(client: EtcdClient, run_id: str, round_: int, desc: str) -> str:
+    """``.../rounds/{n}/rank/{desc}``: ``{rank, by}``, participant ``desc``'s rank in round ``n``."""
+    return rank_prefix(client, run_id, round_) + desc
 
 
 def close_watch_prefix(client: EtcdClient, run_id: str, round_: int) -> str:

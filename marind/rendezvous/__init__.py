@@ -2,7 +2,7 @@
 
 * ``Etcd3RendezvousHandler``: torch's ``RendezvousHandler`` on per-round keys
   (``{prefix}/jobs/{run_id}/rdzv/rounds/{n}/...``): each node writes its own
-  key, one closer writes the round's participants (``etcd3_handler``, ``rounds``).
+  key, one closer writes each participant's rank key (``etcd3_handler``, ``rounds``).
 * ``Etcd3Store``: the agents' c10d store on etcd (``.../rdzv/store/``).
 * ``create_etcd3_handler``: the ``torchrun.handlers`` entry point.
 * ``Etcd3RendezvousBackend``, ``Etcd3StateRendezvousHandler``: the earlier

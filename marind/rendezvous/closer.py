@@ -3,8 +3,8 @@
 ``Wakeup`` turns etcd watches into one event a waiting torchrun sleeps on:
 a joiner watches only its round's ``closer`` and ``closed`` keys, so N
 joiners cost etcd N watches and about N events per round, not N reads a
-second; the event that closes the round carries the participants, so a
-joiner reads nothing more. A broken watch (etcd restarted) only makes the
+second; the event that closes the round carries its size and closer (a few
+bytes), and a joiner then reads its own rank key. A broken watch (etcd restarted) only makes the
 waiter fall back to its periodic check, which also sees the rendezvous
 closed or this torchrun marked lost.
 
@@ -30,7 +30,7 @@ from marind.core import etcd_txn as tx
 from marind.core.etcd_client import EtcdClient
 from marind.core.log import get_logger
 from marind.rendezvous.lost import LostNodes, complete_early
-from marind.rendezvous.rounds import MAX_TXN_OPS, Check, Place, Rounds, choose, close_due
+from marind.rendezvous.rounds import MAX_TXN_OPS, Check, Closed, Place, Rounds, choose, close_due
 
 log = get_logger(__name__)
 
@@ -49,7 +49,7 @@ class Wakeup:
         self._specs: list[tuple[str, Callable[[Any], bool]]] = []
         #: a watch failed or broke: the waiter must not count on being woken (``repair``)
         self.broken = False
-        #: the value of the last ``.../closed`` key a watch saw written (a round's participants)
+        #: the value of the last ``.../closed`` key a watch saw written (the round is closed)
         self.closed_value: bytes | None = None
 
     def watch(self, prefix: str, start_revision: int | None, wanted: Callable[[Any], bool]) -> None:
@@ -116,13 +116,15 @@ class Closer:
         self._purged: set[str] = set()
         self._prev: frozenset[str] | None = None
         self._early_checked_at = -1
+        #: a close was refused with the round still open (the claim lapsed, or this torchrun was
+        #: marked lost): this is no longer the round's closer
+        self.abandoned = False
 
-    def step(self, check: Check) -> list[str] | None:
+    def step(self, check: Check) -> Closed | None:
         """Look at the round (``check``'s counts): close it when due.
 
         Returns:
-            The participants in rank order once the round is closed (by this call, or by
-            another closer first), else None.
+            The round once it is closed (by this call, or by another closer first), else None.
         """
         lost = self._lost.descs()
         if lost - self._purged:
@@ -138,10 +140,14 @@ class Closer:
         chosen = choose(self._rounds.joiners(self.round), lost, self._max)
         if len(chosen) < self._min:              # some left since the count: wait for more
             return None
-        participants = self._rounds.close(self.round, chosen, self.me)
-        log.info("rdzv_round_closed", run_id=self._rounds.run_id, round=self.round, world_size=len(chosen),
-                 early=early, ours=participants == chosen)
-        return participants
+        closed = self._rounds.close(self.round, chosen, self.me)
+        if closed is None:
+            self.abandoned = True
+            log.info("rdzv_close_refused", run_id=self._rounds.run_id, round=self.round, node=self.me)
+            return None
+        log.info("rdzv_round_closed", run_id=self._rounds.run_id, round=self.round, world_size=closed.world_size,
+                 early=early, ours=closed.by == self.me)
+        return closed
 
     def _purge(self, descs: frozenset[str]) -> None:
         """Drop the keys the lost torchruns still hold in the previous and the forming round.
@@ -170,7 +176,7 @@ class Closer:
         if not lost or self.round == 0:
             return False
         if self._prev is None:
-            self._prev = frozenset(self._rounds.participants(self.round - 1) or ())
+            self._prev = frozenset(self._rounds.members(self.round - 1))
         survivors = self._prev - lost
         if not (self._prev & lost) or joined < len(survivors) or joined == self._early_checked_at:
             return False

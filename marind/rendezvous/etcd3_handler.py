@@ -56,7 +56,7 @@ from marind.core.etcd_client import EtcdClient
 from marind.core.log import get_logger
 from marind.rendezvous.closer import Closer, Wakeup
 from marind.rendezvous.lost import LostNodes
-from marind.rendezvous.rounds import Place, Rounds
+from marind.rendezvous.rounds import Closed, Place, Rounds
 from marind.rendezvous.store import Etcd3Store
 from marind.rendezvous.waiting import WaitingCount
 
@@ -156,13 +156,12 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             _delay(seconds=(0, 0.3))
         self._ensure_lease()
         try:
-            round_, participants = self._take_part()
+            round_, rank, world_size = self._take_part()
         except BaseException:
             self._stop_heartbeats()      # as torch's handler: no keep-alive without a round (the lease lapses)
             raise
         self._round = round_
         self._waiting.forget()
-        rank, world_size = participants.index(self._desc), len(participants)
         store = dist.PrefixStore(f"torch.rendezvous.{self.get_run_id()}.{round_}", self._store)
         info = self._bootstrap(rank, store)
         if rank == 0 and round_ >= 2:
@@ -210,8 +209,9 @@ class Etcd3RendezvousHandler(RendezvousHandler):
         return closed
 
     # -- taking part in a round -----------------------------------------------------------------
-    def _take_part(self) -> tuple[int, list[str]]:
-        """Join (or wait as a spare for) the forming round until one closes with this node in it."""
+    def _take_part(self) -> tuple[int, int, int]:
+        """Join (or wait as a spare for) the forming round until one closes with this node in it:
+        ``(round, rank, world size)``."""
         me, settings = self._desc, self._settings
         deadline = time.monotonic() + settings.timeout.join.total_seconds()
         while True:
@@ -250,9 +250,9 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             if not written:
                 continue                                 # a round closed meanwhile: look again
             self._place = Place(forming)
-            participants = self._wait_round(forming, has_closer, revision, deadline)
-            if participants is not None:
-                return forming, participants
+            seat = self._wait_round(forming, has_closer, revision, deadline)
+            if seat is not None:
+                return forming, *seat
 
     def _wait_as_spare(self, latest: int) -> None:
         """Hold a spare key for round ``latest + 1`` until round ``latest`` has room or moved on."""
@@ -265,12 +265,12 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             log.info("rdzv_spare", run_id=self.get_run_id(), node=self._desc, round=place.round)
         time.sleep(SPARE_POLL_S)
 
-    def _wait_round(self, round_: int, has_closer: bool, revision: int, deadline: float) -> list[str] | None:
+    def _wait_round(self, round_: int, has_closer: bool, revision: int, deadline: float) -> tuple[int, int] | None:
         """Wait as a joiner of ``round_`` until it closes.
 
         Returns:
-            Its participants when this node is one; None when it closed without this node,
-            or this node's lease expired (the caller joins again).
+            ``(rank, world size)`` when this node is a participant; None when the round closed
+            without this node, or this node's lease expired (the caller joins again).
         """
         me = self._desc
         wake = Wakeup(self._client)
@@ -284,20 +284,22 @@ class Etcd3RendezvousHandler(RendezvousHandler):
             look = closer is not None or wake.broken
             while True:
                 check = None
+                closed: Closed | None = None
                 if wake.closed_value is not None:
-                    participants: list[str] | None = self._rounds.parse_closed(wake.closed_value, round_)
+                    closed = self._rounds.parse_closed(wake.closed_value, round_)
                 elif look:
                     check = self._rounds.check(me, round_, closer is not None)
-                    participants = check.participants
-                    if participants is None and closer is not None:
-                        participants = closer.step(check)
-                else:
-                    participants = None
+                    closed = check.round_closed
+                    if closed is None and closer is not None:
+                        closed = closer.step(check)
+                        if closer.abandoned:             # the close was refused: no longer its closer
+                            closer = self._closer_round = None
                 look = True
-                if participants is not None:
+                if closed is not None:
                     self._closer_round = None            # the round is closed: nothing left to close
-                    if me in participants:
-                        return participants
+                    rank = self._rounds.seat(me, closed)
+                    if rank is not None:
+                        return rank, closed.world_size
                     log.info("rdzv_late", run_id=self.get_run_id(), node=me, round=round_)
                     return None                          # the caller joins the next round
                 if self._lease_lost or (check is not None and (check.closed or check.lost)):

@@ -1,7 +1,7 @@
 """The round keys of one rendezvous and every request on them (docs/design.md §2, "Rendezvous rounds").
 
 Each round has its own keys, so no two torchruns write the same key
-while a round forms and no write carries the whole group:
+while a round forms and no write or watch event carries the whole group:
 
 * a torchrun takes part in the forming round ``r`` by putting
   ``rounds/{r}/join/{desc}`` under its lease, in one transaction that
@@ -11,16 +11,18 @@ while a round forms and no write carries the whole group:
   (``max`` torchruns still in it) puts ``rounds/{r}/spare/{desc}``
   instead: torch's redundancy list, which asks nobody to restart;
 * one joiner, the first to create ``rounds/{r}/closer`` under its lease,
-  closes the round: one transaction writes ``rounds/{r}/closed`` (the
-  participants in rank order), moves ``latest`` to ``r`` and rewrites
-  ``round`` for the agents, held only while ``latest`` is ``r - 1``;
+  closes the round: it writes each participant's rank under
+  ``rounds/{r}/rank/{desc}`` (transactions of ``MAX_TXN_OPS`` keys, held
+  while it is the closer and ``latest`` is ``r - 1``), then one transaction
+  writes ``rounds/{r}/closed`` (the world size and the closer, no names),
+  moves ``latest`` to ``r`` and rewrites ``round`` for the agents;
 * the others wait on a watch of ``rounds/{r}/close*`` (the closer and the
-  closed keys, nothing that changes per joiner).
+  closed keys, nothing that changes per joiner), then read their own rank
+  key: a round of N costs each torchrun O(1) bytes, not the N names.
 
 Reads ask for counts or key names where that is all they need, so a
-check is a few bytes whatever the group's size; the participants list is
-read once per torchrun (each needs its own rank from it). An etcd outage
-is retried for ``grace`` seconds, then ``RendezvousConnectionError``.
+check is a few bytes whatever the group's size. An etcd outage is
+retried for ``grace`` seconds, then ``RendezvousConnectionError``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from marind.core.rdzv_keys import (
     join_prefix,
     latest_key,
     lost_key,
+    rank_key,
+    rank_prefix,
     round_closed_key,
     round_key,
     round_prefix,
@@ -121,10 +125,19 @@ class Look:
 
 
 @dataclass(frozen=True)
+class Closed:
+    """A closed round: its number, size and the closer whose rank keys hold its ranks."""
+
+    round: int
+    world_size: int
+    by: str
+
+
+@dataclass(frozen=True)
 class Check:
     """A waiting joiner's view of its round."""
 
-    participants: list[str] | None     # the round is closed: its participants in rank order
+    round_closed: Closed | None        # the round is closed (its rank keys name its participants)
     closer: bool                       # someone holds the closer key
     closed: bool                       # the rendezvous is closed
     lost: bool                         # this torchrun was marked lost
@@ -255,25 +268,42 @@ class Rounds:
                 ops.append(tx.count(self.join_prefix(round_ - 1), prefix=True))
         resp = self._txn("rdzv check", [], ops)
         raw = tx.value_of(resp, 0)
-        participants = self.parse_closed(raw, round_) if raw is not None else None
+        round_closed = self.parse_closed(raw, round_) if raw is not None else None
         joined = tx.count_of(resp, 4) if closer else 0
         prev_live = tx.count_of(resp, 5) if closer and round_ > 0 else 0
-        return Check(participants, tx.count_of(resp, 1) > 0, tx.count_of(resp, 2) > 0,
+        return Check(round_closed, tx.count_of(resp, 1) > 0, tx.count_of(resp, 2) > 0,
                      tx.count_of(resp, 3) > 0, prev_live, joined)
 
-    def parse_closed(self, raw: bytes, round_: int) -> list[str]:
-        """The participants a ``rounds/{n}/closed`` value names, in rank order."""
-        value = _json(raw, round_closed_key(self.client, self.run_id, round_))
-        participants = value.get("participants") if isinstance(value, dict) else None
-        if not isinstance(participants, list) or not all(isinstance(p, str) for p in participants):
-            raise RendezvousStateError(f"round {round_} of '{self.run_id}' names no participants list: {raw[:80]!r}")
-        return participants
+    def parse_closed(self, raw: bytes, round_: int) -> Closed:
+        """What a ``rounds/{n}/closed`` value says: the round's size and closer."""
+        where = round_closed_key(self.client, self.run_id, round_)
+        value = _json(raw, where)
+        size = value.get("world_size") if isinstance(value, dict) else None
+        by = value.get("by") if isinstance(value, dict) else None
+        if not isinstance(size, int) or size < 1 or not isinstance(by, str):
+            raise RendezvousStateError(f"{where} names no world size and closer: {raw[:80]!r}")
+        return Closed(round_, size, by)
 
-    def participants(self, round_: int) -> list[str] | None:
-        """The participants of closed round ``round_``, or None (not closed, or cleaned up)."""
-        raw = tx.value_of(self._txn("rdzv read round", [],
-                                    [tx.get(round_closed_key(self.client, self.run_id, round_))]), 0)
-        return None if raw is None else self.parse_closed(raw, round_)
+    def seat(self, me: str, closed: Closed) -> int | None:
+        """``me``'s rank in the closed round, or None when it is not a participant.
+
+        One read of ``me``'s own rank key; a key left by an earlier closer that lost its claim
+        (another ``by``) is not a seat.
+        """
+        where = rank_key(self.client, self.run_id, closed.round, me)
+        raw = tx.value_of(self._txn("rdzv read rank", [], [tx.get(where)]), 0)
+        if raw is None:
+            return None
+        value = _json(raw, where)
+        rank = value.get("rank") if isinstance(value, dict) else None
+        if not isinstance(rank, int) or not 0 <= rank < closed.world_size:
+            raise RendezvousStateError(f"{where} holds no rank below {closed.world_size}: {raw[:80]!r}")
+        return rank if value.get("by") == closed.by else None
+
+    def members(self, round_: int) -> list[str]:
+        """The participants of closed round ``round_`` (their rank keys' names; empty once cleaned up)."""
+        prefix = rank_prefix(self.client, self.run_id, round_)
+        return [key[len(prefix):] for key, _ in tx.keys_of(self._txn("rdzv read members", [], [tx.keys(prefix)]), 0)]
 
     def joiners(self, round_: int) -> list[tuple[str, int]]:
         """``(desc, create_revision)`` of every joiner of ``round_`` (key names only)."""
@@ -281,29 +311,44 @@ class Rounds:
         return [(key[len(prefix):], rev)
                 for key, rev in tx.keys_of(self._txn("rdzv joiners", [], [tx.keys(prefix)]), 0)]
 
-    def close(self, round_: int, participants: list[str], by: str) -> list[str]:
+    def close(self, round_: int, participants: list[str], by: str) -> Closed | None:
         """Close ``round_`` with ``participants`` (rank order) unless it was closed first.
 
-        One transaction, held while ``latest`` is ``round_ - 1`` and ``by`` is not marked lost:
-        the closed key, ``latest``, the agents' ``round`` record, and the keys of round
-        ``round_ - 2`` dropped.
+        First what an earlier closer of the round left is dropped, then the rank keys are
+        written, ``MAX_TXN_OPS`` a transaction, each of these held while ``by`` holds the closer key and ``latest``
+        is ``round_ - 1``; then one transaction, held while that is still so and ``by`` is not
+        marked lost: the closed key, ``latest``, the agents' ``round`` record, and the keys of
+        round ``round_ - 2`` dropped. Nobody reads a rank key before the closed key exists.
 
         Returns:
-            The participants of the round as closed (ours, or the ones that won); an empty list
-            when it is not closed (``by`` was marked lost: it looks again and leaves) or ``latest``
-            moved past it and its keys were cleaned up (a stale closer).
+            The round as closed (by us, or by the closer that won); None when it is not closed
+            (``by`` lost the closer key or was marked lost: it looks again) or ``latest`` moved
+            past it and its keys were cleaned up (a stale closer).
         """
-        value = json.dumps({"round": round_, "participants": participants, "at": time.time(), "by": by})
+        held = [self._latest_is(round_ - 1), tx.equals(closer_key(self.client, self.run_id, round_), by)]
+        ranks = rank_prefix(self.client, self.run_id, round_)
+        batches = [[tx.delete_prefix(ranks)]]    # etcd takes no put inside a range the same request deletes
+        batches += [[tx.put(ranks + desc, json.dumps({"rank": start + i, "by": by}))
+                     for i, desc in enumerate(participants[start:start + MAX_TXN_OPS])]
+                    for start in range(0, len(participants), MAX_TXN_OPS)]
+        for ops in batches:
+            if not self._txn("rdzv write ranks", held, ops).succeeded:
+                return self._closed_as(round_)
+        value = json.dumps({"round": round_, "world_size": len(participants), "at": time.time(), "by": by})
         ops = [tx.put(round_closed_key(self.client, self.run_id, round_), value),
                tx.put(self.latest_key, str(round_)), tx.put(round_key(self.client, self.run_id), value)]
         if round_ >= 2:
             ops.append(tx.delete_prefix(round_prefix(self.client, self.run_id, round_ - 2)))
-        resp = self._txn("rdzv close", [self._latest_is(round_ - 1), tx.absent(lost_key(self.client, self.run_id, by))],
+        resp = self._txn("rdzv close", [*held, tx.absent(lost_key(self.client, self.run_id, by))],
                          ops, [tx.get(round_closed_key(self.client, self.run_id, round_))])
         if resp.succeeded:
-            return participants
+            return Closed(round_, len(participants), by)
         raw = tx.value_of(resp, 0)
-        return [] if raw is None else self.parse_closed(raw, round_)
+        return None if raw is None else self.parse_closed(raw, round_)
+
+    def _closed_as(self, round_: int) -> Closed | None:
+        raw = tx.value_of(self._txn("rdzv read round", [], [tx.get(round_closed_key(self.client, self.run_id, round_))]), 0)
+        return None if raw is None else self.parse_closed(raw, round_)
 
     # -- the rendezvous as a whole ------------------------------------------------------------
     def waiting(self, round_: int) -> int:

@@ -15,8 +15,9 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
 
 from marind.core.netutil import free_port
-from marind.core.rdzv_keys import latest_key, round_key, spare_prefix
+from marind.core.rdzv_keys import latest_key, rank_key, round_key, spare_prefix
 from marind.rendezvous import Etcd3RendezvousHandler, create_etcd3_handler, parse_options
+from marind.rendezvous.rounds import rank_order
 
 
 def _params(endpoint: str, run_id: str = "job", min_nodes: int = 1, max_nodes: int = 1, **conf):
@@ -129,12 +130,15 @@ def test_three_handlers_get_unique_contiguous_ranks(etcd, etcd_prefix):
         # every node got rank 0's workers' store address
         assert len({(r.bootstrap_store_info.master_addr, r.bootstrap_store_info.master_port)
                     for r in results}) == 1
-        # the agents' record of the round: its participants in rank order (docs/design.md §2)
+        # the agents' record of the round (its size, no names) and each participant's rank key
+        # (docs/design.md §2): torch's rank order, sorted descriptors
         client = handlers[0]._client
         record = client.get_json(round_key(client, "round"))
-        assert record["round"] == 0 and len(record["participants"]) == 3
+        assert record["round"] == 0 and record["world_size"] == 3 and "participants" not in record
         by_rank = sorted(zip((r.rank for r in results), (repr(h._this_node) for h in handlers), strict=True))
-        assert record["participants"] == [desc for _, desc in by_rank]
+        assert [desc for _, desc in by_rank] == rank_order(desc for _, desc in by_rank)
+        for rank, desc in by_rank:
+            assert client.get_json(rank_key(client, "round", 0, desc))["rank"] == rank
         assert client.get(latest_key(client, "round"))[0] == b"0"
     finally:
         for h in handlers:

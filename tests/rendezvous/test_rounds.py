@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
 
-from marind.core.rdzv_keys import closer_key, join_prefix, lost_key, round_key
+from marind.core.rdzv_keys import closer_key, join_prefix, lost_key, rank_key, round_key
 from marind.rendezvous import create_etcd3_handler
-from marind.rendezvous.rounds import Place, Rounds, choose, close_due, parse_desc, rank_order
+from marind.rendezvous.rounds import Closed, Place, Rounds, choose, close_due, parse_desc, rank_order
 from tests.agent.helpers import wait_for
 
 
@@ -45,14 +46,37 @@ def test_a_round_is_closed_once_and_nobody_joins_a_closed_round(etcd_client):
     rounds = Rounds(etcd_client, "guards", grace=5)
     lease = etcd_client.lease(30)
     assert rounds.join("a_1_0", lease.id, -1, Place(0), None)[0] is True
-    assert rounds.close(0, ["a_1_0"], "a_1_0") == ["a_1_0"]
-    assert rounds.close(0, ["x_1_0"], "x_1_0") == ["a_1_0"]           # the first close stands
+    assert rounds.close(0, ["a_1_0"], "a_1_0") is None                # not the closer: refused, nothing written
+    assert rounds.members(0) == []
+    assert rounds.claim_closer("a_1_0", 0, lease.id)
+    closed = rounds.close(0, ["a_1_0"], "a_1_0")
+    assert closed == Closed(0, 1, "a_1_0") and rounds.seat("a_1_0", closed) == 0
+    assert rounds.close(0, ["x_1_0"], "x_1_0") == closed               # the first close stands
+    assert rounds.seat("x_1_0", closed) is None and rounds.members(0) == ["a_1_0"]
     assert rounds.join("b_1_0", lease.id, -1, Place(0), None)[0] is False   # round 0 is closed
     assert rounds.look("b_1_0", -1).latest == 0
     assert rounds.join("a_1_0", lease.id, 0, Place(1), Place(0))[0] is True  # leaves round 0 as it joins 1
     assert rounds.count(join_prefix(etcd_client, "guards", 0)) == 0
     etcd_client.put(lost_key(etcd_client, "guards", "b_1_0"), "{}")
     assert rounds.join("b_1_0", lease.id, 0, Place(1), None)[0] is False    # marked lost: may not join
+
+
+def test_a_closer_that_lost_its_claim_leaves_no_seat_behind(etcd_client):
+    """Rank keys a closer wrote before its claim lapsed are dropped by the next closer, and a rank
+    key another closer wrote is no seat in the round as closed."""
+    rounds = Rounds(etcd_client, "stale", grace=5)
+    lease = etcd_client.lease(30)
+    for desc in ("a_1_0", "b_1_0", "c_1_0"):
+        assert rounds.join(desc, lease.id, -1, Place(0), None)[0] is True
+    stale = rank_key(etcd_client, "stale", 0, "c_1_0")
+    etcd_client.put(stale, json.dumps({"rank": 2, "by": "a_1_0"}))     # a wrote c's seat, then lost the claim
+    assert rounds.claim_closer("b_1_0", 0, lease.id)
+    closed = rounds.close(0, ["a_1_0", "b_1_0"], "b_1_0")
+    assert closed == Closed(0, 2, "b_1_0")
+    assert rounds.seat("c_1_0", closed) is None and sorted(rounds.members(0)) == ["a_1_0", "b_1_0"]
+    etcd_client.put(stale, json.dumps({"rank": 1, "by": "a_1_0"}))     # even one written after the close
+    assert rounds.seat("c_1_0", closed) is None
+    assert [rounds.seat(d, closed) for d in ("a_1_0", "b_1_0")] == [0, 1]
 
 
 # -- lost nodes and closers on a real etcd ------------------------------------------------------------------
@@ -90,7 +114,8 @@ def test_after_a_loss_the_survivors_round_closes_at_once_and_the_lost_torchrun_m
         assert [r.world_size for r in second] == [2, 2]
         assert time.monotonic() - began < 30                 # neither the last call nor b's lease waited out
         record = etcd_client.get_json(round_key(etcd_client, "loss"))
-        assert record["round"] == 1 and repr(b._this_node) not in record["participants"]
+        assert record["round"] == 1 and record["world_size"] == 2
+        assert sorted(Rounds(etcd_client, "loss", 5).members(1)) == sorted(repr(h._this_node) for h in (a, c))
         with pytest.raises(RendezvousClosedError, match="declared this node"):
             b.next_rendezvous()
         assert b.shutdown() is False and not a.is_closed()  # on its way out it may not end the job
