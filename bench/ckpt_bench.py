@@ -45,14 +45,13 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from marind.testing.procs import kill_all, run_torch_workers
+from marind.testing.procs import exit_on_sigterm, kill_all, run_torch_workers
 from marind.testing.s3_server import SeaweedS3
 from marind.testing.slow_disk import SlowDiskUnavailable, slow_disk
 
@@ -184,7 +183,6 @@ def main(argv=None) -> int:
             ap.error("--sections reshard with --no-local: the reshard loads read the local target")
         args.no_s3 = True        # S3 has no reshard case
     args.sections = sections
-    signal.signal(signal.SIGTERM, _exit_on_term)   # the slow target and the ranks are undone on SIGTERM too
 
     dim, layers = (128, 2) if args.quick else (2048, 12)     # full: 50M params + Adam = 604 MB
     repeats = args.repeats or (1 if args.quick else 3)
@@ -206,10 +204,6 @@ def main(argv=None) -> int:
                 shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(result))
     return 0
-
-
-def _exit_on_term(_sig, _frame):
-    raise SystemExit(143)
 
 
 def _open_slow(stack: contextlib.ExitStack, args, result: dict, dim: int, layers: int):
@@ -335,4 +329,5 @@ def _ratios(res: dict) -> dict:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()       # its servers, ranks and bed are undone (finally) on SIGTERM too
     sys.exit(main())

@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from marind.testing.procs import kill_all, run_torch_workers
+from marind.testing.procs import exit_on_sigterm, kill_all, run_torch_workers
 
 FIGURES = ("marind_save_s", "marind_commit_s", "marind_load_s", "dcp_save_s", "dcp_load_s", "marind_blocked_s",
            "dcp_blocked_s")
@@ -142,4 +142,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()       # its servers, ranks and bed are undone (finally) on SIGTERM too
     sys.exit(main())

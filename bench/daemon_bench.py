@@ -39,6 +39,7 @@ from marind.testing.cluster import make_data as _make_data
 from marind.testing.cluster import start_agent as _agent
 from marind.testing.cluster import stop_agent
 from marind.testing.cluster import submit as _submit
+from marind.testing.procs import exit_on_sigterm
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -248,4 +249,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()       # its servers, ranks and bed are undone (finally) on SIGTERM too
     sys.exit(main())

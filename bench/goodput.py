@@ -71,6 +71,7 @@ from marind.testing.bench_sites import FAULTS, BedSite, LoopbackSite
 from marind.testing.chaos.schedule import draw_schedule
 from marind.testing.cluster import make_data, marind, submit
 from marind.testing.hosts import HostBed, bed_unavailable
+from marind.testing.procs import exit_on_sigterm
 
 if __package__:     # imported as bench.goodput (the tests)
     from bench.goodput_common import SPEC, Job, job_ledger, kept_step_seconds, ledger_check, percentile
@@ -415,4 +416,5 @@ def bed_result(args: argparse.Namespace, draws: list, baseline: dict, runs: dict
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()       # its servers, ranks and bed are undone (finally) on SIGTERM too
     sys.exit(main())

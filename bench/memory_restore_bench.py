@@ -95,4 +95,6 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from marind.testing.procs import exit_on_sigterm
+    exit_on_sigterm()       # its servers stop (finally) on SIGTERM too
     sys.exit(main())

@@ -67,6 +67,7 @@ from marind.core.log import configure_logging
 from marind.core.spec import load_spec
 from marind.testing import browser
 from marind.testing.cluster import start_agent, stop_agent
+from marind.testing.procs import exit_on_sigterm
 
 PREFIX = "/page-bench"
 SPAN_S = 36 * 3600.0
@@ -352,4 +353,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()       # its servers, ranks and bed are undone (finally) on SIGTERM too
     sys.exit(main())

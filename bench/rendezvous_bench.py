@@ -48,6 +48,7 @@ from marind.control.local_etcd import LocalEtcd
 from marind.core.netutil import free_port
 from marind.rendezvous import create_etcd3_handler, create_state_handler
 from marind.rendezvous.state_handler import use_frame_method_names
+from marind.testing.procs import exit_on_sigterm
 
 JOIN_TIMEOUT_S = 300
 
@@ -205,4 +206,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()       # its servers, ranks and bed are undone (finally) on SIGTERM too
     sys.exit(main())

@@ -30,7 +30,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ckpt_store import CheckpointStore
-from marind.testing.procs import kill_group, spawn
+from marind.testing.procs import exit_on_sigterm, kill_group, spawn
 from marind.testing.s3_faults import S3FaultProxy
 from marind.testing.s3_server import ACCESS_KEY, SECRET_KEY, SeaweedS3
 from marind.trainer.data import corpus
@@ -153,4 +153,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()       # its servers, ranks and bed are undone (finally) on SIGTERM too
     sys.exit(main())

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -56,6 +55,7 @@ if not __package__:     # run as a script: bench/ is sys.path[0]; the workers im
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.ckpt_scale import slope
+from marind.testing.procs import exit_on_sigterm
 
 FIGURES = ("rendezvous_s", "etcd3_round_s", "c10d_rendezvous_s", "silent_loss_round_s", "loss_1pct_round_s",
            "etcd_requests_per_node_s", "etcd_bytes_per_node_s", "mem_per_node_mb")
@@ -117,7 +117,6 @@ def main(argv=None) -> int:
     ap.add_argument("--steady-intervals", type=int, default=None,
                     help="report intervals the steady state is counted over (default 5; quick 3)")
     args = ap.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))    # the servers started here stop (finally)
     from bench import scale_cluster, scale_commit
 
     sizes = [16] if args.quick else (_ints(args.nodes, "--nodes") if args.nodes is not None else SWEEP)
@@ -155,4 +154,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()       # its servers, ranks and bed are undone (finally) on SIGTERM too
     sys.exit(main())

@@ -39,6 +39,7 @@ from marind.control.events import list_events
 from marind.control.local_etcd import LocalEtcd
 from marind.core.etcd_client import EtcdClient
 from marind.testing.cluster import make_data, marind, start_agent, stop_agent, submit
+from marind.testing.procs import exit_on_sigterm
 
 if __package__:     # imported as bench.straggler_bench (the tests)
     from bench.goodput_common import StepLine, parse_step_lines
@@ -212,4 +213,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()       # its servers, ranks and bed are undone (finally) on SIGTERM too
     sys.exit(main())

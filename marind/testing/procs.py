@@ -8,6 +8,9 @@
   process group on loopback, and returns each rank's JSON result. A
   worker that fails, or a run past ``timeout``, raises ``WorkersFailed``
   with the tail of every rank's output; all process groups are killed.
+* ``exit_on_sigterm()``: a bench's SIGTERM raises ``SystemExit(143)``, so the
+  ``finally`` blocks that stop its servers and remove its bed run (SIGTERM's
+  default kills at once; SIGINT is ignored in a shell's background job).
 """
 
 from __future__ import annotations
@@ -52,6 +55,13 @@ def base_env(extra: dict | None = None) -> dict:
     if extra:
         env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+def exit_on_sigterm() -> None:
+    """From now on SIGTERM raises ``SystemExit(143)`` in the main thread (module doc)."""
+    def _exit(_signum: int, _frame: object) -> None:
+        raise SystemExit(143)
+    signal.signal(signal.SIGTERM, _exit)
 
 
 def running(pid: int) -> bool:
