@@ -424,6 +424,5 @@ class Agent:
         if not self.etcd_ok and not force:
             return
         link = self._link()
-        data = self.data.record_part(run, now) if self.data is not None else None
-        if not run.report(link.client, link.registry, now, records, {"data": data} if data is not None else None):
+        if not run.report(link.client, link.registry, now, records):
             self.etcd_ok = False

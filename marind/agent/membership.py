@@ -23,8 +23,13 @@ joins or leaves (docs/design.md §7, "10,000 nodes, on paper", item 2): ``report
 of the records, learns the ones created since its last read in the report's own transaction
 (etcd's range filter on creation revisions), and the ones deleted from a watch of deletes
 alone, each with the record's last value (``PrefixWatch``); the whole prefix is read only at
-the first report, every ``FULL_READ_EVERY`` reports, after the watch broke, and when the
-count etcd gives disagrees with the view.
+the first report, after the watch broke, and when the count etcd gives disagrees with the
+view. A new incarnation deletes a record its node's earlier one left before it writes its own
+(``_drop_other_incarnation``), so a replaced record is a delete the others see, never a put
+over it that changes nothing they count. The view's records are as they were created (their
+``workers``, ``step`` are not kept fresh: a lost node's last record comes with its delete);
+the data network's rows, which must be fresh, have keys of their own
+(``marind.agent.liveness.reach_rows``).
 """
 
 from __future__ import annotations
@@ -39,8 +44,6 @@ from marind.core.etcd_client import EtcdClient
 from marind.core.etcd_watch import PrefixWatch
 from marind.core.rdzv_keys import lost_key, members_key, rank_key, round_key
 
-#: reports between two full reads of a job's node records (``Membership.report``)
-FULL_READ_EVERY = 15
 #: a report whose count says a record went waits this long at most for the watch's delete
 #: event (on its way: etcd made the delete before the report) before reading every record
 DELETE_WAIT_S = 1.0
@@ -102,7 +105,7 @@ class Membership:
         self._primed: dict[str, Any] | None = None      # the records the last report read (``report``)
         self._view: dict[str, tuple[int, Any]] = {}      # key -> (creation revision, record) ...
         self._read_rev: int | None = None                # ... as of this revision
-        self._since_full = 0                             # reports since the last full read
+        self._own_checked = False                        # a record of an earlier incarnation dropped
         self._deletes = PrefixWatch(client, self.prefix, deletes_only=True)
         self._later: list[Any] = []                      # delete events past the last report's revision
         self._last: dict[str, dict] = {}                 # node -> its deleted record's last value
@@ -134,17 +137,18 @@ class Membership:
         * a record deleted (a clean leave, an expired lease) comes from the watch of deletes,
           with its last value; a report whose count says one went before its event came waits
           ``DELETE_WAIT_S`` at most for it;
-        * every record is read back, in the report's request, at the first report, every
-          ``FULL_READ_EVERY`` reports (a record put over another incarnation's without a delete
-          changes no count; the records' contents: the data network's rows) and after the watch
-          (re)started; in a second request when the count still disagrees with the view.
+        * every record is read back, in the report's request, at the first report and after the
+          watch (re)started; in a second request when the count still disagrees with the view.
 
         Raises ControlPlaneUnavailable.
         """
         c = self.client
+        if not self._own_checked:
+            self._drop_other_incarnation()
+            self._own_checked = True
         if self._deletes.ensure():
             self._read_rev = None          # a new watch: a delete before it is in none of its events
-        if self._read_rev is None or self._since_full >= FULL_READ_EVERY:
+        if self._read_rev is None:
             self._full(c.txn([], [put, tx.values(self.prefix)]), 1)
             return
         resp = c.txn([tx.created_before(self.prefix, self._read_rev + 1)], [put, tx.count(self.prefix, prefix=True)],
@@ -160,8 +164,20 @@ class Membership:
         if count != len(self._view):
             self._full(c.txn([], [tx.values(self.prefix)]), 0)
             return
-        self._read_rev, self._since_full = rev, self._since_full + 1
+        self._read_rev = rev
         self._primed = {key: rec for key, (_, rec) in self._view.items()}
+
+    def _drop_other_incarnation(self) -> None:
+        """Delete this node's record when another incarnation wrote it (an agent that restarted
+        within its old lease's TTL, or registered anew after a fence): the others' watch of
+        deletes sees it go, with its last value (the loss), before this incarnation's put."""
+        key = self.prefix + self.node
+        raw, mod_revision = self.client.get(key)
+        if raw is None:
+            return
+        record = _parse(raw)
+        if not isinstance(record, dict) or incarnation_of(record) != self.incarnation:
+            self.client.delete_if(key, mod_revision)
 
     def _apply_deletes(self, rev: int) -> None:
         """Drop from the view each record the watch saw deleted at revision ``rev`` or before (keep
@@ -183,7 +199,7 @@ class Membership:
     def _full(self, resp: Any, index: int) -> None:
         self._view = {key: (created, _parse(raw)) for key, raw, created in tx.created_values_of(resp, index)}
         self._primed = {key: rec for key, (_, rec) in self._view.items()}
-        self._read_rev, self._since_full = int(resp.header.revision), 0
+        self._read_rev = int(resp.header.revision)
         self._apply_deletes(self._read_rev)          # (those before the read: the view holds none of them)
 
     def poll(self, read: dict[str, Any] | None = None) -> list[Loss]:

@@ -318,13 +318,12 @@ class RunMonitor:
         self._hangs.settle(now)
 
     # -- records --------------------------------------------------------------------------
-    def node_record(self, now: float, host: str, extra: dict[str, Any] | None = None) -> dict:
+    def node_record(self, now: float, host: str) -> dict:
         """This node's record of the job (``{p}/jobs/{job}/nodes/{node}``).
 
         Args:
             now: the current time.
             host: this node's address.
-            extra: more parts of the record, by key (the data network's row, ``data``).
 
         Returns:
             The record as written to etcd.
@@ -338,11 +337,10 @@ class RunMonitor:
             record["incarnation"] = self._members.incarnation      # registered anew after a fence
         if self._ft is not None:
             record["ft"] = self._ft.report()
-        record.update(extra or {})
         return record
 
     def report(self, client: EtcdClient, registry: NodeRegistry, now: float,
-               records: list[prog.ProgressRecord] | None = None, extra: dict[str, Any] | None = None) -> bool:
+               records: list[prog.ProgressRecord] | None = None) -> bool:
         """Write this node's record (under the node's lease), the job's progress where global
         rank 0 runs here, and a ``node_lost`` event for each node this agent is first to miss.
 
@@ -351,13 +349,12 @@ class RunMonitor:
             registry: this node's registration (its lease and host).
             now: the current time.
             records: the current round's progress records.
-            extra: more parts of the node's record (``node_record``).
 
         Returns:
             False when etcd was unreachable.
         """
         self._last_report = now
-        record = self.node_record(now, str(registry.record["host"]), extra)
+        record = self.node_record(now, str(registry.record["host"]))
         try:
             report_record(client, self.job, self.node, record, registry.lease, self._members)   # + the peers' records
             self._journal.report(client, records or [], now)    # progress, series, ledger where rank 0 runs

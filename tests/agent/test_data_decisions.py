@@ -91,9 +91,10 @@ def test_stale_rows_have_no_say():
 
 
 def test_a_row_without_data_or_malformed_is_none():
-    assert ReachRow.from_record("a", {"step": 3}) is None
-    assert ReachRow.from_record("a", {"data": {"at": "x"}}) is None
-    parsed = ReachRow.from_record("a", {"data": {"at": 5, "link_up": False, "probed": ["b"], "down": {"b": 1}}})
+    assert ReachRow.from_data("a", None) is None
+    assert ReachRow.from_data("a", {"at": "x"}) is None
+    assert ReachRow.from_data("a", {"probed": ["b"]}, at=9.0).at == 9.0      # the key's presence as its time
+    parsed = ReachRow.from_data("a", {"at": 5, "link_up": False, "probed": ["b"], "down": {"b": 1}})
     assert parsed == ReachRow("a", 5.0, False, frozenset({"b"}), {"b": 1.0})
 
 

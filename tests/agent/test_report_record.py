@@ -3,13 +3,15 @@
 Counted by a private etcd's own metrics (``marind.testing.etcd_metrics``), not timed: the
 report's transaction writes the node's record and reads back the count of the job's node
 records, the ones created since the last read when one came, and all of them at the first
-report and every ``FULL_READ_EVERY`` reports; a record that went comes from the watch of
-deletes (made at the first report), with no read.
+report (with one read of the node's own record, which an earlier incarnation may have left) and
+after the watch broke; a record that went comes from the watch of deletes (made at the first
+report), with no read. A record replaced by a new incarnation is deleted first by it, so the
+others see the loss at their next report (the periodic full read that found it is gone).
 """
 
 from __future__ import annotations
 
-from marind.agent.membership import FULL_READ_EVERY, Membership, report_record
+from marind.agent.membership import Membership, report_record
 from marind.core.etcd_client import EtcdClient
 from marind.testing.etcd_metrics import etcd_counters
 
@@ -35,8 +37,8 @@ def test_a_report_is_one_request_and_reads_the_records_only_when_they_change(etc
             return {"requests": after["requests"] - before["requests"],
                     "bytes_out": after["bytes_out"] - before["bytes_out"], "lost": [x.node for x in losses]}
 
-        first = report()                              # the first: the watch of deletes, the records read back
-        assert first == {**first, "requests": 2, "lost": []} and first["bytes_out"] > PEERS * 200
+        first = report()          # the first: its own record, the watch of deletes, the records read back
+        assert first == {**first, "requests": 3, "lost": []} and first["bytes_out"] > PEERS * 200
         assert client.lease_of(client.key("jobs", "j", "nodes", "a")) == lease.id
         assert len(members.known) == PEERS + 1
         steady = report()                             # nothing came or went: a count comes back
@@ -54,11 +56,16 @@ def test_a_report_is_one_request_and_reads_the_records_only_when_they_change(etc
         assert came == {**came, "requests": 1, "lost": []} and "p99" in members.known
         assert came["bytes_out"] < first["bytes_out"] / 4, (came, first)
 
-        client.put_json(client.key("jobs", "j", "nodes", "p03"), {"node": "p03", "incarnation": "33"})
-        seen = []                                     # p03 replaced by another incarnation, no delete:
-        for _ in range(FULL_READ_EVERY + 1):          # seen at the next full read at the latest
-            seen += report()["lost"]
-        assert seen == ["p03"]
+        p03 = Membership(client, "j", "p03", "33")   # p03's agent restarted (its old record's lease lives on)
+        try:
+            report_record(client, "j", "p03", {"node": "p03", "incarnation": "33"}, None, p03)
+        finally:
+            p03.close()
+        replaced = report()                           # its first report dropped the old record: a delete
+        assert replaced == {**replaced, "lost": ["p03"]} and members.known["p03"] == "33", replaced
+        assert replaced["bytes_out"] < first["bytes_out"] / 4, (replaced, first)
+        for _ in range(20):                           # and no periodic full read of every record
+            assert report()["bytes_out"] * 10 < first["bytes_out"]
 
         members._deletes(None)                        # the watch's stream ended ...
         client.delete(client.key("jobs", "j", "nodes", "p11"))     # ... and p11 went meanwhile

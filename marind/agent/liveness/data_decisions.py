@@ -51,6 +51,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 #: the ``node_lost`` cause of a node whose data network is gone (its lease lives on)
 DATA_NETWORK_GONE = "data_network_gone"
@@ -91,13 +92,18 @@ class ReachRow:
     down: Mapping[str, float] = field(default_factory=dict)   # peer -> not answering steadily since
 
     @classmethod
-    def from_record(cls, node: str, record: Mapping) -> ReachRow | None:
-        """The row in a job record's ``data`` field, or None without one (or a malformed one)."""
-        data = record.get("data")
+    def from_data(cls, node: str, data: Any, at: float | None = None) -> ReachRow | None:
+        """The row a node published (``reach_rows``), or None for a malformed one.
+
+        Args:
+            node: the node.
+            data: its published row.
+            at: when it held last (its key still there: now), in place of the row's own ``at``.
+        """
         if not isinstance(data, Mapping):
             return None
         try:
-            return cls(node=node, at=float(data["at"]), link_up=bool(data.get("link_up", True)),
+            return cls(node=node, at=float(data["at"] if at is None else at), link_up=bool(data.get("link_up", True)),
                        probed=frozenset(str(p) for p in data.get("probed") or ()),
                        down={str(p): float(t) for p, t in (data.get("down") or {}).items()})
         except (KeyError, TypeError, ValueError):

@@ -5,14 +5,14 @@ The agent keeps one ``DataNetwork`` (its ``DataProber``: listener and probes,
 watch's own state, apart from the ``RunMonitor``). Each tick, for each run:
 
 1. the watch probes the data endpoints that the job's other nodes publish in
-   their job records (``data``; read by ``Membership.poll`` on every report);
+   their rows (``reach_rows``: ``{p}/jobs/{job}/reach/{node}``, kept from a watch);
 2. a run that has reached none of its peers for ``COMMIT_FENCE_S`` fences its
    commits at once: its ``lease.json`` ends at the isolation's start
    (``marind.core.lease_file``), so no checkpoint of a world that may be
    replaced gets committed; the fence lifts when a peer answers again, or
    when every other node of the job proves dead (silent on etcd too, below):
    no live node is left to replace this node's world;
-3. the node publishes its own row in its job record (``record_part``): its
+3. the node publishes its own row (``publish``: put when it changed): its
    endpoint, its link's carrier, the peers it probes and since when each is
    silent. The fence of step 2 is written before a row that shows the
    isolation is;
@@ -63,6 +63,7 @@ from marind.agent.liveness.data_decisions import (
     probe_targets,
 )
 from marind.agent.liveness.data_probe import DataProber, Endpoint, link_up
+from marind.agent.liveness.reach_rows import ReachRows
 from marind.agent.liveness.silence import HOST_SILENT, on_silent_peer, silent_peer, stall_for, suspect
 from marind.agent.membership import Loss
 from marind.core.errors import ControlPlaneUnavailable
@@ -81,10 +82,11 @@ class DataWatch:
     Args:
         run: the run.
         prober: the agent's prober.
+        reach: the job's rows (this node's put, everyone's kept).
     """
 
-    def __init__(self, run: RunMonitor, prober: DataProber):
-        self.run, self.prober = run, prober
+    def __init__(self, run: RunMonitor, prober: DataProber, reach: ReachRows):
+        self.run, self.prober, self.reach = run, prober, reach
         self.acted: set[tuple[str, str]] = set()    # (node, incarnation) acted on
         self.commit_fence_at: float | None = None
         self.dead: frozenset[str] = frozenset()     # peers silent on both networks (``silence.silent_peer``)
@@ -100,14 +102,13 @@ class DataWatch:
         return {node: ep for node, ep in out.items() if node in self._ring[1]}
 
     def endpoints(self) -> dict[str, Endpoint]:
-        """Every other node's data endpoint as last polled, less the ones acted on."""
+        """Every other node's data endpoint as last read, less the ones acted on."""
         members = self.run.members
         if members is None:
             return {}
         out = {}
-        for node, rec in members.records.items():
-            data = rec.get("data")
-            if node == self.run.node or not isinstance(data, dict) or (node, str(members.known.get(node))) in self.acted:
+        for node, data in self.reach.rows.items():
+            if node == self.run.node or (node, str(members.known.get(node))) in self.acted:
                 continue
             try:
                 token = data.get("token")
@@ -144,22 +145,27 @@ class DataWatch:
         except OSError:
             pass
 
-    def record_part(self, now: float) -> dict:
-        """This node's row for its job record (``data``): endpoint, carrier, probes."""
+    def row(self, now: float) -> dict:
+        """This node's row: endpoint, carrier, probes."""
         down, probed = self.refresh()
         return {**self.prober.endpoint(), "at": now, "probed": sorted(probed), "down": down}
 
+    def publish(self, now: float, lease: object) -> bool:
+        """Put this node's row where it changed (``ReachRows.publish``; raises ControlPlaneUnavailable)."""
+        return self.reach.publish(self.row(now), lease)
+
     def rows(self, now: float) -> dict[str, ReachRow]:
-        """Every node's row: the others' as last polled, this node's as of now."""
+        """Every node's row: the others' as last read (each as of now: its key lives under its
+        node's lease), this node's as of now."""
         members = self.run.members
         if members is None:
             return {}
         rows = {}
-        for node, rec in members.records.items():
-            row = ReachRow.from_record(node, rec)
+        for node, data in self.reach.rows.items():
+            row = ReachRow.from_data(node, data, at=now)
             if row is not None and node != self.run.node and (node, str(members.known.get(node))) not in self.acted:
                 rows[node] = row
-        me = ReachRow.from_record(self.run.node, {"data": self.record_part(now)})
+        me = ReachRow.from_data(self.run.node, self.row(now))
         if me is not None:
             rows[self.run.node] = me
         return rows
@@ -182,7 +188,8 @@ class DataNetwork:
         node: this node's name.
         outbox: the agent's outbox (events).
         registry: this node's registration (lease times for ``lease.json``).
-        fresh_s: rows published longer ago are ignored.
+        fresh_s: rows published longer ago are ignored (a row read from etcd is as of now: its key
+            goes with its node's lease).
         steady_s: a held job starts again once a peer answered every probe for this long
             (default ``fresh_s``, the lease TTL: a lossy link, answering by turns, does not let it flap back).
     """
@@ -198,21 +205,23 @@ class DataNetwork:
 
     def attach(self, run: RunMonitor) -> DataWatch | None:
         """Watch ``run``'s peers (elastic and torchft runs; a watch of an earlier run of its job goes)."""
-        self.watches.pop(run.job, None)
+        self._forget(run.job)
         if run.members is None:
             return None
-        watch = self.watches[run.job] = DataWatch(run, self.prober)
+        reach = ReachRows(run.members.client, run.job, run.node)
+        watch = self.watches[run.job] = DataWatch(run, self.prober, reach)
         return watch
+
+    def _forget(self, job: str) -> None:
+        """Drop ``job``'s watch and this node's row of it."""
+        watch = self.watches.pop(job, None)
+        if watch is not None:
+            watch.reach.close()
 
     def watch_of(self, run: RunMonitor) -> DataWatch | None:
         """``run``'s watch (None before ``tick`` attached one, or without a membership watch)."""
         watch = self.watches.get(run.job)
         return watch if watch is not None and watch.run is run else None
-
-    def record_part(self, run: RunMonitor, now: float) -> dict | None:
-        """This node's row in ``run``'s job record (``DataWatch.record_part``; None: not watched)."""
-        watch = self.watch_of(run)
-        return watch.record_part(now) if watch is not None else None
 
     def commit_fence_at(self, run: RunMonitor) -> float | None:
         """Where ``run``'s commits are fenced (its ``lease.json`` ends there); None: they are not."""
@@ -253,7 +262,7 @@ class DataNetwork:
             if not job.startswith("hold:") and job not in runs:
                 self.prober.drop(job)
         for job in [j for j in self.watches if j not in runs]:
-            del self.watches[job]
+            self._forget(job)
 
     def tick(self, run: RunMonitor, now: float, *, stall_s: float, fence: Callable[[RunMonitor, str, float], None],
              runs: dict[str, RunMonitor], online: bool) -> None:
@@ -274,9 +283,12 @@ class DataNetwork:
             return
         if not online:
             watch.dead = frozenset()    # "dead" rests on etcd's word, which this node cannot hear now
+        else:
+            watch.reach.refresh()
         watch.update_fence(now, self.registry)
         if not online:
             return
+        watch.publish(now, self.registry.lease)     # after the fence: a row that shows an isolation follows it
         dead = watch.dead
         self._silent_hosts(run, watch, now)
         if watch.dead != dead:
