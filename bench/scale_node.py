@@ -8,7 +8,9 @@ A ``SimNode`` holds what a node's agent and its torchrun hold, made of marind's 
   the job's progress every ``report_interval`` (what ``RunMonitor.report`` writes, with the
   count of registered nodes the agent's metric reads), ``NodeLosses``/``Membership`` (a peer's
   loss: the poll, ``decisions.on_node_loss``, the rendezvous' lost marker, the claim, the
-  restart) and ``decisions.fence_due`` every tick;
+  restart), ``decisions.fence_due`` every tick, and the node's data-network row with the job's
+  rows kept from a watch (``ReachRows``: put when it changes, read every tick as the agent's
+  data watch does; the row names an endpoint and the ring's probe targets, and no probe runs);
 * the torchrun side (a second ``EtcdClient``, as torchrun is a process of its own): marind's
   etcd3 rendezvous handler (``marind.rendezvous.handler.create_handler``), driven as torch's
   elastic agent drives it: ``next_rendezvous`` for a round, ``num_nodes_waiting`` every
@@ -31,6 +33,8 @@ from dataclasses import dataclass
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from marind.agent.decisions import fence_due, stall_window
+from marind.agent.liveness.data_decisions import probe_targets
+from marind.agent.liveness.reach_rows import ReachRows
 from marind.agent.membership import Membership, report_record
 from marind.agent.node_losses import NodeLosses
 from marind.agent.outbox import Outbox
@@ -75,6 +79,8 @@ class SimNode:
         self.incarnation = f"{os.getpid()}.{name}"
         self.job: str | None = None
         self.losses: NodeLosses | None = None
+        self.reach: ReachRows | None = None
+        self._ring: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())   # (nodes, probe targets)
         self.handler = None
         self.rounds: list[dict] = []          # each round this node got a rank in: round, rank, world, at
         self.errors: list[str] = []
@@ -113,6 +119,8 @@ class SimNode:
                 self.progress_at = now
             if self.job is not None and now - self.last_report >= self.conf.report_interval:
                 self.report(now)
+            if self.reach is not None and self.losses is not None:
+                self._reach(now)
             if self.losses is not None:
                 self.losses.act(now, stall_window(self.registry.ttl), workers_running=lambda: self.running,
                                 progress_at=self.progress_at, torchft=False, kill_workers=self.kill_workers)
@@ -130,6 +138,7 @@ class SimNode:
         self.job = job
         self.losses = NodeLosses(job, Membership(self.client, job, self.name, self.incarnation), self.outbox,
                                  self.log)
+        self.reach = ReachRows(self.client, job, self.name)
         if self.conf.join_events:
             self.outbox.event(job, "node_joined", {"torchrun_pid": os.getpid(), "slots": GPUS})
         self._torchrun = threading.Thread(target=self._run_torchrun, name=f"torchrun-{self.name}", daemon=True)
@@ -159,6 +168,18 @@ class SimNode:
         if now - self.last_count >= max(self.conf.report_interval, self.watch.resync_s):
             self.last_count = now
             c.count_prefix(c.key("nodes") + "/")          # the agent's marind_nodes metric
+
+    def _reach(self, now: float) -> None:
+        """The data watch's etcd part: this node's row put when it changed (its probe targets move
+        with the job's nodes), the job's rows refreshed (``DataNetwork.tick``)."""
+        assert self.reach is not None and self.losses is not None and self.job is not None
+        nodes = frozenset(self.losses.members.known) | {self.name}
+        if nodes != self._ring[0]:        # hashed once per change of the job's nodes, as DataWatch.peers
+            self._ring = (nodes, probe_targets(self.job, self.name, nodes))
+        row = {"addr": self.name, "port": 0, "token": self.incarnation, "link_up": True, "at": now,
+               "probed": sorted(self._ring[1]), "down": {}}
+        self.reach.publish(row, self.registry.lease)
+        self.reach.refresh()
 
     def kill_workers(self) -> list[int]:
         """``NodeLosses``' restart: the workers fail, torchrun goes to a new round."""
@@ -196,6 +217,8 @@ class SimNode:
             self.handler._stop_heartbeats()
         if self.losses is not None:
             self.losses.members.close()   # its watch of the job's records too
+        if self.reach is not None:
+            self.reach.close(drop=False)  # and of the rows (its row goes with its lease)
 
     def stall(self) -> None:
         """A collective with a silent peer blocks: the workers stop making progress."""
