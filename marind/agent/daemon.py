@@ -32,6 +32,7 @@ from marind.agent import progress as prog
 from marind.agent.agent_stop import stop_agent
 from marind.agent.decisions import Admission, ExitAction, admit, after_exit, replica_group_lost, stall_window
 from marind.agent.doctor_probe import DoctorProbes
+from marind.agent.etcd_compaction import Compactor
 from marind.agent.ft.exits import group_failure_leaves, leave_replica_group
 from marind.agent.job_trust import JobTrust
 from marind.agent.launch import launch
@@ -91,6 +92,7 @@ class Agent:
         self._fencing: Fencing | None = None
         self.trust = JobTrust.from_config(config)     # [agent] require_signed_jobs, trusted_keys
         self.disk = StateDirWatch(config.state_dir, node=self.node, metrics=self.metrics)   # a full state dir
+        self.compactor = Compactor(config.etcd_compact_interval)     # etcd's history kept bounded
 
     @property
     def jobs_dir(self) -> Path:
@@ -229,6 +231,7 @@ class Agent:
             link.outbox.flush()
             if self.doctor is not None:
                 self.doctor.tick()
+            self.compactor.tick(link.client, now)
         self.metrics.set("marind_jobs", len(self.runs))
         if self._watchdog_every is not None and time.monotonic() - self._last_watchdog >= self._watchdog_every:
             self.notifier.watchdog()

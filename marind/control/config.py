@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from marind.core.errors import ControlPlaneUnavailable, SpecError
-from marind.core.etcd_client import DEFAULT_PREFIX, EtcdTLS
+from marind.core.etcd_client import DEFAULT_PREFIX
+from marind.core.etcd_endpoints import EtcdTLS
 from marind.core.schema import closest, load_toml, string_pairs
 
 SYSTEM_CONFIG = "/etc/marind/marind.toml"
@@ -60,6 +61,7 @@ class AgentConfig:
     labels: tuple[tuple[str, str], ...] = ()
     lease_ttl: int = 10
     report_interval: float = 2.0        # seconds between etcd writes of progress/records
+    etcd_compact_interval: float = 300.0   # seconds between the agent's compactions of etcd's history; 0 = off
     stop_timeout: float = 60.0          # SIGTERM -> SIGKILL grace for a job's workers
     metrics_port: int = 9465            # 0 = off; -1 = any free port
     metrics_host: str = "127.0.0.1"
@@ -100,7 +102,7 @@ _TOML_KEYS = {
     ("client", "sign_key"): "sign_key",
     ("etcd", "endpoints"): "etcd", ("etcd", "prefix"): "prefix", ("etcd", "user"): "etcd_user",
     ("etcd", "password"): "etcd_password", ("etcd", "ca_cert"): "etcd_ca_cert",
-    ("etcd", "cert"): "etcd_cert", ("etcd", "key"): "etcd_key",
+    ("etcd", "cert"): "etcd_cert", ("etcd", "key"): "etcd_key", ("etcd", "compact_interval"): "etcd_compact_interval",
     ("metrics", "port"): "metrics_port", ("metrics", "host"): "metrics_host",
 }
 _ENV_KEYS = {
@@ -109,7 +111,7 @@ _ENV_KEYS = {
     "MARIND_STATE_DIR": "state_dir", "MARIND_SLOTS": "slots", "MARIND_METRICS_PORT": "metrics_port",
     "MARIND_RDZV_CONF": "rdzv_conf", "MARIND_LEASE_TTL": "lease_ttl",
     "MARIND_REPORT_INTERVAL": "report_interval", "MARIND_STOP_TIMEOUT": "stop_timeout",
-    "MARIND_SIGN_KEY": "sign_key",
+    "MARIND_SIGN_KEY": "sign_key", "MARIND_ETCD_COMPACT_INTERVAL": "etcd_compact_interval",
 }
 
 
@@ -188,6 +190,9 @@ def load_config(path: str | None = None, env: Mapping[str, str] | None = None,
     config = AgentConfig(**values)
     if config.slots < 0 or config.lease_ttl < 2:
         raise SpecError("agent.slots must be >= 0 and agent.lease_ttl >= 2")
+    if config.etcd_compact_interval != 0 and config.etcd_compact_interval < 60:
+        raise SpecError(f"etcd.compact_interval = {config.etcd_compact_interval:g}: give 0 (off) or at least 60 "
+                        "seconds (history younger than one interval is kept for watches)")
     if config.require_signed_jobs and not config.trusted_keys:
         raise SpecError("agent.require_signed_jobs is set but agent.trusted_keys lists no key: "
                         "list the public key files of who may submit (marind keygen)")

@@ -147,9 +147,11 @@ class LocalEtcd(ServerProcess):
                  peer_port: int | None = None, name: str = "marind-etcd",
                  host: str = "127.0.0.1", binary: str | None = None,
                  log_path: str | os.PathLike | None = None, initial_cluster: str | None = None,
-                 cluster_token: str | None = None):
+                 cluster_token: str | None = None, quota_bytes: int | None = None):
         """One member; ``initial_cluster`` (``name=http://host:peer_port,...``) makes it a member
-        of that cluster (every member is given the same string and ``cluster_token``)."""
+        of that cluster (every member is given the same string and ``cluster_token``);
+        ``quota_bytes``: its database's space quota (``--quota-backend-bytes``; etcd's 2 GiB)."""
+        self.quota_bytes = quota_bytes
         self.data_dir = Path(data_dir)
         self.initial_cluster = initial_cluster
         self.cluster_token = cluster_token
@@ -182,6 +184,7 @@ class LocalEtcd(ServerProcess):
             "--initial-cluster-state", "new",
             *(["--initial-cluster-token", self.cluster_token] if self.cluster_token else []),
             "--log-level", "warn",
+            *(["--quota-backend-bytes", str(self.quota_bytes)] if self.quota_bytes else []),
         ]
 
     def start(self, timeout: float = 20.0, wait: bool = True) -> LocalEtcd:

@@ -25,6 +25,14 @@ class ControlPlaneUnavailable(MarindError):
     exit_code = 3
 
 
+class ControlPlaneRefused(ControlPlaneUnavailable):
+    """etcd answered and refused the request for what it is (too large, its space quota reached, a
+    revision compacted away, malformed): no retry and no other member changes that
+    (``marind.core.etcd_errors``)."""
+
+    exit_code = 3
+
+
 class PermissionDenied(ControlPlaneUnavailable):
     """etcd refused the request: the user's roles do not allow it (docs/design.md §2, etcd roles)."""
 

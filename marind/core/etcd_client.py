@@ -6,8 +6,9 @@ python-etcd3 whose generated protobuf code imports with protobuf >= 4
 directly"). It is synchronous, which fits torch's synchronous
 ``RendezvousBackend`` interface and the agent's supervision loop.
 
-Every gRPC failure is turned into ``ControlPlaneUnavailable`` naming the
-endpoints, so callers handle one exception type.
+Every gRPC failure is turned into ``ControlPlaneUnavailable`` (or a subclass)
+naming the endpoints, so callers handle one exception type
+(``marind.core.etcd_errors``: what each failure means).
 """
 
 from __future__ import annotations
@@ -15,61 +16,20 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 import etcd3
 import grpc
 from etcd3 import etcdrpc
 from etcd3 import exceptions as etcd_exc
 
-from marind.core.errors import ControlPlaneUnavailable, PermissionDenied
+from marind.core.errors import ControlPlaneRefused, ControlPlaneUnavailable
+from marind.core.etcd_endpoints import GRPC_OPTIONS, EtcdTLS, parse_endpoints, read_file
+from marind.core.etcd_errors import FAIL_OVER as _FAIL_OVER
+from marind.core.etcd_errors import TRANSIENT as _TRANSIENT
+from marind.core.etcd_errors import control_plane_error, is_stale_token, refused
 
 DEFAULT_PREFIX = "/marind"
-_TRANSIENT = (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError,
-              etcd_exc.Etcd3Exception, grpc.RpcError)
-#: failures after which a call goes to the next member: the member did not take the request
-_FAIL_OVER = (etcd_exc.ConnectionFailedError, etcd_exc.NoServerAvailableError)
-
-# gRPC's defaults suit a server that is gone for good, not an etcd that restarts. After a
-# failed connect it waits 1 s, then 1.6x longer each time up to 120 s, and every call in
-# between fails at once, so a client whose etcd came back after an outage stayed
-# "unreachable" for seconds more (docs/perf.md, "Control plane"), and after a few minutes
-# it would stay so for up to 2 minutes, outliving a node lease. Its subchannels are also
-# shared per process, so a client made after the restart inherited the old one's backoff
-# and failed its first call. Retry about once a second (gRPC adds 20% jitter), with a
-# subchannel of our own.
-GRPC_OPTIONS = (
-    ("grpc.use_local_subchannel_pool", 1),
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-)
-
-
-@dataclass(frozen=True)
-class EtcdTLS:
-    ca_cert: str | None = None
-    cert: str | None = None
-    key: str | None = None
-
-
-def parse_endpoints(spec: str | list[str]) -> list[tuple[str, int, bool]]:
-    """``"http://a:2379,https://b:2379"`` or ``"a:2379"`` -> [(host, port, secure)]."""
-    items = spec if isinstance(spec, list) else [s for s in spec.split(",") if s.strip()]
-    out = []
-    for item in items:
-        item = item.strip()
-        if "://" not in item:
-            item = "http://" + item
-        parts = urlsplit(item)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"bad etcd endpoint {item!r}: expected http://HOST:PORT or HOST:PORT")
-        out.append((parts.hostname, parts.port or 2379, parts.scheme == "https"))
-    if not out:
-        raise ValueError("no etcd endpoints given: pass --etcd http://HOST:PORT or set MARIND_ETCD")
-    return out
-
 
 class EtcdClient:
     """Key/value, compare-and-swap, leases, watches and locks on etcd v3."""
@@ -105,7 +65,7 @@ class EtcdClient:
             creds = None
             if secure:
                 creds = grpc.ssl_channel_credentials(
-                    _read(tls.ca_cert), _read(tls.key), _read(tls.cert))
+                    read_file(tls.ca_cert), read_file(tls.key), read_file(tls.cert))
             eps = [etcd3.Endpoint(h, p, secure=secure, creds=creds, opts=GRPC_OPTIONS)
                    for h, p, _ in parsed]
             # no credentials yet: the library would log in at construction on one member drawn
@@ -161,11 +121,13 @@ class EtcdClient:
                 try:
                     return fn(*args, **kwargs), attempt > 0
                 except grpc.RpcError as exc:
-                    if not (self._user and _is_stale_token(exc)):
+                    if not (self._user and is_stale_token(exc)):
                         raise
                     self._reauthenticate()  # etcd restarted or the token expired: log in again
                     return fn(*args, **kwargs), attempt > 0
             except _TRANSIENT as exc:
+                if refused(exc):                    # etcd answered: no other member changes that
+                    raise self._unavailable(exc) from exc
                 retry = isinstance(exc, _FAIL_OVER)
                 if isinstance(exc, etcd_exc.ConnectionTimeoutError) and timeouts_left:
                     timeouts_left, retry = timeouts_left - 1, True
@@ -178,18 +140,7 @@ class EtcdClient:
         raise AssertionError("unreachable")   # the loop returns or raises
 
     def _unavailable(self, exc: BaseException) -> ControlPlaneUnavailable:
-        details = exc.details() if isinstance(exc, grpc.RpcError) and hasattr(exc, "details") else ""
-        if details and "authentication failed" in details:
-            return ControlPlaneUnavailable(
-                f"etcd at {self.endpoints_spec} rejected user {self._user!r}: {details}; "
-                "check the etcd user and password")
-        if details and ("permission denied" in details or "user name is empty" in details):
-            return PermissionDenied(
-                f"etcd at {self.endpoints_spec} refused user {self._user or '(none)'} ({details}): "
-                "give an etcd user whose roles allow it (user/password, docs/design.md §2)")
-        return ControlPlaneUnavailable(
-            f"etcd unreachable at {self.endpoints_spec} ({type(exc).__name__}): "
-            "check that etcd is running, or pass --etcd / set MARIND_ETCD")
+        return control_plane_error(exc, self.endpoints_spec, self._user)
 
     def _reauthenticate(self) -> None:
         from etcd3.etcdrpc import AuthenticateRequest
@@ -361,6 +312,20 @@ class EtcdClient:
         self._call(self._client.delete_prefix, prefix)
 
     # -- leases -------------------------------------------------------------------------
+    def revision(self) -> int:
+        """etcd's revision now."""
+        return int(self._call(self._client.get_response, self.prefix + "/").header.revision)
+
+    def compact(self, revision: int) -> bool:
+        """Drop the history before ``revision``; False when etcd was compacted that far already."""
+        try:
+            self._call(self._client.compact, revision)
+        except ControlPlaneRefused as exc:
+            if "compacted" not in str(exc):
+                raise
+            return False
+        return True
+
     def lease(self, ttl: int):
         return self._call(self._client.lease, ttl)
 
@@ -440,17 +405,3 @@ class EtcdClient:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _is_stale_token(exc: grpc.RpcError) -> bool:
-    details = exc.details() if hasattr(exc, "details") else ""
-    return bool(details) and ("invalid auth token" in details or "revision of auth store is old" in details)
-
-
-def _read(path: str | None) -> bytes | None:
-    if not path:
-        return None
-    with open(path, "rb") as fh:
-        return fh.read()
-
-

@@ -16,7 +16,7 @@ import grpc
 from etcd3 import etcdrpc
 from etcd3 import exceptions as etcd_exc
 
-from marind.core.etcd_client import EtcdTLS, parse_endpoints
+from marind.core.etcd_endpoints import EtcdTLS, parse_endpoints
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ from datetime import timedelta
 from typing import Any
 
 from marind.core.errors import ControlPlaneUnavailable
-from marind.core.etcd_client import EtcdClient, EtcdTLS
+from marind.core.etcd_client import EtcdClient
+from marind.core.etcd_endpoints import EtcdTLS
 from marind.core.log import get_logger
 from marind.doctor_cluster.keys import Phases, Request, request_key, run_key
 from marind.doctor_cluster.verdict import OK, Group, HostResult, bus_bandwidth, choose_group, median

@@ -39,7 +39,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousSe
 
 from marind.core import workerenv as WE
 from marind.core.errors import ControlPlaneUnavailable
-from marind.core.etcd_client import DEFAULT_PREFIX, EtcdClient, EtcdTLS
+from marind.core.etcd_client import DEFAULT_PREFIX, EtcdClient
+from marind.core.etcd_endpoints import EtcdTLS
 from marind.core.log import get_logger
 from marind.core.rdzv_keys import latest_key
 from marind.rendezvous.etcd3_handler import Etcd3RendezvousHandler

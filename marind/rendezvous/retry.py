@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from marind.core.errors import ControlPlaneUnavailable
+from marind.core.errors import ControlPlaneRefused, ControlPlaneUnavailable
 from marind.core.log import get_logger
 
 log = get_logger(__name__)
@@ -36,12 +36,15 @@ def backoff_delays(first: float = _FIRST_DELAY, cap: float = _MAX_DELAY):
 
 
 def with_grace(fn: Callable[[], T], grace: float, what: str) -> T:
-    """``fn()``, retried on ControlPlaneUnavailable until ``grace`` seconds after the first failure."""
+    """``fn()``, retried on ControlPlaneUnavailable until ``grace`` seconds after the first failure
+    (a request etcd refused for what it is, ``ControlPlaneRefused``, is raised at once)."""
     deadline = None
     delays = backoff_delays()
     while True:
         try:
             return fn()
+        except ControlPlaneRefused:
+            raise
         except ControlPlaneUnavailable as exc:
             now = time.monotonic()
             if deadline is None:

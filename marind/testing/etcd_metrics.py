@@ -14,11 +14,13 @@ _NAMES = {"etcd_mvcc_put_total": "writes", "etcd_mvcc_delete_total": "writes",
           "etcd_disk_wal_write_bytes_total": "wal_bytes",
           "etcd_network_client_grpc_received_bytes_total": "bytes_in",
           "etcd_network_client_grpc_sent_bytes_total": "bytes_out",
-          "etcd_mvcc_db_total_size_in_bytes": "db_bytes"}
+          "etcd_mvcc_db_total_size_in_bytes": "db_bytes",
+          "etcd_mvcc_db_total_size_in_use_in_bytes": "db_in_use_bytes"}
 
 
 def etcd_counters(endpoint: str) -> dict[str, float]:
-    """etcd's counters: requests, writes, wal_bytes, bytes_in, bytes_out, db_bytes (a gauge), and
+    """etcd's counters: requests, writes, wal_bytes, bytes_in, bytes_out, db_bytes and db_in_use_bytes
+    (gauges: the database file, and the part of it holding data), and
     ``requests:{Method}`` for each gRPC method (``Range``, ``Txn``, ``Put``, ``LeaseKeepAlive``, ...).
 
     Args:
@@ -28,7 +30,7 @@ def etcd_counters(endpoint: str) -> dict[str, float]:
         The figures by name.
     """
     text = urllib.request.urlopen(f"{endpoint}/metrics", timeout=30).read().decode()
-    out = dict.fromkeys(("requests", "writes", "wal_bytes", "bytes_in", "bytes_out", "db_bytes"), 0.0)
+    out = dict.fromkeys(("requests", "writes", "wal_bytes", "bytes_in", "bytes_out", "db_bytes", "db_in_use_bytes"), 0.0)
     for line in text.splitlines():
         if line.startswith("#") or " " not in line:
             continue
