@@ -38,6 +38,7 @@ from marind.control.local_etcd import LocalEtcd
 from marind.testing.bench_sites import LoopbackSite
 from marind.testing.chaos.schedule import draw_schedule
 from marind.testing.cluster import make_data, marind, submit
+from marind.testing.procs import exit_on_sigterm
 
 FAULT = """
 [fault]
@@ -200,4 +201,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()       # its servers, ranks and bed are undone (finally) on SIGTERM too
     sys.exit(main())

@@ -305,4 +305,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from marind.testing.procs import exit_on_sigterm
+    exit_on_sigterm()       # subprocess.run kills its torchrun when SIGTERM ends the wait
     sys.exit(main())

@@ -293,7 +293,7 @@ class Etcd3RendezvousHandler(RendezvousHandler):
                     if closed is None and closer is not None:
                         closed = closer.step(check)
                         if closer.abandoned:             # the close was refused: no longer its closer
-                            closer = self._closer_round = None
+                            closer = None                # (_leave still drops the key if it names us)
                 look = True
                 if closed is not None:
                     self._closer_round = None            # the round is closed: nothing left to close

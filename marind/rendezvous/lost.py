@@ -9,10 +9,11 @@ how they tell the rendezvous:
 
 * every torchrun started by an agent publishes its rendezvous node
   descriptor under its node's name: ``{p}/jobs/{run_id}/rdzv/members/{node}``
-  = ``{desc, pid, at}`` (``publish_member``), and each round's participants
-  are published in ``{p}/jobs/{run_id}/rdzv/round`` (by the round's closer;
-  ``publish_round`` is the earlier handler's way): an agent tells whether a
-  lost node was in the current round;
+  = ``{desc, pid, at}`` (``publish_member``), and the last closed round's
+  number in ``{p}/jobs/{run_id}/rdzv/round`` with each participant's rank key
+  under ``rounds/{n}/rank/`` (by the round's closer; ``publish_round``, the
+  earlier handler's way, names the participants in the record): an agent
+  tells whether a lost node was in the current round;
 * an agent that acts on a loss writes ``{p}/jobs/{run_id}/rdzv/lost/{desc}``
   (``marind.agent.membership.Membership.mark_lost``);
 * a round's closer reads those markers (``LostNodes``: an etcd watch says

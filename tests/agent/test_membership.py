@@ -13,7 +13,7 @@ from marind.agent.membership import (
     report_record,
     vanished,
 )
-from marind.core.rdzv_keys import lost_prefix, members_key
+from marind.core.rdzv_keys import lost_prefix, members_key, rank_key, round_key
 from marind.rendezvous.lost import LostNodes, publish_member, publish_round
 
 
@@ -116,6 +116,13 @@ def test_mark_lost_names_the_lost_torchrun_for_the_rendezvous(etcd_client):
     assert a.in_current_round(loss, desc) is False
     publish_round(etcd_client, job, 4, frozenset({"hosta_10_0", desc}))
     assert a.in_current_round(loss, desc) is True
+    # the etcd3 handler's record names no participants: the lost torchrun's rank key of that round
+    closed = {"round": 5, "world_size": 1, "at": 0.0, "by": "hosta_10_0"}
+    etcd_client.put_json(round_key(etcd_client, job), closed)
+    etcd_client.put_json(rank_key(etcd_client, job, 5, "hosta_10_0"), {"rank": 0, "by": "hosta_10_0"})
+    assert a.in_current_round(loss, desc) is False
+    etcd_client.put_json(rank_key(etcd_client, job, 5, desc), {"rank": 1, "by": "hosta_10_0"})
+    assert a.in_current_round(loss, desc) is True
     a.mark_lost(loss, desc)
     marker = etcd_client.get_json(lost_prefix(etcd_client, job) + "hostb_20_0")
     assert marker["node"] == "b" and marker["cause"] == LEASE_EXPIRED and marker["by"] == "a"
@@ -144,3 +151,31 @@ def test_a_node_learns_it_was_declared_lost_by_its_claim_or_its_rendezvous_marke
     assert a.claim(Loss("c", "3", LEASE_EXPIRED, {}), {}) is True
     assert c.declared_lost(None) is True                                 # the departed claim names it
     assert Membership(etcd_client, job, "c", 4).declared_lost(None) is False   # its next incarnation is not
+
+
+def test_a_new_incarnation_drops_the_record_an_earlier_one_left_and_nothing_else(etcd_client):
+    """An agent registered anew (a fence: ``pid.2``) deletes its node's record of the earlier
+    incarnation before its first put, so the others see that one go; a second run of the same
+    incarnation deletes nothing (no loss)."""
+    job = "j-inc"
+    key = etcd_client.key("jobs", job, "nodes", "b")
+    a = Membership(etcd_client, job, "a", 1)
+    first = Membership(etcd_client, job, "b", 2)
+    try:
+        _report(etcd_client, first, {"node": "b", "agent_pid": 2})
+        assert _report(etcd_client, a, {"node": "a", "agent_pid": 1}) == [] and a.known["b"] == "2"
+        again = Membership(etcd_client, job, "b", 2)                  # a second run, same incarnation
+        _report(etcd_client, again, {"node": "b", "agent_pid": 2, "step": 3})
+        again.close()
+        assert _report(etcd_client, a, {"node": "a", "agent_pid": 1}) == []
+        fenced = Membership(etcd_client, job, "b", "2.2")             # registered anew after a fence
+        _, before = etcd_client.get(key)
+        _report(etcd_client, fenced, {"node": "b", "agent_pid": 2, "incarnation": "2.2"})
+        fenced.close()
+        _, after = etcd_client.get(key)
+        assert etcd_client.get_json(key)["incarnation"] == "2.2" and after > before
+        [loss] = _report(etcd_client, a, {"node": "a", "agent_pid": 1})
+        assert loss[:2] == ("b", "2"), loss                           # the earlier incarnation's loss, at once
+    finally:
+        first.close()
+        a.close()

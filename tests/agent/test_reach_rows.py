@@ -86,3 +86,31 @@ def test_a_new_lease_puts_the_row_again(etcd_private):
     finally:
         rows.close()
         client.close()
+
+
+def test_a_row_of_a_node_not_in_the_job_has_no_say(etcd_private):
+    """A row that outlived its node's part in the job (its delete failed, the lease lives on for
+    another job) names no endpoint to probe: only nodes with a record in the job count."""
+    from types import SimpleNamespace
+
+    from marind.agent.liveness.data_watch import DataWatch
+    from marind.agent.membership import Membership, report_record
+
+    client = EtcdClient(etcd_private.endpoint, prefix="/reach3")
+    lease = client.lease(60)
+    members = Membership(client, "j", "a", "1")
+    rows = ReachRows(client, "j", "a")
+    try:
+        for node in ("b", "gone"):
+            ReachRows(client, "j", node).publish({**_row(), "addr": f"10.0.0.{len(node)}"}, lease)
+        report_record(client, "j", "b", {"node": "b", "agent_pid": 2}, lease, None)
+        report_record(client, "j", "a", {"node": "a", "agent_pid": 1}, lease, members)
+        members.poll()
+        rows.refresh()
+        run = SimpleNamespace(members=members, node="a", job="j")
+        watch = DataWatch(run, prober=None, reach=rows)           # type: ignore[arg-type]  # endpoints() only
+        assert set(watch.endpoints()) == {"b"}
+    finally:
+        members.close()
+        rows.close(drop=False)
+        client.close()

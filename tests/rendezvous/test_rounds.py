@@ -11,6 +11,8 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError, Rendezvo
 
 from marind.core.rdzv_keys import closer_key, join_prefix, lost_key, rank_key, round_key
 from marind.rendezvous import create_etcd3_handler
+from marind.rendezvous.closer import Closer
+from marind.rendezvous.lost import LostNodes
 from marind.rendezvous.rounds import Closed, Place, Rounds, choose, close_due, parse_desc, rank_order
 from tests.agent.helpers import wait_for
 
@@ -77,6 +79,30 @@ def test_a_closer_that_lost_its_claim_leaves_no_seat_behind(etcd_client):
     etcd_client.put(stale, json.dumps({"rank": 1, "by": "a_1_0"}))     # even one written after the close
     assert rounds.seat("c_1_0", closed) is None
     assert [rounds.seat(d, closed) for d in ("a_1_0", "b_1_0")] == [0, 1]
+
+
+def test_a_closer_whose_claim_lapsed_stands_down_and_the_next_one_closes(etcd_client):
+    """``Closer.step`` on a round it no longer holds the claim of: the close is refused, nothing
+    is closed, the closer stands down (``abandoned``); another joiner claims and closes, and the
+    first still gets its seat from the rank keys."""
+    rounds = Rounds(etcd_client, "lapse", grace=5)
+    lease = etcd_client.lease(30)
+    for desc in ("a_1_0", "b_1_0"):
+        assert rounds.join(desc, lease.id, -1, Place(0), None)[0] is True
+    lost = LostNodes(etcd_client, "lapse")
+    try:
+        assert rounds.claim_closer("a_1_0", 0, lease.id)
+        closer = Closer(rounds, lost, "a_1_0", 0, min_nodes=2, max_nodes=2, last_call=30.0)
+        etcd_client.delete(closer_key(etcd_client, "lapse", 0))           # a's claim lapsed
+        assert closer.step(rounds.check("a_1_0", 0, closer=True)) is None
+        assert closer.abandoned and rounds.check("b_1_0", 0, closer=False).round_closed is None
+        assert rounds.claim_closer("b_1_0", 0, lease.id)
+        other = Closer(rounds, lost, "b_1_0", 0, min_nodes=2, max_nodes=2, last_call=30.0)
+        closed = other.step(rounds.check("b_1_0", 0, closer=True))
+        assert closed == Closed(0, 2, "b_1_0") and not other.abandoned
+        assert [rounds.seat(d, closed) for d in ("a_1_0", "b_1_0")] == [0, 1]
+    finally:
+        lost.close()
 
 
 # -- lost nodes and closers on a real etcd ------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Which node lost the data network, and what this node does about it (pure functions).
 
 Each agent of a job publishes what its probes of the other nodes' data
-endpoints found (``data`` in its job record, docs/design.md §2): a
-``ReachRow``. Every agent reads the same rows and reaches the same verdict
+endpoints found (its row, ``{p}/jobs/{job}/reach/{node}``, docs/design.md §2):
+a ``ReachRow``. Every agent reads the same rows and reaches the same verdict
 (``cut_off``): a node is **cut off** when it has reached none of its peers for
 ``window`` seconds and none of them has reached it for as long, while some
 other node still reaches a peer (the majority view). When no node reaches any
@@ -126,7 +126,9 @@ def cut_off(rows: Mapping[str, ReachRow], *, now: float, window: float, fresh_s:
         rows: each node's row (nodes without a row have no say and are not judged).
         now: the current time.
         window: how long a node must have reached nobody, and nobody it.
-        fresh_s: rows published longer ago than this are ignored (their agent is away).
+        fresh_s: rows published longer ago than this are ignored (their agent is away). A row
+            read from etcd carries the time it was read (its key lives under its node's lease,
+            ``reach_rows``); the rule still holds for rows judged in other ways (tests, tools).
 
     Returns:
         (the cut-off nodes, why); an empty set when nothing can be decided.

@@ -1,8 +1,8 @@
 """Is the data network there? One agent's TCP probes of its job peers' data addresses.
 
 Every agent listens on a TCP port of every address (``DataProber.start``) and
-publishes its **data address** with that port in its job records (``data``,
-docs/design.md §2): the address its hostname resolves to, the one torch's
+publishes its **data address** with that port in its row of each job
+(``{p}/jobs/{job}/reach/{node}``, ``reach_rows``, docs/design.md §2): the address its hostname resolves to, the one torch's
 default ``local_addr`` gives the workers' store and the one gloo's sockets use
 on a host whose hostname resolves to its data network (the host bed does so,
 ``marind.testing.hosts``), with the listener's **token**. A background thread

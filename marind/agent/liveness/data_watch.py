@@ -108,7 +108,7 @@ class DataWatch:
             return {}
         out = {}
         for node, data in self.reach.rows.items():
-            if node == self.run.node or (node, str(members.known.get(node))) in self.acted:
+            if node == self.run.node or node not in members.known or (node, str(members.known[node])) in self.acted:
                 continue
             try:
                 token = data.get("token")
@@ -161,9 +161,10 @@ class DataWatch:
         if members is None:
             return {}
         rows = {}
-        for node, data in self.reach.rows.items():
+        for node, data in self.reach.rows.items():      # a row of a node not in the job (left) has no say
             row = ReachRow.from_data(node, data, at=now)
-            if row is not None and node != self.run.node and (node, str(members.known.get(node))) not in self.acted:
+            if row is not None and node != self.run.node and node in members.known \
+                    and (node, str(members.known[node])) not in self.acted:
                 rows[node] = row
         me = ReachRow.from_data(self.run.node, self.row(now))
         if me is not None:
@@ -319,9 +320,14 @@ class DataNetwork:
 
     @staticmethod
     def _loss(run: RunMonitor, node: str, cause: str = DATA_NETWORK_GONE) -> Loss:
+        """The loss of ``node`` with its record as it is now (one read: the membership's view holds
+        each record as it was created, and a retried run rewrites its torchrun and workers)."""
         members = run.members
         assert members is not None
-        return Loss(node, str(members.known.get(node, "?")), cause, members.records.get(node, {}))
+        record = members.client.get_json(members.prefix + node)
+        if not isinstance(record, dict):
+            record = members.records.get(node, {})
+        return Loss(node, str(members.known.get(node, "?")), cause, record)
 
     def _silent_hosts(self, run: RunMonitor, watch: DataWatch, now: float) -> None:
         """Act on each peer silent on both networks (``silence.silent_peer``); raises ControlPlaneUnavailable."""

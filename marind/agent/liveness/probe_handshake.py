@@ -7,7 +7,7 @@ port closed, or another program on the port all answer. So the listener
     MARIND-DATA-PROBE/1 {token}\\n
 
 where ``token`` is the listener's own (made at its start, published with its
-endpoint in the job record, docs/design.md §2), and closes it. The prober
+endpoint in its row of the job, docs/design.md §2), and closes it. The prober
 connects and reads that line within one deadline (``CONNECT_TIMEOUT_S``); the
 peer counts as **reached** only when the line names the token it expects
 (``verdict``). A refused connect, a reset, a timeout, nothing written, another
@@ -50,7 +50,7 @@ def verdict(received: bytes, expected: str | None) -> str:
 
     Args:
         received: everything read from the connection, at most ``MAX_GREETING`` bytes.
-        expected: the token the peer publishes; None when its record has none (then any
+        expected: the token the peer publishes; None when its row has none (then any
             probe listener's greeting counts).
 
     Returns:

@@ -11,8 +11,11 @@ Before (issue 31), the row rode in the node's job record, rewritten every report
 the other nodes only with a full read of every record every 30 s: N² records per 30 s across
 the job, and for 20 of those 30 s older than the freshness the decisions ask (the lease TTL).
 
-A row is fresh while its key exists: it lives under its node's lease, so the row of a node
-that is away goes within a lease TTL, the freshness the decisions used before.
+A row is fresh while its key exists and its node has a record in the job: it lives under its
+node's lease, so the row of a node that is away goes within a lease TTL, the freshness the
+decisions used before, and a node that left the job has no say even while a row of it stays.
+An agent whose loop stalls while its lease thread renews keeps its last row: its sd_notify
+watchdog (``WatchdogSec=60``) restarts it. No row is put without a lease.
 """
 
 from __future__ import annotations
@@ -63,7 +66,9 @@ class ReachRows:
         Returns:
             Whether it was put.
         """
-        lease_id = int(lease.id) if lease is not None else 0
+        if lease is None:
+            return False                              # no lease, no row: it would outlive the node
+        lease_id = int(lease.id)
         if self._published is not None and self._published[1] == lease_id and not row_changed(row, self._published[0]):
             return False
         self.client.put(self.prefix + self.node, json.dumps(row, sort_keys=True), lease)
