@@ -120,8 +120,15 @@ class BedSite:
         return self.bed.start_agent(host, prefix, env={"MARIND_LOG_JSON": "1", "OMP_NUM_THREADS": "1"})
 
     def start(self, names: list[str], prefix: str) -> dict:
-        agents = {n: self._start_one(n, prefix) for n in names}
-        self._wait_registered(names, prefix)
+        agents: dict = {}
+        try:                            # the caller can stop only what it was given back
+            for n in names:
+                agents[n] = self._start_one(n, prefix)
+            self._wait_registered(names, prefix)
+        except BaseException:
+            for agent in agents.values():
+                stop_agent(agent)
+            raise
         return agents
 
     def _wait_registered(self, names: list[str], prefix: str, timeout: float = 60.0) -> None:

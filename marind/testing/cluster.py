@@ -57,19 +57,26 @@ def start_agent(root: Path, node: str, etcd: str, prefix: str, *, fast: bool = T
 
 def start_nodes(root: Path, names: list[str], etcd: str, prefix: str, timeout: float = 60.0
                 ) -> list[subprocess.Popen]:
-    """One agent per node name; returns once every one has registered in etcd."""
+    """One agent per node name; returns once every one has registered in etcd. Stops the ones it
+    started when it does not return them (the wait timed out, or a signal ended it: the caller
+    has nothing to stop)."""
     import time
 
     from marind.core.etcd_client import EtcdClient
-    agents = [start_agent(root, n, etcd, prefix) for n in names]
-    with EtcdClient(etcd, prefix=prefix) as client:
-        deadline = time.time() + timeout
-        while len(client.get_prefix_keys(client.key("nodes") + "/")) < len(names):
-            if time.time() > deadline:
-                for agent in agents:
-                    stop_agent(agent)
-                raise RuntimeError(f"the agents did not register within {timeout:.0f} s")
-            time.sleep(0.2)
+    agents: list[subprocess.Popen] = []
+    try:
+        for n in names:
+            agents.append(start_agent(root, n, etcd, prefix))
+        with EtcdClient(etcd, prefix=prefix) as client:
+            deadline = time.time() + timeout
+            while len(client.get_prefix_keys(client.key("nodes") + "/")) < len(names):
+                if time.time() > deadline:
+                    raise RuntimeError(f"the agents did not register within {timeout:.0f} s")
+                time.sleep(0.2)
+    except BaseException:
+        for agent in agents:
+            stop_agent(agent)
+        raise
     return agents
 
 
