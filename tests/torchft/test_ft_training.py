@@ -159,6 +159,7 @@ def test_fresh_groups_restore_the_durable_checkpoint(tmp_path, lighthouse):
     assert restored and set(restored) == {40}, restored
 
 
+@pytest.mark.slow       # make chaos (CI time): CI keeps the killed group's heal and the lost lighthouse
 def test_a_group_alone_behind_a_durable_checkpoint_restores_it(tmp_path, lighthouse):
     """Group 1 is frozen (SIGSTOP: silent) while group 0 trains on alone to the end and commits its final
     checkpoint. Resumed, group 1 forms a new quorum alone, at its old step: the checkpoint ahead of it is

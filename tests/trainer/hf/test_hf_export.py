@@ -156,6 +156,7 @@ def test_export_then_init_from_saves_the_same_arrays(trained, data, tmp_path):
     assert not differ
 
 
+@pytest.mark.slow       # make chaos (CI time): CI keeps export -> init_from and the refusals
 def test_a_run_with_a_checkpoint_resumes_it_not_init_from(trained, data, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -71,8 +71,9 @@ def single(data):
     return run_torch_workers("tests.trainer.workers:initial_digests", 1, timeout=240, spec=_spec(data))[0]
 
 
-@pytest.mark.parametrize("world,dp_replicate,dp_shard,tp", [(2, 1, 2, 1), (2, 1, 1, 2), (4, 2, 1, 2)],
-                         ids=["fsdp2", "tp2", "hsdp2xtp2"])
+@pytest.mark.parametrize("world,dp_replicate,dp_shard,tp",
+                         [(2, 1, 2, 1), (2, 1, 1, 2), pytest.param(4, 2, 1, 2, marks=pytest.mark.slow)],
+                         ids=["fsdp2", "tp2", "hsdp2xtp2"])    # the 4-rank mesh in make chaos (CI time)
 def test_same_initial_weights_in_every_layout(data, single, world, dp_replicate, dp_shard, tp):
     results = run_torch_workers("tests.trainer.workers:initial_digests", world, timeout=240,
                                 spec=_spec(data, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp))
