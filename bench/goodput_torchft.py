@@ -10,7 +10,10 @@ groups so a step is the same work) with a ``chaos/kill_random_rank.py`` kill at 
 it next to the elastic run. With ``site`` a ``BedSite`` and ``fault="power_off"`` the fault is the
 silent power-off of a group's host instead (``marind.testing.bench_sites``), which reboots
 ``back_after`` seconds later while the other groups train on; the victim is back when its group's
-new worker has committed a step. Per failure:
+new worker has committed a step. The rebooted group starts cold (its torchrun, workers and torch
+imports run on the cores the bed's other hosts are training on; ~25 s here), so its return is
+watched for up to ``back_after + REBOOT_REJOIN_GRACE_S`` seconds even when that runs past the wall;
+goodput still counts the wall only. Per failure:
 
 * ``lost_steps``: the job's step before the kill minus the lowest step any live group committed
   after it (torchft never rolls back: 0 unless something is wrong);
@@ -39,6 +42,8 @@ from marind.testing.bench_sites import LoopbackSite
 from marind.testing.chaos.schedule import draw_schedule
 from marind.testing.cluster import make_data, marind, submit
 from marind.testing.procs import exit_on_sigterm
+
+REBOOT_REJOIN_GRACE_S = 60.0    # a powered-off host's group: seconds after its reboot that its return is awaited
 
 FAULT = """
 [fault]
@@ -140,8 +145,11 @@ def run_torchft(root: Path, etcd: LocalEtcd | None, data: str, *, name: str, nod
                     reboot.start()
             # back: the victim's group has a new rank 0 (a killed rank 1 restarts it too) that trains
             action = {"node": victim, "pid": records.get(victim, {}).get("pid")}
+            limit = end - time.time()
+            if reboot is not None:  # the rebooted group starts cold on the bed's shared cores: watched past the wall
+                limit = max(limit, site.back_after + REBOOT_REJOIN_GRACE_S)
             failures.append(dict(watch_failure(job, action, t_kill, step_before,
-                                               timeout=max(5.0, min(180.0, end - time.time()))),
+                                               timeout=max(5.0, min(180.0, limit))),
                                  draw_s=round(draw.at, 2), fault=fault))
             if reboot is not None:
                 reboot.join()
