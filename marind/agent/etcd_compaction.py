@@ -32,15 +32,17 @@ class Noted:
     revision: int
 
 
-def compaction_due(now: float, noted: Noted | None, interval: float) -> tuple[bool, str]:
-    """Is it time to compact to ``noted``'s revision? ``(due, why)`` (pure)."""
+def compaction_action(now: float, noted: Noted | None, interval: float) -> tuple[str, str]:
+    """What a tick does (pure): ``("off" | "wait" | "note" | "compact", why)``. ``note``: read
+    etcd's revision to compact to one interval later; ``compact``: compact to ``noted``'s
+    revision, then note the current one."""
     if interval <= 0:
-        return False, "off (etcd.compact_interval = 0)"
+        return "off", "etcd.compact_interval = 0"
     if noted is None:
-        return False, "no revision noted yet: note one now, compact to it one interval later"
+        return "note", "no revision noted yet: note one now, compact to it one interval later"
     if now - noted.at < interval:
-        return False, f"noted {now - noted.at:.0f}s ago, under the {interval:g}s interval"
-    return True, f"revision {noted.revision} is {now - noted.at:.0f}s old"
+        return "wait", f"noted {now - noted.at:.0f}s ago, under the {interval:g}s interval"
+    return "compact", f"revision {noted.revision} is {now - noted.at:.0f}s old"
 
 
 class Compactor:
@@ -58,11 +60,11 @@ class Compactor:
     def tick(self, client: EtcdClient, now: float) -> None:
         """Compact when due, and note etcd's revision for the next time; an unreachable etcd
         waits for the next tick (nothing here is urgent)."""
-        due, _ = compaction_due(now, self.noted, self.interval)
-        if self.interval <= 0 or (self.noted is not None and not due):
+        action, _ = compaction_action(now, self.noted, self.interval)
+        if action in ("off", "wait"):
             return
         try:
-            if due and self.noted is not None:
+            if action == "compact" and self.noted is not None:
                 if client.compact(self.noted.revision):
                     self.compacted_to = self.noted.revision
                     log.info("etcd_compacted", revision=self.noted.revision)

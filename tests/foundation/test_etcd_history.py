@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from marind.agent.etcd_compaction import Compactor, Noted, compaction_due
+from marind.agent.etcd_compaction import Compactor, Noted, compaction_action
 from marind.control.config import load_config
 from marind.control.local_etcd import LocalEtcd
 from marind.core import etcd_txn as tx
@@ -20,11 +20,12 @@ from tests.agent.helpers import wait_for
 
 @pytest.mark.unit
 def test_compaction_is_due_one_interval_after_the_revision_was_noted():
-    assert compaction_due(100.0, None, 300)[0] is False
-    assert compaction_due(100.0, Noted(0.0, 7), 0)[0] is False                   # off
-    assert compaction_due(299.0, Noted(0.0, 7), 300)[0] is False
-    due, why = compaction_due(300.0, Noted(0.0, 7), 300)
-    assert due and "revision 7" in why
+    assert compaction_action(100.0, None, 300)[0] == "note"
+    assert compaction_action(100.0, None, 0)[0] == "off"
+    assert compaction_action(100.0, Noted(0.0, 7), 0)[0] == "off"
+    assert compaction_action(299.0, Noted(0.0, 7), 300)[0] == "wait"
+    action, why = compaction_action(300.0, Noted(0.0, 7), 300)
+    assert action == "compact" and "revision 7" in why
 
 
 @pytest.mark.unit
