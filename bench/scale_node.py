@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from marind.agent.decisions import fence_due, stall_window
-from marind.agent.liveness.data_decisions import probe_targets
+from marind.agent.liveness.data_decisions import ProbeRing
 from marind.agent.liveness.reach_rows import ReachRows
 from marind.agent.membership import Membership, report_record
 from marind.agent.node_losses import NodeLosses
@@ -80,7 +80,7 @@ class SimNode:
         self.job: str | None = None
         self.losses: NodeLosses | None = None
         self.reach: ReachRows | None = None
-        self._ring: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())   # (nodes, probe targets)
+        self.ring: ProbeRing | None = None     # this node's probe targets in its job (DataWatch.ring)
         self.handler = None
         self.rounds: list[dict] = []          # each round this node got a rank in: round, rank, world, at
         self.errors: list[str] = []
@@ -173,11 +173,11 @@ class SimNode:
         """The data watch's etcd part: this node's row put when it changed (its probe targets move
         with the job's nodes), the job's rows refreshed (``DataNetwork.tick``)."""
         assert self.reach is not None and self.losses is not None and self.job is not None
-        nodes = frozenset(self.losses.members.known) | {self.name}
-        if nodes != self._ring[0]:        # hashed once per change of the job's nodes, as DataWatch.peers
-            self._ring = (nodes, probe_targets(self.job, self.name, nodes))
+        if self.ring is None or self.ring.job != self.job:
+            self.ring = ProbeRing(self.job, self.name)
+        targets = self.ring.targets(frozenset(self.losses.members.known) | {self.name})
         row = {"addr": self.name, "port": 0, "token": self.incarnation, "link_up": True, "at": now,
-               "probed": sorted(self._ring[1]), "down": {}}
+               "probed": sorted(targets), "down": {}}
         self.reach.publish(row, self.registry.lease)
         self.reach.refresh()
 

@@ -179,6 +179,19 @@ def test_each_node_probes_a_few_peers_and_is_probed_by_as_many():
     assert probe_targets("job-2", "node0000", nodes) != targets["node0000"]
 
 
+def test_a_probe_ring_hashes_again_only_when_the_nodes_change(monkeypatch):
+    from marind.agent.liveness import data_decisions as dd
+    calls = []
+    real = dd.probe_targets
+    monkeypatch.setattr(dd, "probe_targets", lambda *a, **k: calls.append(a) or real(*a, **k))
+    ring = dd.ProbeRing("job-1", "n0")
+    nodes = frozenset(f"n{i}" for i in range(10))
+    first = ring.targets(nodes)
+    assert first == real("job-1", "n0", nodes) and ring.targets(frozenset(nodes)) == first and len(calls) == 1
+    fewer = nodes - first
+    assert ring.targets(fewer) == real("job-1", "n0", fewer) != first and len(calls) == 2
+
+
 def test_a_ring_verdict_cuts_off_a_node_its_probers_lost():
     """Five nodes, each probing three: d's link dies, so d reaches none of the three it probes and the
     three that probe it all have it down; the others still reach peers."""

@@ -119,6 +119,27 @@ class ReachRow:
         return peer in self.probed and peer in self.down and now - self.down[peer] >= window
 
 
+
+class ProbeRing:
+    """``probe_targets`` of one node, hashed again only when the job's nodes change (the ring
+    hashes every node; a node asks for its targets every tick).
+
+    Args:
+        job: the job.
+        me: this node.
+    """
+
+    def __init__(self, job: str, me: str) -> None:
+        self.job, self.me = job, me
+        self._nodes: frozenset[str] | None = None
+        self._targets: frozenset[str] = frozenset()
+
+    def targets(self, nodes: frozenset[str]) -> frozenset[str]:
+        if nodes != self._nodes:
+            self._nodes, self._targets = nodes, probe_targets(self.job, self.me, nodes)
+        return self._targets
+
+
 def cut_off(rows: Mapping[str, ReachRow], *, now: float, window: float, fresh_s: float) -> tuple[frozenset[str], str]:
     """The nodes of a job that lost the data network, by the majority view of every node's row.
 

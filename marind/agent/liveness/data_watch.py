@@ -55,12 +55,12 @@ from marind.agent.decisions import LossAction
 from marind.agent.liveness.data_decisions import (
     DATA_NETWORK_GONE,
     DataAction,
+    ProbeRing,
     ReachRow,
     commit_fence_due,
     cut_off,
     must_answer,
     on_data_loss,
-    probe_targets,
 )
 from marind.agent.liveness.data_probe import DataProber, Endpoint, link_up
 from marind.agent.liveness.reach_rows import ReachRows
@@ -90,16 +90,14 @@ class DataWatch:
         self.acted: set[tuple[str, str]] = set()    # (node, incarnation) acted on
         self.commit_fence_at: float | None = None
         self.dead: frozenset[str] = frozenset()     # peers silent on both networks (``silence.silent_peer``)
-        self._ring: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())   # (nodes, targets)
+        self.ring = ProbeRing(run.job, run.node)
 
     def peers(self) -> dict[str, Endpoint]:
         """The data endpoints this node probes (``data_decisions.probe_targets`` among the job's other
         nodes as last polled, less the ones acted on)."""
         out = self.endpoints()
-        nodes = frozenset(out)
-        if nodes != self._ring[0]:      # the ring hashes every node: once per change of the job's nodes
-            self._ring = (nodes, probe_targets(self.run.job, self.run.node, nodes))
-        return {node: ep for node, ep in out.items() if node in self._ring[1]}
+        targets = self.ring.targets(frozenset(out))
+        return {node: ep for node, ep in out.items() if node in targets}
 
     def endpoints(self) -> dict[str, Endpoint]:
         """Every other node's data endpoint as last read, less the ones acted on."""
