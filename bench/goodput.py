@@ -12,8 +12,10 @@ with ``chaos/kill_random_rank.py`` fired at failure times drawn from
 ``--every``, or exactly ``--every`` with ``--fixed``).
 
 * goodput: time spent in steps that were kept (the last run of every
-  step number, by global rank 0's ``step_s``) over the wall time from
-  submit; ``goodput_steady`` counts the wall time from the first step
+  step number, by global rank 0's ``step_s`` less the ``save_s`` a
+  checkpoint's snapshot blocked it: the goodput ledger's rule, and what
+  torchft's steps, timed from their quorum, already leave out) over the
+  wall time from submit; ``goodput_steady`` counts the wall time from the first step
   instead (the start-up, paid once per run, left out).
 * lost steps per failure: the highest step reached before the kill minus
   the step the job restored from.

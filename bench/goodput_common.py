@@ -96,9 +96,10 @@ def _one_run_per_step(lines: list[StepLine], start: float, end: float, *, last: 
 
 
 def kept_step_seconds(lines: list[StepLine], start: float, end: float) -> tuple[float, int]:
-    """(seconds, count) of the steps kept (``kept_steps``), each step's whole ``step_s``."""
+    """(seconds, count) of the steps kept (``kept_steps``): each one's ``step_s`` less the save that
+    blocked it (a checkpoint is not training: the goodput ledger's rule, ``ledger_check``)."""
     kept = kept_steps(lines, start, end)
-    return sum(ln.step_s for ln in kept), len(kept)
+    return sum(ln.step_s - ln.save_s for ln in kept), len(kept)
 
 
 def percentile(values: list[float], q: float) -> float | None:

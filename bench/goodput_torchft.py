@@ -19,7 +19,8 @@ goodput still counts the wall only. Per failure:
   after it (torchft never rolls back: 0 unless something is wrong);
 * ``survivor_steps``: steps the other groups committed between the kill and the killed group's
   return, and ``survivor_max_gap_s``, their longest pause between two commits in that window;
-* ``rejoin_s``: kill -> the killed group's new worker has committed a step (healed from a peer).
+* ``rejoin_s``: kill -> the killed group's new worker has committed a step (healed from a peer):
+  the first step line in its log after the kill.
 
 Steps are counted once per step number (every group runs every committed step).
 """
@@ -93,9 +94,14 @@ def watch_failure(job: Job, action: dict, t_kill: float, step_before: int, timeo
         low = min([low, *live])
         v = recs.get(victim, {})
         if v.get("pid") != action.get("pid") and int(v.get("step") or 0) > 0 and v.get("phase") == "training":
-            back_at = time.time()
-            break
-        time.sleep(0.05)
+            # healed (its record says training from the heal on): back at its first committed step,
+            # the first step line since the new worker's record was made (phase_s: its time since)
+            born = float(v.get("updated_at") or 0.0) - sum((v.get("phase_s") or {}).values())
+            committed = [at for at, _ in _step_times(job, victim) if at > max(t_kill, born)]
+            if committed:
+                back_at = committed[0]
+                break
+        time.sleep(0.1)
     end = back_at or time.time()
     survivor_steps, gaps = 0, []
     for n in survivors:

@@ -25,3 +25,5 @@ Packages, each with its module map:
 # docs/perf.md, "Daemon and warm starts").
 MARIND_PRELOAD = ("marind.trainer.main", "marind.trainer.train", "torch._dynamo", "torch._functorch", "torch.profiler",
                   "statistics")
+#: and in torchft mode: its loop and torchft (a restarted group's workers would import them cold)
+MARIND_PRELOAD_TORCHFT = ("marind.trainer.ft.train", "torchft")

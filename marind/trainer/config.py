@@ -228,8 +228,9 @@ def trainer_spec(run: RunSpec, *, check_worlds: bool = True) -> TrainerSpec:
     typed["model"] = _resolve_model(typed.get("model", ModelSpec()), given_model)
     job = run.job
     if run.runs_trainer and not job.preload:        # what the zygote imports for the trainer
-        from marind.trainer import MARIND_PRELOAD
-        job = dataclasses.replace(job, preload=tuple(MARIND_PRELOAD))
+        from marind.trainer import MARIND_PRELOAD, MARIND_PRELOAD_TORCHFT
+        extra = MARIND_PRELOAD_TORCHFT if run.fault.mode == "torchft" else ()
+        job = dataclasses.replace(job, preload=(*MARIND_PRELOAD, *extra))
     spec = TrainerSpec(job=job, checkpoint=run.checkpoint, fault=run.fault, **typed)
     spec = _resolve_trainer_paths(spec)
     validate_trainer_spec(spec, check_worlds=check_worlds)

@@ -20,6 +20,8 @@ def test_kept_steps_are_the_last_run_of_each_step_within_the_window():
              StepLine(20, 2, 0.5), StepLine(21, 3, 0.5), StepLine(22, 4, 0.5),   # replayed after restore
              StepLine(99, 5, 7.0)]                                                # after the window
     assert kept_step_seconds(lines, start=0, end=30) == (1.0 + 0.5 * 3, 4)
+    saved = [StepLine(10, 1, 1.0), StepLine(11, 2, 1.5, save_s=0.4)]                 # a snapshot blocked step 2
+    assert kept_step_seconds(saved, start=0, end=30) == (pytest.approx(2.1), 2)
 
 
 @pytest.mark.unit

@@ -115,3 +115,28 @@ def test_claim_order_completes_groups_before_starting_new_ones():
     recs = {"/p/jobs/j/ft/groups/1/0": {"node": "a"}, "/p/jobs/j/ft/groups/1/1": {"node": "b"},
             "/p/jobs/j/ft/groups/0": {"node": "old-layout"}, "/p/jobs/j/ft/groups/2/0": "junk"}
     assert group_members(recs) == {1: {0: "a", 1: "b"}}
+
+
+def test_the_zygote_preloads_torchft_for_a_torchft_job_only(tmp_path):
+    from marind.trainer import MARIND_PRELOAD, MARIND_PRELOAD_TORCHFT
+    from marind.trainer.config import trainer_spec
+    (tmp_path / "d.bin").write_bytes(b"")
+    (tmp_path / "d.idx").write_bytes(b"")
+    text = BASE.format(nodes=2, groups=2, min=1).replace('path = "d"', f'path = "{tmp_path}/d"')
+    ft = trainer_spec(load_spec(text), check_worlds=False)
+    assert ft.job.preload == (*MARIND_PRELOAD, *MARIND_PRELOAD_TORCHFT)
+    elastic = trainer_spec(load_spec(text.replace('mode = "torchft"', "")), check_worlds=False)
+    assert elastic.job.preload == MARIND_PRELOAD
+    own = trainer_spec(load_spec(text.replace("[data]", 'preload = ["a.b"]\n[data]')), check_worlds=False)
+    assert own.job.preload == ("a.b",)             # the job's own list is the job's
+
+
+def test_a_failed_quorum_waits_for_a_new_lighthouse_only_while_the_old_one_is_silent():
+    from marind.trainer.ft.group import LIGHTHOUSE_WAIT_S, REBUILD_PAUSE_S, rebuild_wait
+    assert rebuild_wait(built_epoch=3, epoch=4, answers=False, waited_s=0.0)[0] is False     # moved
+    assert rebuild_wait(built_epoch=3, epoch=3, answers=False, waited_s=5.0)[0] is True      # silent: its host may be gone
+    assert rebuild_wait(built_epoch=3, epoch=3, answers=True, waited_s=0.2)[0] is True       # the pause
+    wait, why = rebuild_wait(built_epoch=3, epoch=3, answers=True, waited_s=REBUILD_PAUSE_S)
+    assert not wait and "answers" in why                                                      # alive: nothing to wait for
+    wait, why = rebuild_wait(built_epoch=3, epoch=3, answers=False, waited_s=LIGHTHOUSE_WAIT_S)
+    assert not wait and "again" in why

@@ -28,7 +28,7 @@ from marind.core.lighthouse_file import read_lighthouse
 from marind.core.log import get_logger
 from marind.core.workerenv import WorkerEnv
 from marind.trainer.config import TrainerSpec
-from marind.trainer.ft.abort import Abandoned, PeerSilent, SilentPeerWatch, wait_slice
+from marind.trainer.ft.abort import Abandoned, PeerSilent, SilentPeerWatch, read_status, wait_slice
 from marind.trainer.ft.stale_lighthouse import FreezeWatch, decide_alone
 from marind.trainer.loop import StopFlag
 
@@ -37,8 +37,27 @@ if TYPE_CHECKING:
 
 MOVED_GRACE_S = 2.0          # a quorum waiting this long is abandoned if the lighthouse moved
 LIGHTHOUSE_WAIT_S = 30.0     # after a failed quorum: wait this long for a new lighthouse address
+REBUILD_PAUSE_S = 1.0        # ... or this long when the lighthouse answers (``rebuild_wait``)
 BUILD_RETRY_S = 120.0        # rank 0 retries a Manager whose lighthouse is unreachable (< the group PG timeout)
 MAX_QUORUM_FAILURES = 20     # in a row, then the worker fails (torchrun restarts the group)
+
+
+def rebuild_wait(*, built_epoch: int, epoch: int, answers: bool, waited_s: float) -> tuple[bool, str]:
+    """After a failed quorum, whether to wait longer before building a new Manager, and why (pure).
+
+    A new lighthouse epoch ends the wait (the agent moved it); so does the lighthouse the Manager was
+    built on answering after ``REBUILD_PAUSE_S`` (it is alive: the quorum failed for another reason
+    and no new one is coming; the pause keeps a run of failures from spinning); so does
+    ``LIGHTHOUSE_WAIT_S``. A silent lighthouse of the same epoch is waited for: its host may be
+    gone, and the agents elect another.
+    """
+    if epoch != built_epoch:
+        return False, f"lighthouse epoch {built_epoch} -> {epoch}"
+    if waited_s >= LIGHTHOUSE_WAIT_S:
+        return False, f"no new lighthouse in {LIGHTHOUSE_WAIT_S:g}s: building on epoch {epoch} again"
+    if answers and waited_s >= REBUILD_PAUSE_S:
+        return False, f"the lighthouse of epoch {epoch} answers: the quorum failed for another reason"
+    return True, "waiting for the lighthouse to answer or move"
 
 
 class LighthouseMoved(RuntimeError):
@@ -240,7 +259,8 @@ class FTGroup:
                                      lambda: int(manager._quorum_id), own=f"{self.job}_rg{self.group}:")
 
     def rebuild(self, log: Any, why: str) -> None:
-        """Shut the Manager down, wait (bounded) for a new lighthouse epoch, build a new one (collective).
+        """Shut the Manager down, wait (``rebuild_wait``) for a new lighthouse epoch or the lighthouse's
+        answer, build a new one (collective).
 
         Args:
             log: the logger to report on.
@@ -256,8 +276,12 @@ class FTGroup:
                 old.shutdown(wait=False)
             except Exception as exc:  # noqa: BLE001 - the old manager may be half dead
                 log.warning("ft_manager_shutdown_failed", error=str(exc))
-        deadline = time.monotonic() + LIGHTHOUSE_WAIT_S
-        while time.monotonic() < deadline and self.lighthouse.epoch() == self.epoch:
+        started = time.monotonic()
+        while True:
+            wait, _ = rebuild_wait(built_epoch=self.epoch, epoch=self.lighthouse.epoch(),
+                                   answers=self._lighthouse_answers(), waited_s=time.monotonic() - started)
+            if not wait:
+                break
             self._sleep(0.2)
         self.rebuilds += 1
         self.build(state)
@@ -351,6 +375,14 @@ class FTGroup:
         else:
             self.pg.stuck = inner    # gloo: detached at the next reconfiguration
         return False
+
+    def _lighthouse_answers(self) -> bool:
+        """Whether the lighthouse of the current file (or env) answers its status now."""
+        try:
+            address, _ = self.lighthouse.read()
+        except RuntimeError:
+            return False
+        return read_status(address) is not None
 
     def _sleep(self, seconds: float) -> None:
         if self.stop.requested:
