@@ -344,6 +344,9 @@ def test_rank0_data_partition_during_a_save(bed_cluster):
     job, url = _submit(cluster, "save-cut", "2", steps, hang_timeout="60s")
     _training_on_all(cluster, job, 2)
     victim = cluster.host_of_rank(job, 0)
+    # a checkpoint committed first, so the new world restores one: the cut falls in a later save
+    # (cut in the first, nothing would be committed and the new world would start from step 0)
+    wait_for(lambda: cluster.store(url).steps(), 300, "a first checkpoint committed", interval=0.2, diag=cluster.diag)
     fs, root = open_root(url, cluster.s3.storage_options)
     saving = wait_for_save(fs, root, url, 300, log)
     _cut_data_until_recovered(cluster, job, victim)
