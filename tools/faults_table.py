@@ -5,7 +5,9 @@
 
 A row (``marind.testing.history.fault_row``): the scenario, its outcome, restarts, the time the
 faults cost (the run's span from first to last step less the fault-free run's), steps lost
-(steps run again), committed checkpoints lost and history-invariant violations (both must be 0).
+(steps run again), committed checkpoints lost and history-invariant violations (both must be 0);
+"training again": seconds from the fault until the job stepped again, where the scenario measured it
+(the half-working networks', issue 30's floor: a lease TTL + 10 s), "-" elsewhere.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import sys
 
 
 def render(rows: list[dict]) -> str:
-    head = "| scenario | outcome | restarts | time lost, s | steps lost | checkpoints lost | violations |"
-    lines = [head, "|---|---|---|---|---|---|---|"]
+    head = ("| scenario | outcome | restarts | time lost, s | training again, s | steps lost | checkpoints lost "
+            "| violations |")
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         rec = "-" if r.get("recovery_s") is None else f"{r['recovery_s']:.1f}"
-        lines.append(f"| {r['scenario']} | {r.get('state')} | {r.get('restarts', 0)} | {rec} | "
+        again = "-" if r.get("again_s") is None else f"{r['again_s']:.1f}"
+        lines.append(f"| {r['scenario']} | {r.get('state')} | {r.get('restarts', 0)} | {rec} | {again} | "
                      f"{r.get('steps_lost', 0)} | {r.get('checkpoints_lost', 0)} | {r.get('violations', 0)} |")
     return "\n".join(lines)
 

@@ -239,9 +239,10 @@ def step_timeline(log_paths: list[Path]) -> list[tuple[float, int]]:
 
 
 def fault_row(scenario: str, history: History, timeline: list[tuple[float, int]], problems: list[str],
-              baseline_span_s: float | None = None) -> dict:
+              baseline_span_s: float | None = None, again_s: float | None = None) -> dict:
     """A row of the faults table: the scenario, its outcome, restarts, the time the faults cost,
-    steps lost (steps run again after a rollback), checkpoints lost and invariant violations.
+    steps lost (steps run again after a rollback), checkpoints lost and invariant violations; and
+    ``again_s``, where the scenario measured it: seconds from its fault until the job stepped again.
 
     The time lost is the run's span from its first to its last training step less a fault-free
     run's (``baseline_span_s``); without one, the longest pause between two steps less a median
@@ -259,7 +260,7 @@ def fault_row(scenario: str, history: History, timeline: list[tuple[float, int]]
     return {"scenario": scenario, "state": history.state.get("state"), "restarts": history.state.get("restarts", 0),
             "recovery_s": None if recovery is None else round(recovery, 1),
             "steps_lost": len(steps) - len(set(steps)), "checkpoints_lost": lost_ckpts,
-            "violations": len(problems)}
+            "violations": len(problems), "again_s": None if again_s is None else round(again_s, 1)}
 
 
 def timeline_span(timeline: list[tuple[float, int]]) -> float | None:

@@ -176,9 +176,11 @@ def cluster(request, tmp_path, etcd, etcd_client, etcd_prefix, s3, dataset, caps
     return Cluster(tmp_path, etcd, etcd_client, etcd_prefix, s3, dataset, capsys, monkeypatch, nodes)
 
 
-def _check_checkpoints(cluster: Cluster, url: str, steps_total: int = STEPS) -> CheckpointStore:
+def _check_checkpoints(cluster: Cluster, url: str, steps_total: int = STEPS,
+                      again_s: float | None = None) -> CheckpointStore:
     """Every committed checkpoint verifies, the last is ``steps_total``, and the job's history holds
-    every invariant of ``marind.testing.history`` (kept beside the test's files as history-JOB.json)."""
+    every invariant of ``marind.testing.history`` (kept beside the test's files as history-JOB.json).
+    ``again_s``: the scenario's measured seconds from its fault to training again, for the faults table."""
     store = cluster.store(url)
     steps = store.steps()
     assert steps and steps[-1] == steps_total, steps
@@ -197,7 +199,7 @@ def _check_checkpoints(cluster: Cluster, url: str, steps_total: int = STEPS) -> 
             _BASELINE_SPANS[key] = timeline_span(timeline)
         elif table:                                    # `make chaos`: a row of docs/perf.md's faults table
             scenario = os.environ.get("PYTEST_CURRENT_TEST", job).split("::")[-1].split(" ")[0]
-            append_row(table, fault_row(scenario, history, timeline, problems, _BASELINE_SPANS.get(key)))
+            append_row(table, fault_row(scenario, history, timeline, problems, _BASELINE_SPANS.get(key), again_s=again_s))
         assert not problems, "history violations:\n" + "\n".join(problems)
     return store
 

@@ -135,14 +135,17 @@ def test_the_faults_table_row_from_a_log_and_its_rendering(tmp_path):
     history = History(job="j", state={"state": "SUCCEEDED", "restarts": 1}, events=[], steps=[4], manifests={})
     row = fault_row("test_kill", history, timeline, [])
     assert row == {"scenario": "test_kill", "state": "SUCCEEDED", "restarts": 1, "recovery_s": 9.0,
-                   "steps_lost": 2, "checkpoints_lost": 0, "violations": 0}
+                   "steps_lost": 2, "checkpoints_lost": 0, "violations": 0, "again_s": None}
+    assert fault_row("test_cut", history, timeline, [], again_s=12.34)["again_s"] == 12.3
     rows = tmp_path / "faults.jsonl"
     append_row(rows, row)
     append_row(rows, dict(row, scenario="test_bad", violations=2))
+    append_row(rows, dict(row, scenario="test_cut", again_s=12.3))
     tool = str(Path(__file__).resolve().parents[2] / "tools" / "faults_table.py")
     out = subprocess.run([sys.executable, tool, str(rows)], capture_output=True, text=True)
     assert out.returncode == 1                         # a row with violations fails the table
-    assert "| test_kill | SUCCEEDED | 1 | 9.0 | 2 | 0 | 0 |" in out.stdout
+    assert "| test_kill | SUCCEEDED | 1 | 9.0 | - | 2 | 0 | 0 |" in out.stdout
+    assert "| test_cut | SUCCEEDED | 1 | 9.0 | 12.3 | 2 | 0 | 0 |" in out.stdout
     missing = subprocess.run([sys.executable, tool, str(tmp_path / "none")],
                              capture_output=True, text=True)
     assert missing.returncode == 2 and missing.stderr.startswith("Error: cannot read")
