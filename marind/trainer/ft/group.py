@@ -278,15 +278,15 @@ class FTGroup:
                 log.warning("ft_manager_shutdown_failed", error=str(exc))
         started = time.monotonic()
         while True:
-            wait, _ = rebuild_wait(built_epoch=self.epoch, epoch=self.lighthouse.epoch(),
-                                   answers=self._lighthouse_answers(), waited_s=time.monotonic() - started)
+            wait, waited = rebuild_wait(built_epoch=self.epoch, epoch=self.lighthouse.epoch(),
+                                        answers=self._lighthouse_answers(), waited_s=time.monotonic() - started)
             if not wait:
                 break
             self._sleep(0.2)
         self.rebuilds += 1
         self.build(state)
-        log.warning("ft_manager_rebuilt", reason=why, epoch=self.epoch, rebuilds=self.rebuilds,
-                    step=self.manager.current_step())
+        log.warning("ft_manager_rebuilt", reason=why, waited=waited, waited_s=round(time.monotonic() - started, 2),
+                    epoch=self.epoch, rebuilds=self.rebuilds, step=self.manager.current_step())
 
     def start_quorum(self) -> None:
         """``manager.start_quorum()``, abandoned when the lighthouse moves while it waits.
