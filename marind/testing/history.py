@@ -202,7 +202,9 @@ def _node_out_at_commit(history: History, step: int, node: str, checked: float) 
 
 
 def _kept(history: History) -> list[str]:
-    seen = sorted(set(history.seen_committed))
+    # the store's steps are committed too: the newest commits of a job that ended before its agent
+    # reported them (no event) still push the older ones out of keep_last
+    seen = sorted(set(history.seen_committed) | set(history.steps))
     if not seen:
         return []
     keep = set(seen if history.keep_last is None else seen[-history.keep_last:])

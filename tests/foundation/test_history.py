@@ -109,6 +109,22 @@ def test_a_step_committed_twice_a_lost_checkpoint_and_a_corrupt_one_are_named(st
     assert not any("are gone" in p for p in check(kept, None, expect_state=None))
 
 
+def test_retention_counts_the_newest_commits_that_no_event_reported(store, tmp_path, etcd_client):
+    """The job ended before its agent reported its last commits: they are in the store, not in the
+    events, and keep_last dropped the older reported ones for them (no violation); a reported step
+    among the newest that is gone still is one."""
+    for step in (2, 4, 6, 8):
+        _save(store, step)
+    for step in (2, 4, 6):                                       # 8 committed after the last report
+        _commit_event(etcd_client, step)
+    for step in (2, 4):                                          # retention's work (keep_last = 2)
+        shutil.rmtree(tmp_path / "ckpt" / f"step-{step:010d}")
+    history = collect(etcd_client, JOB, store, keep_last=2)
+    assert history.steps[-2:] == [6, 8] and not any("are gone" in p for p in check(history, None, expect_state=None))
+    history.steps = [8]                                          # 6, a newest and reported, gone
+    assert any("[6] are gone" in p for p in check(history, None, expect_state=None))
+
+
 def test_the_end_state_and_bit_identity(store, etcd_client):
     _save(store, 2)
     history = collect(etcd_client, JOB, store)
