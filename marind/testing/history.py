@@ -240,11 +240,26 @@ def step_timeline(log_paths: list[Path]) -> list[tuple[float, int]]:
     return sorted(set(rows))
 
 
+def steps_run_again(log_paths: list[Path], mode: str | None) -> int:
+    """Training steps that ran a second time (after a restore or a rollback). Elastic: over every
+    node's log together (global rank 0 moves between nodes); torchft: within each node's log (each
+    replica group's rank 0 logs every step it commits, and the groups run every step side by side)."""
+    def again(timeline: list[tuple[float, int]]) -> int:
+        steps = [s for _, s in timeline]
+        return len(steps) - len(set(steps))
+
+    if mode == "torchft":
+        return sum(again(step_timeline([p])) for p in log_paths)
+    return again(step_timeline(log_paths))
+
+
 def fault_row(scenario: str, history: History, timeline: list[tuple[float, int]], problems: list[str],
-              baseline_span_s: float | None = None, again_s: float | None = None) -> dict:
+              baseline_span_s: float | None = None, again_s: float | None = None,
+              steps_lost: int | None = None) -> dict:
     """A row of the faults table: the scenario, its outcome, restarts, the time the faults cost,
     steps lost (steps run again after a rollback), checkpoints lost and invariant violations; and
     ``again_s``, where the scenario measured it: seconds from its fault until the job stepped again.
+    ``steps_lost``: ``steps_run_again`` of the logs (default: the timeline's repeated step numbers).
 
     The time lost is the run's span from its first to its last training step less a fault-free
     run's (``baseline_span_s``); without one, the longest pause between two steps less a median
@@ -261,7 +276,8 @@ def fault_row(scenario: str, history: History, timeline: list[tuple[float, int]]
     lost_ckpts = sum(len(p.split("] are gone")[0].split(",")) for p in problems if "] are gone" in p)
     return {"scenario": scenario, "state": history.state.get("state"), "restarts": history.state.get("restarts", 0),
             "recovery_s": None if recovery is None else round(recovery, 1),
-            "steps_lost": len(steps) - len(set(steps)), "checkpoints_lost": lost_ckpts,
+            "steps_lost": len(steps) - len(set(steps)) if steps_lost is None else steps_lost,
+            "checkpoints_lost": lost_ckpts,
             "violations": len(problems), "again_s": None if again_s is None else round(again_s, 1)}
 
 
