@@ -48,7 +48,7 @@ def cluster(tmp_path, etcd, etcd_client, etcd_prefix, s3, dataset, capsys, monke
 
 
 def test_pp2_worker_killed_recovers_bit_identical(cluster):
-    job, url = cluster.submit("pp-baseline")   # not the scenarios' cached (dense) baseline
+    job, url = cluster.submit("baseline-pp")   # not the scenarios' cached (dense) baseline; "baseline": no table row
     assert cluster.wait_done(job)["state"] == "SUCCEEDED"
     baseline = sc.final_tensor_objects(sc._check_checkpoints(cluster, url), url, cluster.s3)
     assert any("layers.1." in k for k in baseline) and any(k.startswith("model/output.weight") for k in baseline)
