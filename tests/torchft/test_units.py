@@ -133,10 +133,13 @@ def test_the_zygote_preloads_torchft_for_a_torchft_job_only(tmp_path):
 
 def test_a_failed_quorum_waits_for_a_new_lighthouse_only_while_the_old_one_is_silent():
     from marind.trainer.ft.group import LIGHTHOUSE_WAIT_S, REBUILD_PAUSE_S, rebuild_wait
-    assert rebuild_wait(built_epoch=3, epoch=4, answers=False, waited_s=0.0)[0] is False     # moved
-    assert rebuild_wait(built_epoch=3, epoch=3, answers=False, waited_s=5.0)[0] is True      # silent: its host may be gone
-    assert rebuild_wait(built_epoch=3, epoch=3, answers=True, waited_s=0.2)[0] is True       # the pause
-    wait, why = rebuild_wait(built_epoch=3, epoch=3, answers=True, waited_s=REBUILD_PAUSE_S)
+    assert rebuild_wait(built_epoch=3, epoch=4, answers=lambda: False, waited_s=0.0)[0] is False     # moved
+    assert rebuild_wait(built_epoch=3, epoch=3, answers=lambda: False, waited_s=5.0)[0] is True      # silent: its host may be gone
+    assert rebuild_wait(built_epoch=3, epoch=3, answers=lambda: True, waited_s=0.2)[0] is True       # the pause
+    asked = []
+    rebuild_wait(built_epoch=3, epoch=3, answers=lambda: asked.append(1) or True, waited_s=0.2)
+    assert not asked                                    # no status read during the pause
+    wait, why = rebuild_wait(built_epoch=3, epoch=3, answers=lambda: True, waited_s=REBUILD_PAUSE_S)
     assert not wait and "answers" in why                                                      # alive: nothing to wait for
-    wait, why = rebuild_wait(built_epoch=3, epoch=3, answers=False, waited_s=LIGHTHOUSE_WAIT_S)
+    wait, why = rebuild_wait(built_epoch=3, epoch=3, answers=lambda: False, waited_s=LIGHTHOUSE_WAIT_S)
     assert not wait and "again" in why

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -38,12 +39,14 @@ if TYPE_CHECKING:
 MOVED_GRACE_S = 2.0          # a quorum waiting this long is abandoned if the lighthouse moved
 LIGHTHOUSE_WAIT_S = 30.0     # after a failed quorum: wait this long for a new lighthouse address
 REBUILD_PAUSE_S = 1.0        # ... or this long when the lighthouse answers (``rebuild_wait``)
+REBUILD_POLL_S = 0.2         # that wait's poll of the epoch, and the bound on its status read
 BUILD_RETRY_S = 120.0        # rank 0 retries a Manager whose lighthouse is unreachable (< the group PG timeout)
 MAX_QUORUM_FAILURES = 20     # in a row, then the worker fails (torchrun restarts the group)
 
 
-def rebuild_wait(*, built_epoch: int, epoch: int, answers: bool, waited_s: float) -> tuple[bool, str]:
-    """After a failed quorum, whether to wait longer before building a new Manager, and why (pure).
+def rebuild_wait(*, built_epoch: int, epoch: int, answers: Callable[[], bool], waited_s: float) -> tuple[bool, str]:
+    """After a failed quorum, whether to wait longer before building a new Manager, and why (pure
+    but for ``answers``, the lighthouse's status read, asked only once the pause is over).
 
     A new lighthouse epoch ends the wait (the agent moved it); so does the lighthouse the Manager was
     built on answering after ``REBUILD_PAUSE_S`` (it is alive: the quorum failed for another reason
@@ -55,7 +58,7 @@ def rebuild_wait(*, built_epoch: int, epoch: int, answers: bool, waited_s: float
         return False, f"lighthouse epoch {built_epoch} -> {epoch}"
     if waited_s >= LIGHTHOUSE_WAIT_S:
         return False, f"no new lighthouse in {LIGHTHOUSE_WAIT_S:g}s: building on epoch {epoch} again"
-    if answers and waited_s >= REBUILD_PAUSE_S:
+    if waited_s >= REBUILD_PAUSE_S and answers():
         return False, f"the lighthouse of epoch {epoch} answers: the quorum failed for another reason"
     return True, "waiting for the lighthouse to answer or move"
 
@@ -279,10 +282,10 @@ class FTGroup:
         started = time.monotonic()
         while True:
             wait, waited = rebuild_wait(built_epoch=self.epoch, epoch=self.lighthouse.epoch(),
-                                        answers=self._lighthouse_answers(), waited_s=time.monotonic() - started)
+                                        answers=self._lighthouse_answers, waited_s=time.monotonic() - started)
             if not wait:
                 break
-            self._sleep(0.2)
+            self._sleep(REBUILD_POLL_S)
         self.rebuilds += 1
         self.build(state)
         log.warning("ft_manager_rebuilt", reason=why, waited=waited, waited_s=round(time.monotonic() - started, 2),
@@ -377,12 +380,13 @@ class FTGroup:
         return False
 
     def _lighthouse_answers(self) -> bool:
-        """Whether the lighthouse of the current file (or env) answers its status now."""
+        """Whether the lighthouse of the current file (or env) answers its status within one poll
+        of ``rebuild``'s wait (a silent one must not hold off the next look at the epoch)."""
         try:
             address, _ = self.lighthouse.read()
         except RuntimeError:
             return False
-        return read_status(address) is not None
+        return read_status(address, timeout=REBUILD_POLL_S) is not None
 
     def _sleep(self, seconds: float) -> None:
         if self.stop.requested:
