@@ -59,6 +59,11 @@ class StepLine:
     step_s: float      # end to end, since the step before ended
     save_s: float = 0.0    # of step_s, the time a save before the step blocked training
 
+    @property
+    def training_s(self) -> float:
+        """The step's time less the save that blocked it (a checkpoint is not training)."""
+        return self.step_s - self.save_s
+
 
 def parse_step_lines(text: str) -> list[StepLine]:
     """Global rank 0's ``step`` records in a trainer log."""
@@ -99,7 +104,7 @@ def kept_step_seconds(lines: list[StepLine], start: float, end: float) -> tuple[
     """(seconds, count) of the steps kept (``kept_steps``): each one's ``step_s`` less the save that
     blocked it (a checkpoint is not training: the goodput ledger's rule, ``ledger_check``)."""
     kept = kept_steps(lines, start, end)
-    return sum(ln.step_s - ln.save_s for ln in kept), len(kept)
+    return sum(ln.training_s for ln in kept), len(kept)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -190,7 +195,7 @@ def ledger_check(ledger: dict, lines: list[StepLine]) -> dict:
     if "seconds" not in ledger or ledger.get("goodput") is None or not ledger.get("wall_s"):
         return {"readable": False}
     advanced = first_runs(lines, float(ledger["start"]), float(ledger["end"]))
-    outside = sum(ln.step_s - ln.save_s for ln in advanced) / ledger["wall_s"]
+    outside = sum(ln.training_s for ln in advanced) / ledger["wall_s"]
     parts = sum(ledger["seconds"].values())
     return {"readable": True, "parts_minus_wall_s": round(parts - ledger["wall_s"], 3),
             "outside_goodput": round(outside, 4), "goodput_minus_outside": round(ledger["goodput"] - outside, 4)}

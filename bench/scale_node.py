@@ -139,6 +139,7 @@ class SimNode:
         self.losses = NodeLosses(job, Membership(self.client, job, self.name, self.incarnation), self.outbox,
                                  self.log)
         self.reach = ReachRows(self.client, job, self.name)
+        self.ring = ProbeRing(job, self.name)
         if self.conf.join_events:
             self.outbox.event(job, "node_joined", {"torchrun_pid": os.getpid(), "slots": GPUS})
         self._torchrun = threading.Thread(target=self._run_torchrun, name=f"torchrun-{self.name}", daemon=True)
@@ -172,9 +173,7 @@ class SimNode:
     def _reach(self, now: float) -> None:
         """The data watch's etcd part: this node's row put when it changed (its probe targets move
         with the job's nodes), the job's rows refreshed (``DataNetwork.tick``)."""
-        assert self.reach is not None and self.losses is not None and self.job is not None
-        if self.ring is None or self.ring.job != self.job:
-            self.ring = ProbeRing(self.job, self.name)
+        assert self.reach is not None and self.losses is not None and self.ring is not None
         targets = self.ring.targets(frozenset(self.losses.members.known) | {self.name})
         row = {"addr": self.name, "port": 0, "token": self.incarnation, "link_up": True, "at": now,
                "probed": sorted(targets), "down": {}}

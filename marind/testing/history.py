@@ -240,17 +240,23 @@ def step_timeline(log_paths: list[Path]) -> list[tuple[float, int]]:
     return sorted(set(rows))
 
 
-def steps_run_again(log_paths: list[Path], mode: str | None) -> int:
-    """Training steps that ran a second time (after a restore or a rollback). Elastic: over every
-    node's log together (global rank 0 moves between nodes); torchft: within each node's log (each
-    replica group's rank 0 logs every step it commits, and the groups run every step side by side)."""
+def steps_run_again(timelines: list[list[tuple[float, int]]], mode: str | None) -> int:
+    """Training steps that ran a second time (after a restore or a rollback), from each node's
+    ``step_timeline``. Elastic: over the nodes together (global rank 0 moves between nodes);
+    torchft: within each node's (each replica group's rank 0 logs every step it commits, and the
+    groups run every step side by side)."""
     def again(timeline: list[tuple[float, int]]) -> int:
         steps = [s for _, s in timeline]
         return len(steps) - len(set(steps))
 
     if mode == "torchft":
-        return sum(again(step_timeline([p])) for p in log_paths)
-    return again(step_timeline(log_paths))
+        return sum(again(t) for t in timelines)
+    return again(merge_timelines(timelines))
+
+
+def merge_timelines(timelines: list[list[tuple[float, int]]]) -> list[tuple[float, int]]:
+    """Nodes' ``step_timeline``s as one (``step_timeline`` of all their logs)."""
+    return sorted({row for t in timelines for row in t})
 
 
 def fault_row(scenario: str, history: History, timeline: list[tuple[float, int]], problems: list[str],
@@ -259,7 +265,7 @@ def fault_row(scenario: str, history: History, timeline: list[tuple[float, int]]
     """A row of the faults table: the scenario, its outcome, restarts, the time the faults cost,
     steps lost (steps run again after a rollback), checkpoints lost and invariant violations; and
     ``again_s``, where the scenario measured it: seconds from its fault until the job stepped again.
-    ``steps_lost``: ``steps_run_again`` of the logs (default: the timeline's repeated step numbers).
+    ``steps_lost``: ``steps_run_again`` of the nodes' timelines (default: the timeline's repeated step numbers).
 
     The time lost is the run's span from its first to its last training step less a fault-free
     run's (``baseline_span_s``); without one, the longest pause between two steps less a median

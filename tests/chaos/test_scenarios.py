@@ -19,7 +19,14 @@ import pytest
 from ckpt_store import CheckpointStore
 from marind.cli import main as marind_main
 from marind.control.events import list_events
-from marind.testing.history import append_row, fault_row, step_timeline, steps_run_again, timeline_span
+from marind.testing.history import (
+    append_row,
+    fault_row,
+    merge_timelines,
+    step_timeline,
+    steps_run_again,
+    timeline_span,
+)
 from marind.testing.history import check as check_history
 from marind.testing.history import collect as collect_history
 from marind.testing.s3_server import ACCESS_KEY, SECRET_KEY
@@ -192,8 +199,8 @@ def _check_checkpoints(cluster: Cluster, url: str, steps_total: int = STEPS,
         history = collect_history(cluster.client, job, store)
         history.save(cluster.tmp / f"history-{job}.json")
         problems = check_history(history, store, expect_state=None, expect_step=steps_total)
-        logs = list(cluster.tmp.glob(f"state-*/jobs/{job}/logs/torchrun.log"))
-        timeline = step_timeline(logs)
+        per_node = [step_timeline([log]) for log in cluster.tmp.glob(f"state-*/jobs/{job}/logs/torchrun.log")]
+        timeline = merge_timelines(per_node)
         key = (len(cluster.nodes), steps_total)
         table = os.environ.get("MARIND_FAULTS_TABLE")
         if job.startswith("baseline"):
@@ -201,7 +208,7 @@ def _check_checkpoints(cluster: Cluster, url: str, steps_total: int = STEPS,
         elif table:                                    # `make chaos`: a row of docs/perf.md's faults table
             scenario = os.environ.get("PYTEST_CURRENT_TEST", job).split("::")[-1].split(" ")[0]
             append_row(table, fault_row(scenario, history, timeline, problems, _BASELINE_SPANS.get(key), again_s=again_s,
-                                        steps_lost=steps_run_again(logs, history.mode)))
+                                        steps_lost=steps_run_again(per_node, history.mode)))
         assert not problems, "history violations:\n" + "\n".join(problems)
     return store
 

@@ -169,12 +169,14 @@ def test_the_faults_table_row_from_a_log_and_its_rendering(tmp_path):
 
 @pytest.mark.unit
 def test_steps_run_again_count_each_replica_groups_log_on_its_own_in_torchft(tmp_path):
-    from marind.testing.history import steps_run_again
+    from marind.testing.history import merge_timelines, step_timeline, steps_run_again
     logs = []
     for node, (t0, steps) in {"a": (0, [1, 2, 3]), "b": (20, [1, 2, 3, 2, 3])}.items():
         log = tmp_path / f"{node}.log"
         log.write_text("\n".join(f'{{"event": "step", "step": {s}, "timestamp": "2026-01-01T00:00:{t0 + i:02d}Z"}}'
                                  for i, s in enumerate(steps)))
         logs.append(log)
-    assert steps_run_again(logs, "torchft") == 2          # b's group ran 2 and 3 again; a's steps are no re-run
-    assert steps_run_again(logs, "elastic") == 5          # rank 0 on a, then on b: every repeat is a re-run
+    per_node = [step_timeline([log]) for log in logs]
+    assert merge_timelines(per_node) == step_timeline(logs)
+    assert steps_run_again(per_node, "torchft") == 2      # b's group ran 2 and 3 again; a's steps are no re-run
+    assert steps_run_again(per_node, "elastic") == 5      # rank 0 on a, then on b: every repeat is a re-run

@@ -119,7 +119,6 @@ class ReachRow:
         return peer in self.probed and peer in self.down and now - self.down[peer] >= window
 
 
-
 class ProbeRing:
     """``probe_targets`` of one node, hashed again only when the job's nodes change (the ring
     hashes every node; a node asks for its targets every tick).
